@@ -1,0 +1,52 @@
+"""The model registry: a dict of entry points, torchvision-style, small enough to read at once."""
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Callable
+
+from torch import nn
+
+__all__ = ["register_model", "list_models", "create_model", "UnknownModelError"]
+
+_MODELS: dict[str, Callable[..., nn.Module]] = {}
+
+
+class UnknownModelError(ValueError):
+    """A model name that is not registered; the message lists the closest registered names."""
+
+
+def register_model(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """Register ``fn`` under its own name; a second model with the same name is an error."""
+    name = fn.__name__
+    if name in _MODELS:
+        raise ValueError(f"a model named {name!r} is already registered "
+                         f"(by {_MODELS[name].__module__}); pick another name")
+    _MODELS[name] = fn
+    return fn
+
+
+def list_models(pattern: str = "*") -> list[str]:
+    """Registered model names matching the shell-style ``pattern`` (``"resnet*"``), sorted."""
+    return sorted(n for n in _MODELS if fnmatch.fnmatchcase(n, pattern))
+
+
+def create_model(name: str, num_classes: int | None = None, efficient: bool = False,
+                 **kwargs) -> nn.Module:
+    """Build a registered model.
+
+    Args:
+        name: a name from :func:`list_models`.
+        num_classes: classifier outputs; ``None`` keeps the model's default (10 for CIFAR models,
+            1000 for ImageNet ones, 2 for ``bert_base``, the vocabulary for ``gpt2_small``).
+        efficient: turn on the family's recommended checkpointing (same results, less memory).
+        **kwargs: architecture or checkpointing options of the family's model class.
+    """
+    if name not in _MODELS:
+        close = difflib.get_close_matches(name, _MODELS, n=5, cutoff=0.5)
+        hint = f"did you mean {', '.join(close)}?" if close else "no registered name is close"
+        raise UnknownModelError(f"unknown model {name!r}: {hint} "
+                                f"(zoo.list_models() lists all {len(_MODELS)})")
+    if num_classes is not None:
+        kwargs["num_classes"] = num_classes
+    return _MODELS[name](efficient=efficient, **kwargs)

@@ -1,0 +1,95 @@
+"""Checkpoint-safe layers: BatchNorm that updates its running statistics once per step.
+
+``zoo.checkpoint`` already keeps plain ``nn.BatchNorm*d`` exact: while it recomputes, it snapshots
+each normalisation layer's buffers and restores them after the layer runs. The ``cp_`` layers
+here add two things on top of that:
+
+1. **They are exact under anyone's checkpoint**, not only the zoo's. They recognise a recompute by
+   ``zoo.is_recomputing()`` *or* by running inside an autograd backward pass, which is where both
+   reentrant and non-reentrant ``torch.utils.checkpoint`` (and everything built on it: timm's
+   ``set_grad_checkpointing``, torchvision's ``memory_efficient``, Hugging Face's
+   ``gradient_checkpointing_enable``) recompute. A plain BatchNorm under those wrappers counts
+   every batch twice (pytorch/pytorch#96136).
+2. **They are cheaper under the zoo's checkpoint**: instead of copying the buffers out and back in,
+   the recomputed forward normalises with the batch statistics and never touches the buffers
+   (no clone, no copy kernels per layer per step).
+
+The idea and the name come from the multi-GPU checkpoint of seed 003 (``cp_BatchNorm2d``); the
+state_dict is exactly ``nn.BatchNorm2d``'s, so checkpoints load either way.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpoint import is_recomputing
+
+__all__ = ["cp_BatchNorm1d", "cp_BatchNorm2d", "cp_BatchNorm3d", "cp_SyncBatchNorm",
+           "convert_batchnorm", "in_recompute"]
+
+
+def in_recompute() -> bool:
+    """True while a checkpointed region is being recomputed, by the zoo's checkpoint or torch's.
+
+    A train-mode forward that runs inside an autograd backward pass is a recompute: that is where
+    ``torch.utils.checkpoint`` (reentrant and not) replays the region.
+    """
+    return is_recomputing() or torch._C._current_graph_task_id() != -1
+
+
+class _RecomputeSafeNorm:
+    """Mixin: during a recompute, normalise with batch statistics and leave the buffers alone."""
+
+    recompute_safe = True  # tells zoo.checkpoint's guard that this layer needs no snapshot
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.training and self.track_running_stats and in_recompute():
+            # With track_running_stats off, a train-mode forward uses batch statistics (as the
+            # plain forward did) and neither reads nor writes running_* or num_batches_tracked.
+            self.track_running_stats = False
+            try:
+                return super().forward(input)
+            finally:
+                self.track_running_stats = True
+        return super().forward(input)
+
+
+class cp_BatchNorm1d(_RecomputeSafeNorm, nn.BatchNorm1d):
+    """Drop-in ``nn.BatchNorm1d`` whose statistics update once per step under any checkpoint."""
+
+
+class cp_BatchNorm2d(_RecomputeSafeNorm, nn.BatchNorm2d):
+    """Drop-in ``nn.BatchNorm2d`` whose statistics update once per step under any checkpoint."""
+
+
+class cp_BatchNorm3d(_RecomputeSafeNorm, nn.BatchNorm3d):
+    """Drop-in ``nn.BatchNorm3d`` whose statistics update once per step under any checkpoint."""
+
+
+class cp_SyncBatchNorm(_RecomputeSafeNorm, nn.SyncBatchNorm):
+    """Drop-in ``nn.SyncBatchNorm`` whose statistics update once per step under any checkpoint."""
+
+
+_SWAPS: dict[type, type] = {
+    nn.BatchNorm1d: cp_BatchNorm1d,
+    nn.BatchNorm2d: cp_BatchNorm2d,
+    nn.BatchNorm3d: cp_BatchNorm3d,
+    nn.SyncBatchNorm: cp_SyncBatchNorm,
+}
+
+
+def convert_batchnorm(module: nn.Module) -> nn.Module:
+    """Turn every ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` in ``module`` into its ``cp_`` twin.
+
+    The swap is in place and changes only the class: parameters, buffers, hooks and object identity
+    are kept, so an optimizer built before the call still holds the right tensors and the
+    state_dict is unchanged. Subclasses of BatchNorm other than these four are left alone (their
+    forward may differ). Returns ``module`` (converted itself if it is a BatchNorm).
+    """
+    for m in module.modules():
+        swap: Any = _SWAPS.get(type(m))
+        if swap is not None:
+            m.__class__ = swap
+    return module
