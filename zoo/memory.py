@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -62,7 +63,9 @@ def cpu_peak_bytes(step: Callable[[], Any], track: Iterable[Any] = ()) -> int:
 
     tracker = MemTracker()
     tracker.track_external(*track)
-    with tracker:
+    with tracker, warnings.catch_warnings():
+        # temporary modules (e.g. a slice of an nn.Sequential) may be gone before their backward
+        warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
         step()
     return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
 

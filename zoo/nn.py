@@ -10,9 +10,9 @@ here add two things on top of that:
    ``set_grad_checkpointing``, torchvision's ``memory_efficient``, Hugging Face's
    ``gradient_checkpointing_enable``) recompute. A plain BatchNorm under those wrappers counts
    every batch twice (pytorch/pytorch#96136).
-2. **They are cheaper under the zoo's checkpoint**: instead of copying the buffers out and back in,
-   the recomputed forward normalises with the batch statistics and never touches the buffers
-   (no clone, no copy kernels per layer per step).
+2. **They are cheaper under the zoo's checkpoint**: instead of copying three buffers out and back
+   in, the recomputed forward runs with momentum 0, which leaves running_mean/var bit-for-bit
+   unchanged, and takes back its ``num_batches_tracked`` increment (no clones, no copies).
 
 The idea and the name come from the multi-GPU checkpoint of seed 003 (``cp_BatchNorm2d``); the
 state_dict is exactly ``nn.BatchNorm2d``'s, so checkpoints load either way.
@@ -40,20 +40,29 @@ def in_recompute() -> bool:
 
 
 class _RecomputeSafeNorm:
-    """Mixin: during a recompute, normalise with batch statistics and leave the buffers alone."""
+    """Mixin for ``_BatchNorm`` subclasses: a recomputed forward leaves the statistics as they are.
+
+    During a recompute the layer runs its ordinary train-mode forward (batch statistics, the same
+    saved tensors as the first forward, which non-reentrant checkpoint verifies) with momentum 0:
+    the update ``(1 - 0) * running + 0 * batch`` writes back exactly the old value; the
+    ``num_batches_tracked`` increment is taken back afterwards. Two tiny in-place kernels, no copies.
+    """
 
     recompute_safe = True  # tells zoo.checkpoint's guard that this layer needs no snapshot
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self.training and self.track_running_stats and in_recompute():
-            # With track_running_stats off, a train-mode forward uses batch statistics (as the
-            # plain forward did) and neither reads nor writes running_* or num_batches_tracked.
-            self.track_running_stats = False
-            try:
-                return super().forward(input)
-            finally:
-                self.track_running_stats = True
-        return super().forward(input)
+        if not (self.training and self.track_running_stats and in_recompute()):
+            return super().forward(input)
+        self._check_input_dim(input)  # fail before touching any state
+        momentum = self.momentum
+        self.momentum = 0.0
+        try:
+            return super().forward(input)
+        finally:
+            self.momentum = momentum
+            if self.num_batches_tracked is not None:
+                with torch.no_grad():
+                    self.num_batches_tracked.sub_(1)
 
 
 class cp_BatchNorm1d(_RecomputeSafeNorm, nn.BatchNorm1d):

@@ -1,0 +1,51 @@
+"""Shared test helpers: train a model a few steps and compare it with its plain twin."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def grads(model: nn.Module) -> list[torch.Tensor | None]:
+    return [p.grad for p in model.parameters()]
+
+
+def buffers(model: nn.Module) -> list[torch.Tensor]:
+    return [b.clone() for b in model.buffers()]
+
+
+def run_steps(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+              steps: int = 2, seed: int = 100) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """``steps`` SGD steps in train mode, reseeding before each forward (so dropout can match).
+
+    Returns each step's output and parameter gradients.
+    """
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    history = []
+    for step in range(steps):
+        torch.manual_seed(seed + step)
+        out = forward(x)
+        out.float().square().mean().backward()
+        history.append((out.detach().clone(), [None if g is None else g.clone()
+                                               for g in grads(model)]))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return history
+
+
+def assert_same_training(plain: nn.Module, plain_forward: Callable, ckpt: nn.Module,
+                         ckpt_forward: Callable, x: torch.Tensor, steps: int = 2) -> None:
+    """Same outputs, gradients, parameters and buffers (BatchNorm statistics) after ``steps``."""
+    ckpt.load_state_dict(plain.state_dict())
+    ref = run_steps(plain, plain_forward, x, steps)
+    got = run_steps(ckpt, ckpt_forward, x, steps)
+    for step, ((out_r, g_r), (out_g, g_g)) in enumerate(zip(ref, got)):
+        torch.testing.assert_close(out_g, out_r, msg=lambda m: f"step {step} output: {m}")
+        for i, (a, b) in enumerate(zip(g_g, g_r)):
+            assert (a is None) == (b is None), f"step {step}: parameter {i} gradient presence differs"
+            if a is not None:
+                torch.testing.assert_close(a, b, msg=lambda m: f"step {step} grad {i}: {m}")
+    for (name, a), b in zip(ckpt.state_dict().items(), plain.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=lambda m: f"{name} after {steps} steps: {m}")

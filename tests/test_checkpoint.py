@@ -1,0 +1,283 @@
+"""zoo.checkpoint against the plain, uncheckpointed run: the checkpoint contract of DESIGN.md."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils import checkpoint as torch_checkpoint
+
+import zoo
+from zoo.checkpoint import split_segments
+from helpers import assert_same_training, buffers, grads, run_steps
+
+
+def conv_bn_net(norm: type[nn.Module] = nn.BatchNorm2d, **norm_kwargs) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), norm(8, **norm_kwargs), nn.ReLU(), nn.Dropout(0.3),
+        nn.Conv2d(8, 8, 3, padding=1), norm(8, **norm_kwargs), nn.ReLU())
+
+
+@pytest.fixture
+def images() -> torch.Tensor:
+    return torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+
+
+# ---- 1. outputs and gradients ---------------------------------------------------------------
+@pytest.mark.parametrize("input_requires_grad", [True, False])
+def test_same_outputs_and_gradients(images, input_requires_grad):
+    plain, ckpt = conv_bn_net(), conv_bn_net()
+    x1 = images.clone().requires_grad_(input_requires_grad)
+    x2 = images.clone().requires_grad_(input_requires_grad)
+    torch.manual_seed(5)
+    y1 = plain(x1)
+    torch.manual_seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warnings, also when no input requires grad
+        y2 = zoo.checkpoint(ckpt, x2)
+        y2.square().sum().backward()
+    y1.square().sum().backward()
+    torch.testing.assert_close(y2, y1, rtol=0, atol=0)
+    for g1, g2 in zip(grads(plain), grads(ckpt)):
+        assert g2 is not None, "a parameter got no gradient through the checkpoint (seed 001)"
+        torch.testing.assert_close(g2, g1)
+    if input_requires_grad:
+        torch.testing.assert_close(x2.grad, x1.grad)
+
+
+def test_frozen_input_still_trains_parameters():
+    """Seed 001: reentrant checkpoint of a block whose input needs no grad trains nothing."""
+    net = nn.Linear(4, 4)
+    zoo.checkpoint(net, torch.randn(2, 4)).sum().backward()
+    assert net.weight.grad is not None and net.weight.grad.abs().sum() > 0
+
+
+# ---- 2. normalisation statistics --------------------------------------------------------------
+NORMS = [
+    (nn.BatchNorm2d, {}),
+    (nn.BatchNorm2d, {"momentum": None}),
+    (nn.SyncBatchNorm, {}),
+    (nn.InstanceNorm2d, {"track_running_stats": True, "affine": True}),
+    (zoo.cp_BatchNorm2d, {}),
+    (zoo.cp_BatchNorm2d, {"momentum": None}),
+]
+
+
+@pytest.mark.parametrize("norm,kwargs", NORMS, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_norm_buffers_equal_plain_after_several_steps(images, norm, kwargs):
+    plain, ckpt = conv_bn_net(norm, **kwargs), conv_bn_net(norm, **kwargs)
+    assert_same_training(plain, lambda x: plain(x), ckpt, lambda x: zoo.checkpoint(ckpt, x), images)
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3])
+def test_batchnorm_1d_2d_3d(dim):
+    shape = {1: (6, 4, 5), 2: (6, 4, 5, 5), 3: (6, 4, 3, 3, 3)}[dim]
+    bn = getattr(nn, f"BatchNorm{dim}d")
+    torch.manual_seed(0)
+    plain = nn.Sequential(bn(4), nn.ReLU(), bn(4, momentum=None))
+    ckpt = copy.deepcopy(plain)
+    assert_same_training(plain, plain, ckpt, lambda x: zoo.checkpoint(ckpt, x), torch.randn(shape))
+
+
+def test_torch_checkpoint_double_counts_batchnorm_but_zoo_does_not(images):
+    """The defect the zoo exists for (pytorch/pytorch#96136): measured, not assumed."""
+    nets = {k: conv_bn_net() for k in ("plain", "torch", "zoo")}
+    run_steps(nets["plain"], nets["plain"], images, steps=1)
+    run_steps(nets["torch"], lambda x: torch_checkpoint.checkpoint(nets["torch"], x,
+                                                                   use_reentrant=False),
+              images, steps=1)
+    run_steps(nets["zoo"], lambda x: zoo.checkpoint(nets["zoo"], x), images, steps=1)
+    assert nets["plain"][1].num_batches_tracked.item() == 1
+    assert nets["torch"][1].num_batches_tracked.item() == 2
+    assert nets["zoo"][1].num_batches_tracked.item() == 1
+    assert not torch.equal(buffers(nets["torch"])[0], buffers(nets["plain"])[0])
+
+
+def test_functional_stats_are_restored_when_torch_stops_recompute_early(images):
+    """torch stops a recompute once backward has what it needs; buffers must still be restored."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))  # BN is the last op recomputed
+    ckpt = copy.deepcopy(plain)
+    assert_same_training(plain, plain, ckpt, lambda x: zoo.checkpoint(ckpt, x), images)
+
+
+# ---- 3. random numbers --------------------------------------------------------------------------
+def test_dropout_replays_same_mask(images):
+    drop = nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5), nn.Linear(64, 8))
+    x = images.reshape(-1, 8).requires_grad_()
+    torch.manual_seed(3)
+    ref = drop(x)
+    ref.sum().backward()
+    ref_grad = [p.grad.clone() for p in drop.parameters()]
+    drop.zero_grad()
+    torch.manual_seed(3)
+    out = zoo.checkpoint(drop, x)
+    state_after_forward = torch.get_rng_state()
+    out.sum().backward()
+    torch.testing.assert_close(out, ref)
+    for g, r in zip((p.grad for p in drop.parameters()), ref_grad):
+        torch.testing.assert_close(g, r)
+    # the recompute replays the forward's numbers but does not consume the caller's stream
+    assert torch.equal(torch.get_rng_state(), state_after_forward)
+
+
+# ---- 5. calling conventions -------------------------------------------------------------------
+def test_kwargs_non_tensor_args_and_tuple_outputs():
+    lin = nn.Linear(4, 4)
+
+    def fn(x, scale, *, bias: torch.Tensor, name: str):
+        return lin(x) * scale + bias, name, {"n": 3}
+
+    x, bias = torch.randn(3, 4, requires_grad=True), torch.randn(4, requires_grad=True)
+    y_ref, *_ = fn(x, 2.0, bias=bias, name="a")
+    g_ref = torch.autograd.grad(y_ref.sum(), (x, bias, lin.weight))
+    y, name, extra = zoo.checkpoint(fn, x, 2.0, bias=bias, name="a")
+    assert name == "a" and extra == {"n": 3}
+    for g, r in zip(torch.autograd.grad(y.sum(), (x, bias, lin.weight)), g_ref):
+        torch.testing.assert_close(g, r)
+
+
+def test_nested_checkpoints_match_plain(images):
+    plain, ckpt = conv_bn_net(), conv_bn_net()
+
+    def outer(x):
+        return zoo.checkpoint(ckpt[4:], zoo.checkpoint(ckpt[:4], x))
+
+    assert_same_training(plain, plain, ckpt, lambda x: zoo.checkpoint(outer, x), images)
+
+
+def test_recompute_runs_under_forward_autocast_state(images):
+    seen = []
+
+    def fn(x):
+        seen.append((zoo.is_recomputing(), torch.is_autocast_enabled("cpu")))
+        return lin(x)
+
+    lin = nn.Linear(8, 8)
+    x = images.reshape(-1, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = zoo.checkpoint(fn, x)
+        ref = lin(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, ref)
+    y.float().sum().backward()
+    assert seen == [(False, True), (True, True)]
+
+
+def test_no_grad_and_inference_mode_run_once_without_recompute(images):
+    calls = []
+
+    def fn(x):
+        calls.append(zoo.is_recomputing())
+        return x * 2
+
+    with torch.no_grad():
+        assert torch.equal(zoo.checkpoint(fn, images), images * 2)
+    with torch.inference_mode():
+        assert torch.equal(zoo.checkpoint(fn, images), images * 2)
+    assert calls == [False, False]
+    assert not zoo.is_recomputing()
+
+
+def test_is_recomputing_only_during_recompute():
+    flags = []
+    x = torch.randn(2, requires_grad=True)
+    y = zoo.checkpoint(lambda t: (flags.append(zoo.is_recomputing()), t.sin())[1], x)
+    assert flags == [False]
+    y.sum().backward()
+    assert flags == [False, True] and not zoo.is_recomputing()
+
+
+def test_selective_recompute_keeps_named_ops_and_matches_plain():
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 16))
+    x = torch.randn(8, 16, requires_grad=True)
+    torch.manual_seed(1)
+    ref = mlp(x)
+    g_ref = torch.autograd.grad(ref.sum(), [x, *mlp.parameters()])
+    torch.manual_seed(1)
+    save = {torch.ops.aten.addmm.default, torch.ops.aten.mm.default}
+    out = zoo.checkpoint(mlp, x, save_ops=save)
+    flops_selective = zoo.memory.count_flops(
+        lambda: zoo.checkpoint(mlp, x, save_ops=save).sum().backward())
+    flops_full = zoo.memory.count_flops(lambda: zoo.checkpoint(mlp, x).sum().backward())
+    mlp.zero_grad(set_to_none=True)
+    x.grad = None
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(torch.autograd.grad(out.sum(), [x, *mlp.parameters()]), g_ref):
+        torch.testing.assert_close(g, r)
+    assert flops_selective < flops_full  # matmuls were kept, not recomputed
+
+
+def test_memory_is_lower_than_plain_and_than_torch_sequential():
+    """Two stages, each run with checkpoint_sequential: torch keeps the first stage's last segment
+    alive through the whole second stage; the zoo checkpoints it (seed 000)."""
+    torch.manual_seed(0)
+    chain = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256),
+                                          nn.GELU()) for _ in range(8)])
+    x = torch.randn(512, 256)
+
+    def peak(stage):
+        chain.zero_grad(set_to_none=True)
+        run = lambda t: stage(chain[4:], stage(chain[:4], t))  # noqa: E731
+        return zoo.memory.cpu_peak_bytes(lambda: run(x).sum().backward(), track=(chain,))
+
+    plain = peak(lambda blocks, t: blocks(t))
+    ckpt = peak(lambda blocks, t: zoo.checkpoint_sequential(blocks, t, 2))
+    torch_seq = peak(lambda blocks, t: torch_checkpoint.checkpoint_sequential(
+        blocks, 2, t, use_reentrant=False))
+    skip_last = peak(lambda blocks, t: zoo.checkpoint_sequential(blocks, t, 2, skip_last=True))
+    assert ckpt < 0.6 * plain
+    assert ckpt < 0.9 * torch_seq
+    assert skip_last == torch_seq  # skip_last=True is torch's behaviour, byte for byte
+
+
+# ---- checkpoint_sequential ----------------------------------------------------------------------
+@pytest.mark.parametrize("segments", [None, 1, 2, 3, 5])
+@pytest.mark.parametrize("skip_last", [False, True])
+def test_checkpoint_sequential_matches_plain(images, segments, skip_last):
+    plain, ckpt = conv_bn_net(), conv_bn_net()
+    blocks = list(ckpt)[:5]
+    assert_same_training(
+        plain, lambda x: plain[5:](plain[:5](x)), ckpt,
+        lambda x: ckpt[5:](zoo.checkpoint_sequential(blocks, x, segments, skip_last)), images)
+
+
+def test_checkpoint_sequential_segments_and_last_segment():
+    blocks = [nn.Linear(2, 2) for _ in range(7)]
+    assert [len(r) for r in split_segments(7, 3)] == [3, 2, 2]
+    assert [len(r) for r in split_segments(7, None)] == [1] * 7
+    recomputed = []
+
+    def tag(i, block):
+        def run(x):
+            if zoo.is_recomputing():
+                recomputed.append(i)
+            return block(x)
+        return run
+
+    x = torch.randn(1, 2)
+    zoo.checkpoint_sequential([tag(i, b) for i, b in enumerate(blocks)], x, 3).sum().backward()
+    assert sorted(recomputed) == list(range(7))  # the last segment too
+    recomputed.clear()
+    zoo.checkpoint_sequential([tag(i, b) for i, b in enumerate(blocks)], x, 3,
+                              skip_last=True).sum().backward()
+    assert sorted(recomputed) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("segments", [0, 8, -1, 2.5, True])
+def test_checkpoint_sequential_rejects_bad_segments(segments):
+    with pytest.raises(ValueError, match="from 1 to 7"):
+        zoo.checkpoint_sequential([nn.Identity()] * 7, torch.zeros(1), segments)
+
+
+def test_checkpoint_sequential_under_no_grad_runs_plainly():
+    seen = []
+    blocks = [lambda x: (seen.append(zoo.is_recomputing()), x + 1)[1]] * 3
+    with torch.no_grad():
+        assert zoo.checkpoint_sequential(blocks, torch.zeros(1), 2).item() == 3
+    assert seen == [False] * 3
