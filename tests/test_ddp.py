@@ -1,0 +1,116 @@
+"""zoo.checkpoint under real multi-process training: DistributedDataParallel on gloo, 2 processes.
+
+The gradients of the DDP run (each rank sees half the batch) must equal a single-process run on
+the whole batch, with and without find_unused_parameters and static_graph, also when one module is
+checkpointed twice in a forward (reentrant checkpoint fails there: "marked ready twice").
+nn.DataParallel needs two GPUs: that test runs where they exist.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zoo
+
+CONFIGS = [
+    {"find_unused_parameters": False, "static_graph": False},
+    {"find_unused_parameters": True, "static_graph": False},
+    {"find_unused_parameters": False, "static_graph": True},
+]
+
+
+class SharedTwice(nn.Module):
+    """A block checkpointed twice per forward (weights shared), plus an unused parameter."""
+
+    def __init__(self, with_unused: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Linear(6, 16)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.GELU())
+        self.head = nn.Linear(16, 3)
+        self.unused = nn.Linear(2, 2) if with_unused else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        h = zoo.checkpoint(self.block, h)
+        h = zoo.checkpoint(self.block, h) + h
+        return self.head(h)
+
+
+def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = 2) -> list[torch.Tensor]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    for _ in range(steps):
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return grads
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        x, y = data()
+        shard = slice(rank * 4, rank * 4 + 4)
+        results = {}
+        for i, cfg in enumerate(CONFIGS):
+            model = DDP(SharedTwice(with_unused=cfg["find_unused_parameters"]), **cfg)
+            results[i] = train(model, x[shard], y[shard])
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_two_processes_match_single_process():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2, join=True)
+        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
+    x, y = data()
+    for i, cfg in enumerate(CONFIGS):
+        reference = train(SharedTwice(with_unused=cfg["find_unused_parameters"]), x, y)
+        for rank in ranks:
+            for step, (got, want) in enumerate(zip(rank[i], reference)):
+                torch.testing.assert_close(got, want, msg=lambda m: f"{cfg} step {step}: {m}")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="nn.DataParallel needs two CUDA devices; this machine has "
+                           f"{torch.cuda.device_count()}")
+def test_data_parallel_two_gpus_match_single_device():
+    torch.manual_seed(0)
+    bn_net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                           nn.Dropout(0.0), nn.Conv2d(8, 4, 3, padding=1)).cuda()
+
+    class Wrapped(nn.Module):
+        def __init__(self, net: nn.Module):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            return zoo.checkpoint(self.net, x)
+
+    import copy
+    x = torch.randn(8, 3, 8, 8, device="cuda")
+    plain = nn.DataParallel(copy.deepcopy(bn_net))
+    ckpt = nn.DataParallel(Wrapped(copy.deepcopy(bn_net)))
+    plain(x).square().mean().backward()
+    ckpt(x).square().mean().backward()
+    for p, q in zip(plain.parameters(), ckpt.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+    for a, b in zip(plain.buffers(), ckpt.buffers()):
+        torch.testing.assert_close(b, a)
