@@ -10,7 +10,6 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install --upgrade pip
 	$(VENV)/bin/pip install -e '.[dev]'
 	touch $@
 
