@@ -281,3 +281,45 @@ def test_checkpoint_sequential_under_no_grad_runs_plainly():
     with torch.no_grad():
         assert zoo.checkpoint_sequential(blocks, torch.zeros(1), 2).item() == 3
     assert seen == [False] * 3
+
+
+# ---- CUDA: run where a GPU is present ----------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_cuda_dropout_replayed_even_when_inputs_are_on_cpu():
+    """torch stashes RNG only for the devices of the inputs; a region that moves a CPU input to
+    the GPU and draws there must still replay the same mask (the zoo stashes the current device)."""
+    drop = nn.Sequential(nn.Linear(64, 256), nn.Dropout(0.5), nn.Linear(256, 64)).cuda()
+    x = torch.randn(32, 64)
+    fn = lambda t: drop(t.cuda())  # noqa: E731
+    torch.manual_seed(0)
+    ref = fn(x)
+    ref.sum().backward()
+    ref_grads = [p.grad.clone() for p in drop.parameters()]
+    drop.zero_grad()
+    torch.manual_seed(0)
+    out = zoo.checkpoint(fn, x)
+    out.sum().backward()
+    torch.testing.assert_close(out, ref)
+    for p, g in zip(drop.parameters(), ref_grads):
+        torch.testing.assert_close(p.grad, g)
+
+
+@cuda
+def test_cuda_batchnorm_and_autocast_match_plain():
+    plain, ckpt = conv_bn_net().cuda(), conv_bn_net().cuda()
+    x = torch.randn(4, 3, 8, 8, device="cuda")
+
+    def amp(net):
+        def run(t):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return net(t)
+        return run
+
+    def amp_ckpt(t):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return zoo.checkpoint(ckpt, t)
+
+    assert_same_training(plain, amp(plain), ckpt, amp_ckpt, x)
