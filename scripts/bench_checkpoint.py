@@ -6,7 +6,8 @@
 Modes, each checkpointing every block on its own: no checkpoint; torch.utils.checkpoint reentrant
 and non-reentrant; zoo.checkpoint with plain nn.BatchNorm2d; zoo.checkpoint with cp_BatchNorm2d.
 For each: peak memory, FLOPs (FlopCounterMode, forward + backward), median step time as a ratio to
-no checkpoint (modes interleaved step by step, so machine noise hits all alike), and the BatchNorm
+no checkpoint (modes interleaved step by step in shuffled order, so machine noise hits all
+alike), and the BatchNorm
 statistics error against the plain run after the same steps.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import platform
+import random
 import statistics
 import sys
 import time
@@ -100,10 +102,13 @@ def main(device: str = "cpu", blocks: int = 12, width: int = 32, batch_size: int
         net.zero_grad(set_to_none=True)
         row["flops"] = count_flops(step)
 
-    # Interleaved timing: one step of each mode per round.
+    # Interleaved timing: one step of each mode per round, in a shuffled order.
     times: dict[str, list[float]] = {r["mode"]: [] for r in rows}
     for i in range(warmup + repeats):
-        for name, step in steppers.items():
+        order = list(steppers)
+        random.Random(i).shuffle(order)  # no mode always runs right after another
+        for name in order:
+            step = steppers[name]
             nets[name].zero_grad(set_to_none=True)
             if cuda:
                 torch.cuda.synchronize(dev)
@@ -128,7 +133,7 @@ def main(device: str = "cpu", blocks: int = 12, width: int = 32, batch_size: int
                else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     print(f"\nChain of {blocks} conv-BN-ReLU-dropout-conv-BN-ReLU blocks, width {width}, batch "
           f"{batch_size}, {size}x{size}; device {machine}; torch {torch.__version__}; "
-          f"{repeats} timed steps after {warmup} warm-up, modes interleaved\n")
+          f"{repeats} timed steps after {warmup} warm-up, modes interleaved in shuffled order\n")
     print("| mode | peak memory | vs none | FLOPs vs none | median step | vs none (IQR) "
           "| BN running stats max error | num_batches_tracked |")
     print("|---|---|---|---|---|---|---|---|")
