@@ -1,10 +1,15 @@
 """The uniform interface every zoo model has (timm's, trimmed)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
 from torch import nn
+
+from ..checkpoint import checkpoint
+
+Plan = Sequence[tuple[int, int, bool]]  # (start, stop, checkpointed) segments covering the chain
 
 __all__ = ["ZooModel"]
 
@@ -28,6 +33,7 @@ class ZooModel(nn.Module):
     num_features: int
     checkpoint_modes: ClassVar[tuple[str, ...]] = ()
     grad_checkpointing: str | None = None
+    checkpoint_plan: Plan | None = None
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -50,6 +56,40 @@ class ZooModel(nn.Module):
             raise ValueError(f"{type(self).__name__} has no checkpointing mode {enable!r}; "
                              f"expected True, False or one of {', '.join(self.checkpoint_modes)}")
 
+    def checkpoint_chain(self) -> Sequence[nn.Module]:
+        """The chain of blocks that ``forward_features`` runs one after another (each block's only
+        input is the previous block's output), for the memory planner (``zoo.plan``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose a chain of blocks")
+
+    def set_checkpoint_plan(self, plan: Plan | None) -> None:
+        """Checkpoint the chain by segments: ``[(start, stop, checkpointed), ...]`` covering
+        ``range(len(self.checkpoint_chain()))`` in order. While a plan is set it replaces the
+        checkpoint mode for the chain; ``None`` removes it."""
+        if plan is not None:
+            plan = [(int(a), int(b), bool(c)) for a, b, c in plan]
+            n, pos = len(self.checkpoint_chain()), 0
+            for a, b, _ in plan:
+                if a != pos or b <= a:
+                    raise ValueError(f"a plan's segments must cover 0..{n} in order without gaps, "
+                                     f"got {plan}")
+                pos = b
+            if pos != n:
+                raise ValueError(f"the plan covers blocks 0..{pos}, the chain has {n}")
+        self.checkpoint_plan = plan
+
+    def run_chain(self, blocks: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+        """Run ``blocks`` (the model's chain) on ``x`` following ``checkpoint_plan``."""
+        for start, stop, checkpointed in self.checkpoint_plan:
+            part = blocks[start:stop]
+            x = checkpoint(_run_blocks, part, x) if checkpointed else _run_blocks(part, x)
+        return x
+
     def example_input(self, batch_size: int = 2, size: int | None = None) -> torch.Tensor:
         """A random valid input batch on the model's device; ``size``: image side or sequence length."""
         raise NotImplementedError
+
+
+def _run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        x = block(x)
+    return x
