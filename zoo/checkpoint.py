@@ -266,7 +266,8 @@ def split_segments(n: int, segments: int | None) -> list[range]:
     return bounds
 
 
-def _run_blocks(blocks: Sequence[Callable[[Any], Any]], x: Any) -> Any:
+def run_blocks(blocks: Sequence[Callable[[Any], Any]], x: Any) -> Any:
+    """Apply ``blocks`` in order: the plain body of a checkpointed segment."""
     for block in blocks:
         x = block(x)
     return x
@@ -290,13 +291,13 @@ def checkpoint_sequential(blocks: Sequence[Callable[[Any], Any]] | nn.Sequential
     blocks = list(blocks)
     ranges = split_segments(len(blocks), segments)
     if not torch.is_grad_enabled():
-        return _run_blocks(blocks, x)
+        return run_blocks(blocks, x)
     for i, r in enumerate(ranges):
         part = blocks[r.start:r.stop]
         if skip_last and i == len(ranges) - 1:
-            x = _run_blocks(part, x)
+            x = run_blocks(part, x)
         elif len(part) == 1:
             x = checkpoint(part[0], x)
         else:
-            x = checkpoint(_run_blocks, part, x)
+            x = checkpoint(run_blocks, part, x)
     return x

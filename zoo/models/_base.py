@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..checkpoint import checkpoint
+from ..checkpoint import checkpoint, run_blocks
 
 Plan = Sequence[tuple[int, int, bool]]  # (start, stop, checkpointed) segments covering the chain
 
@@ -81,15 +81,9 @@ class ZooModel(nn.Module):
         """Run ``blocks`` (the model's chain) on ``x`` following ``checkpoint_plan``."""
         for start, stop, checkpointed in self.checkpoint_plan:
             part = blocks[start:stop]
-            x = checkpoint(_run_blocks, part, x) if checkpointed else _run_blocks(part, x)
+            x = checkpoint(run_blocks, part, x) if checkpointed else run_blocks(part, x)
         return x
 
     def example_input(self, batch_size: int = 2, size: int | None = None) -> torch.Tensor:
         """A random valid input batch on the model's device; ``size``: image side or sequence length."""
         raise NotImplementedError
-
-
-def _run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
-    for block in blocks:
-        x = block(x)
-    return x
