@@ -1,1 +1,334 @@
-"""Being written: see issue 3."""
+"""DenseNets for CIFAR and ImageNet, with memory-efficient (checkpointed) training.
+
+A DenseNet (Huang et al. 2017, "Densely Connected Convolutional Networks", arXiv:1608.06993)
+feeds every layer of a dense block the concatenation of all earlier feature maps of the block.
+Done naively, each layer stores its own copy of that concatenation *and* of its BatchNorm-ReLU
+output for backward, so activation memory grows quadratically with depth. Pleiss et al. 2017
+("Memory-Efficient Implementation of DenseNets", arXiv:1707.06990) keep only the layers' new
+feature maps and recompute the cheap concat-BN-ReLU during backward: memory linear in depth.
+
+Checkpoint modes (``DenseNet.checkpoint_modes``; all give exactly the plain model's outputs,
+gradients and BatchNorm statistics, and the same state_dict):
+
+* ``"bottleneck"`` (recommended): each dense layer runs inside :func:`zoo.checkpoint` with its
+  convolutions' outputs kept (``save_ops``), so only the concatenation, BatchNorms and ReLUs are
+  recomputed: no convolution runs twice (+0% FLOPs). The concatenated input, the BN-ReLU
+  outputs and the bottleneck's ReLU output are never stored.
+* ``"layer"``: each dense layer is recomputed whole (its 1x1 bottleneck convolution runs twice):
+  only the layers' new feature maps are stored, for about +16% FLOPs.
+
+In both modes the transitions (concat-BN-ReLU-1x1 conv), the ImageNet stem's BN-ReLU-max-pool
+and the final concat-BN-ReLU are checkpointed too; none of them recomputes a convolution (the
+checkpoint stops recomputing as soon as backward has what it needs, before the convolution).
+
+The ImageNet models' submodules are named as torchvision's (``features.conv0``, ``features.
+denseblock1.denselayer1.norm1``, ``features.transition1.conv``, ``features.norm5``,
+``classifier``), so torchvision's state_dicts load with ``strict=True``. The CIFAR models use the
+same names with the CIFAR stem (one 3x3 convolution) and three dense blocks.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..checkpoint import checkpoint
+from ..nn import cp_BatchNorm2d
+from ._base import ZooModel
+from ._registry import register_model
+
+__all__ = ["DenseLayer", "DenseBlock", "Transition", "DenseNet"]
+
+Features = Sequence[torch.Tensor]  # the feature maps of a dense block so far, concatenated lazily
+
+def _cat(features: Features) -> torch.Tensor:
+    return features[0] if len(features) == 1 else torch.cat(list(features), 1)
+
+
+class DenseLayer(nn.Module):
+    """One dense layer: BN-ReLU-conv1x1(bn_size*k)-BN-ReLU-conv3x3(k) on the concatenation of
+    all earlier feature maps (DenseNet-B), or BN-ReLU-conv3x3(k) without bottleneck (plain
+    DenseNet). Returns only the ``growth_rate`` new feature maps.
+    """
+
+    def __init__(self, in_channels: int, growth_rate: int, bn_size: int | None = 4,
+                 drop_rate: float = 0.0) -> None:
+        super().__init__()
+        self.bottleneck = bn_size is not None
+        width = bn_size * growth_rate if bn_size is not None else growth_rate
+        self.norm1 = cp_BatchNorm2d(in_channels)
+        self.relu1 = nn.ReLU(inplace=True)
+        kernel = 1 if self.bottleneck else 3
+        self.conv1 = nn.Conv2d(in_channels, width, kernel, padding=kernel // 2, bias=False)
+        if self.bottleneck:
+            self.norm2 = cp_BatchNorm2d(width)
+            self.relu2 = nn.ReLU(inplace=True)
+            self.conv2 = nn.Conv2d(width, growth_rate, 3, padding=1, bias=False)
+        self.drop_rate = float(drop_rate)
+
+    def first_half(self, *features: torch.Tensor) -> torch.Tensor:
+        """concat-BN-ReLU-conv1: the bottleneck (1x1) convolution, or the 3x3 one without it."""
+        return self.conv1(self.relu1(self.norm1(_cat(features))))
+
+    def second_half(self, x: torch.Tensor) -> torch.Tensor:
+        """BN-ReLU-conv2 on the bottleneck's output (DenseNet-B only)."""
+        return self.conv2(self.relu2(self.norm2(x)))
+
+    def new_features(self, *features: torch.Tensor) -> torch.Tensor:
+        """The layer's maps before dropout, from the feature maps so far (concatenated here)."""
+        x = self.first_half(*features)
+        return self.second_half(x) if self.bottleneck else x
+
+    def forward(self, features: torch.Tensor | Features, mode: str | None = None) -> torch.Tensor:
+        """New feature maps from ``features`` (a tensor or the list of the block's maps so far).
+
+        ``mode``: ``None`` runs plainly; ``"bottleneck"`` checkpoints each half (concat-BN-ReLU-
+        conv1, BN-ReLU-conv2) on its own, so backward recomputes the BN-ReLUs and stops before
+        each convolution: the convolutions' outputs are the only maps kept; ``"layer"``
+        checkpoints the whole layer, recomputing conv1 too, so only the new maps are kept.
+        Dropout stays outside the checkpoints: it keeps only its mask, and conv2 never reruns.
+        """
+        if isinstance(features, torch.Tensor):
+            features = [features]
+        if mode is None:
+            x = self.new_features(*features)
+        elif mode == "bottleneck":
+            x = checkpoint(self.first_half, *features)
+            if self.bottleneck:
+                x = checkpoint(self.second_half, x)
+        elif mode == "layer":
+            x = checkpoint(self.new_features, *features)
+        else:
+            raise ValueError(f"unknown DenseNet checkpoint mode {mode!r}; expected None, "
+                             f"'bottleneck' or 'layer'")
+        if self.drop_rate > 0:
+            x = F.dropout(x, p=self.drop_rate, training=self.training)
+        return x
+
+
+class DenseBlock(nn.ModuleDict):
+    """``num_layers`` dense layers (``denselayer1`` ...); each adds ``growth_rate`` channels."""
+
+    def __init__(self, num_layers: int, in_channels: int, growth_rate: int, bn_size: int | None,
+                 drop_rate: float = 0.0) -> None:
+        super().__init__()
+        for i in range(num_layers):
+            self[f"denselayer{i + 1}"] = DenseLayer(in_channels + i * growth_rate, growth_rate,
+                                                    bn_size, drop_rate)
+
+    def run(self, features: Features, mode: str | None = None) -> list[torch.Tensor]:
+        """All feature maps after the block: ``features`` followed by each layer's new maps."""
+        features = list(features)
+        for layer in self.values():
+            features.append(layer(features, mode))
+        return features
+
+    def forward(self, x: torch.Tensor | Features, mode: str | None = None) -> torch.Tensor:
+        """The block's output as one tensor (input and every new map, concatenated)."""
+        return _cat(self.run([x] if isinstance(x, torch.Tensor) else x, mode))
+
+
+class Transition(nn.Module):
+    """Between dense blocks: BN-ReLU-conv1x1 (compression) then 2x2 average pooling."""
+
+    def __init__(self, in_channels: int, out_channels: int) -> None:
+        super().__init__()
+        self.norm = cp_BatchNorm2d(in_channels)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv = nn.Conv2d(in_channels, out_channels, 1, bias=False)
+        self.pool = nn.AvgPool2d(kernel_size=2, stride=2)
+
+    def _compress(self, *features: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.relu(self.norm(_cat(features))))
+
+    def forward(self, x: torch.Tensor | Features, mode: str | None = None) -> torch.Tensor:
+        """``x``: the block's output or its list of feature maps; with a ``mode`` the
+        concat-BN-ReLU is recomputed in backward (the convolution is not: backward stops before)."""
+        features = [x] if isinstance(x, torch.Tensor) else list(x)
+        if mode is None:
+            return self.pool(self._compress(*features))
+        return self.pool(checkpoint(self._compress, *features))
+
+
+class DenseNet(ZooModel):
+    """DenseNet(-BC) with the ImageNet stem (7x7/2 conv, BN-ReLU, 3x3/2 max-pool) or the CIFAR
+    stem (one 3x3 conv), dense blocks separated by transitions, then BN-ReLU, global average
+    pooling and a linear classifier (Huang et al. 2017).
+
+    Args:
+        growth_rate: ``k``, channels each dense layer adds.
+        block_config: layers per dense block.
+        num_init_features: channels of the stem's convolution.
+        bn_size: bottleneck width in multiples of ``k`` (DenseNet-B); ``None``: no bottleneck.
+        compression: transitions keep ``int(compression * channels)`` channels (DenseNet-C: 0.5).
+        drop_rate: dropout after each dense layer (the paper uses 0.2 without data augmentation).
+        num_classes: classifier outputs.
+        stem: ``"imagenet"`` or ``"cifar"``.
+        efficient: checkpointing: ``False``, ``True`` (``"bottleneck"``) or a mode name.
+    """
+
+    checkpoint_modes = ("bottleneck", "layer")
+
+    def __init__(self, growth_rate: int = 32, block_config: Sequence[int] = (6, 12, 24, 16),
+                 num_init_features: int = 64, bn_size: int | None = 4, compression: float = 0.5,
+                 drop_rate: float = 0.0, num_classes: int = 1000,
+                 stem: Literal["imagenet", "cifar"] = "imagenet",
+                 efficient: bool | str = False) -> None:
+        super().__init__()
+        if stem not in ("imagenet", "cifar"):
+            raise ValueError(f"stem must be 'imagenet' (7x7/2 conv + max-pool, 224px inputs) or "
+                             f"'cifar' (3x3 conv, 32px inputs), got {stem!r}")
+        if not 0 < compression <= 1:
+            raise ValueError(f"compression must be in (0, 1] (DenseNet-C uses 0.5), got {compression}")
+        if not block_config or min(block_config) < 1:
+            raise ValueError(f"block_config needs at least one block of at least one layer, "
+                             f"got {tuple(block_config)}")
+        self.stem = stem
+        self.num_classes = num_classes
+        if stem == "imagenet":
+            layers = [("conv0", nn.Conv2d(3, num_init_features, 7, stride=2, padding=3, bias=False)),
+                      ("norm0", cp_BatchNorm2d(num_init_features)),
+                      ("relu0", nn.ReLU(inplace=True)),
+                      ("pool0", nn.MaxPool2d(kernel_size=3, stride=2, padding=1))]
+        else:
+            layers = [("conv0", nn.Conv2d(3, num_init_features, 3, padding=1, bias=False))]
+        self.features = nn.Sequential(OrderedDict(layers))
+        channels = num_init_features
+        for i, num_layers in enumerate(block_config):
+            self.features.add_module(f"denseblock{i + 1}", DenseBlock(
+                num_layers, channels, growth_rate, bn_size, drop_rate))
+            channels += num_layers * growth_rate
+            if i != len(block_config) - 1:
+                out = int(channels * compression)
+                self.features.add_module(f"transition{i + 1}", Transition(channels, out))
+                channels = out
+        self.features.add_module("norm5", cp_BatchNorm2d(channels))
+        self.num_features = channels
+        self.classifier = nn.Linear(channels, num_classes)
+
+        for m in self.modules():  # torchvision's initialisation
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight)
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Linear):
+                nn.init.zeros_(m.bias)
+        self.set_grad_checkpointing(efficient)
+
+    # -- stages ----------------------------------------------------------------------------------
+    def _stem_tail(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.features
+        return f.pool0(f.relu0(f.norm0(x)))
+
+    def _final(self, *features: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.features.norm5(_cat(features)), inplace=True)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images -> BN-ReLU'd feature maps of the last block (before pooling)."""
+        if self.checkpoint_plan is not None:
+            return F.relu(self.run_chain(self.checkpoint_chain(), x), inplace=True)
+        mode = self.grad_checkpointing
+        f = self.features
+        x = f.conv0(x)
+        if self.stem == "imagenet":
+            x = self._stem_tail(x) if mode is None else checkpoint(self._stem_tail, x)
+        features: list[torch.Tensor] = [x]
+        for name, module in f.named_children():
+            if isinstance(module, DenseBlock):
+                features = module.run(features, mode)
+            elif isinstance(module, Transition):
+                features = [module(features, mode)]
+        return self._final(*features) if mode is None else checkpoint(self._final, *features)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = torch.flatten(F.adaptive_avg_pool2d(x, (1, 1)), 1)
+        return x if pre_logits else self.classifier(x)
+
+    def checkpoint_chain(self) -> list[nn.Module]:
+        """``features``' children: the stem's layers, dense blocks, transitions and ``norm5``."""
+        return list(self.features.children())
+
+    def example_input(self, batch_size: int = 2, size: int | None = None) -> torch.Tensor:
+        """Random images; ``size`` defaults to 32 (CIFAR) or 64 (ImageNet models: any side >= 32
+        works; 64 keeps CPU tests small, pass 224 for the native resolution)."""
+        if size is None:
+            size = 32 if self.stem == "cifar" else 64
+        device = self.classifier.weight.device
+        return torch.randn(batch_size, 3, size, size, device=device)
+
+
+# ------------------------------------------------------------------------------------------------
+# CIFAR (Huang et al. 2017, Table 2): 3 dense blocks, CIFAR stem, 10 classes by default.
+# ------------------------------------------------------------------------------------------------
+def _cifar_densenet_bc(depth: int, growth_rate: int, efficient: bool | str, **kwargs) -> DenseNet:
+    layers = (depth - 4) // 6
+    kwargs.setdefault("num_classes", 10)
+    return DenseNet(growth_rate=growth_rate, block_config=(layers,) * 3,
+                    num_init_features=2 * growth_rate, bn_size=4, compression=0.5, stem="cifar",
+                    efficient=efficient, **kwargs)
+
+
+@register_model
+def densenet40(efficient: bool | str = False, **kwargs) -> DenseNet:
+    """DenseNet (L=40, k=12) for CIFAR: 3 blocks of 12 BN-ReLU-conv3x3 layers, no bottleneck, no
+    compression; 1.0M parameters (Huang et al. 2017, Table 2)."""
+    kwargs.setdefault("num_classes", 10)
+    return DenseNet(growth_rate=12, block_config=(12, 12, 12), num_init_features=16, bn_size=None,
+                    compression=1.0, stem="cifar", efficient=efficient, **kwargs)
+
+
+@register_model
+def densenet_bc_100(efficient: bool | str = False, **kwargs) -> DenseNet:
+    """DenseNet-BC (L=100, k=12) for CIFAR: 0.8M parameters (Huang et al. 2017, Table 2)."""
+    return _cifar_densenet_bc(100, 12, efficient, **kwargs)
+
+
+@register_model
+def densenet_bc_190(efficient: bool | str = False, **kwargs) -> DenseNet:
+    """DenseNet-BC (L=190, k=40) for CIFAR: 25.6M parameters (Huang et al. 2017, Table 2)."""
+    return _cifar_densenet_bc(190, 40, efficient, **kwargs)
+
+
+@register_model
+def densenet_bc_250(efficient: bool | str = False, **kwargs) -> DenseNet:
+    """DenseNet-BC (L=250, k=24) for CIFAR: 15.3M parameters (Huang et al. 2017, Table 2)."""
+    return _cifar_densenet_bc(250, 24, efficient, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# ImageNet (Huang et al. 2017, Table 1): torchvision's layout, so its weights load strictly.
+# ------------------------------------------------------------------------------------------------
+@register_model
+def densenet121(efficient: bool | str = False, **kwargs) -> DenseNet:
+    """DenseNet-121 (k=32, blocks 6-12-24-16): 8.0M parameters; loads torchvision's weights."""
+    return DenseNet(32, (6, 12, 24, 16), 64, efficient=efficient, **kwargs)
+
+
+@register_model
+def densenet161(efficient: bool | str = False, **kwargs) -> DenseNet:
+    """DenseNet-161 (k=48, blocks 6-12-36-24, 96 stem channels): 28.7M parameters."""
+    return DenseNet(48, (6, 12, 36, 24), 96, efficient=efficient, **kwargs)
+
+
+@register_model
+def densenet169(efficient: bool | str = False, **kwargs) -> DenseNet:
+    """DenseNet-169 (k=32, blocks 6-12-32-32): 14.1M parameters; loads torchvision's weights."""
+    return DenseNet(32, (6, 12, 32, 32), 64, efficient=efficient, **kwargs)
+
+
+@register_model
+def densenet201(efficient: bool | str = False, **kwargs) -> DenseNet:
+    """DenseNet-201 (k=32, blocks 6-12-48-32): 20.0M parameters; loads torchvision's weights."""
+    return DenseNet(32, (6, 12, 48, 32), 64, efficient=efficient, **kwargs)
+
+
+@register_model
+def densenet264(efficient: bool | str = False, **kwargs) -> DenseNet:
+    """DenseNet-264 (k=32, blocks 6-12-64-48; Huang et al. 2017, Table 1): 33.3M parameters;
+    no torchvision twin."""
+    return DenseNet(32, (6, 12, 64, 48), 64, efficient=efficient, **kwargs)
