@@ -1,0 +1,207 @@
+"""The transformer block the zoo's ViT, BERT and GPT-2 share, and where each checkpoint mode cuts it.
+
+A block is multi-head self-attention then a two-layer MLP, each with a residual connection
+(Vaswani et al. 2017, "Attention Is All You Need", arXiv:1706.03762). It comes in two orders:
+
+* pre-norm, ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``: ViT (Dosovitskiy et al. 2021) and
+  GPT-2 (Radford et al. 2019);
+* post-norm, ``norm1(x + attn(x))`` then ``norm2(x + mlp(x))``: BERT (Devlin et al. 2019) and the
+  original transformer.
+
+Attention runs through ``F.scaled_dot_product_attention`` (SDPA), so the GPU picks a fused
+flash / memory-efficient kernel that never stores the (T x T) attention matrix. On the CPU, with
+attention dropout active, SDPA falls back to its math path, which does store it.
+
+Checkpoint modes (``TransformerModel.checkpoint_modes``; both give the plain model's outputs and
+gradients exactly, dropout included, because ``zoo.checkpoint`` replays the random numbers):
+
+* ``"block"`` (recommended): every block is one checkpoint; only its input is kept and the
+  block runs again in backward. Torch's non-reentrant checkpoint stops recomputing as soon as
+  backward has what it needs, so the block's last matmul (``mlp.fc2``) never runs twice.
+* ``"selective"``: Megatron-style selective recompute (Korthikanti et al. 2022, "Reducing
+  Activation Recomputation in Large Transformer Models", arXiv:2205.05198): every block is one
+  checkpoint that *keeps the outputs of its matmuls* (``aten.mm`` / ``aten.addmm``: the qkv,
+  output-projection and MLP linears) and recomputes only the attention core (softmax(QK^T)V,
+  its dropout) and the pointwise ops (LayerNorm, GELU, dropout, residual adds). Almost no extra
+  FLOPs; memory between plain and ``"block"``, and far below plain when the attention matrix
+  would be stored (the CPU math path, or any long sequence without a fused kernel).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from timm.layers import DropPath, Mlp
+from torch import nn
+
+from ..checkpoint import checkpoint
+from ._base import ZooModel
+
+__all__ = ["Attention", "Block", "TransformerModel", "Step", "SELECTIVE_SAVE_OPS", "run_blocks",
+           "init_linear_and_embedding"]
+
+# The matmuls of a block: nn.Linear dispatches to addmm (with bias) or mm (without). The attention
+# core's matmuls are bmm (SDPA's math path) or a fused SDPA kernel: neither is kept.
+SELECTIVE_SAVE_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention: one fused ``qkv`` linear, SDPA, an output ``proj`` linear.
+
+    Submodule names are timm's VisionTransformer ones (``qkv``, ``proj``).
+
+    Args:
+        dim: model width; ``num_heads`` must divide it.
+        num_heads: attention heads.
+        qkv_bias: bias in the qkv linear.
+        attn_drop: dropout on the attention probabilities (inside SDPA, train mode only).
+        proj_drop: dropout after the output projection (BERT's and GPT-2's hidden dropout).
+        causal: mask future positions (GPT-2): SDPA's ``is_causal=True``.
+    """
+
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attn_drop: float = 0.0,
+                 proj_drop: float = 0.0, causal: bool = False) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"num_heads ({num_heads}) must divide the width dim ({dim})")
+        self.num_heads = num_heads
+        self.attn_drop = float(attn_drop)
+        self.causal = causal
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x``: (B, T, dim); ``attn_mask``: optional boolean mask broadcastable to
+        (B, heads, T, T), True where attention is allowed."""
+        batch, tokens, dim = x.shape
+        q, k, v = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, dim // self.num_heads) \
+            .permute(2, 0, 3, 1, 4).unbind(0)
+        x = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=self.attn_drop if self.training else 0.0,
+            is_causal=self.causal and attn_mask is None)
+        x = x.transpose(1, 2).reshape(batch, tokens, dim)
+        return self.proj_drop(self.proj(x))
+
+
+class Block(nn.Module):
+    """A transformer block: attention and MLP sublayers with residuals, pre- or post-norm.
+
+    Submodule names are timm's (``norm1``, ``attn.qkv``, ``attn.proj``, ``norm2``, ``mlp.fc1``,
+    ``mlp.fc2``); the MLP is ``timm.layers.Mlp`` with dropout only after ``fc2`` (as in BERT and
+    GPT-2; ViT uses no dropout).
+
+    Args:
+        dim, num_heads, qkv_bias, attn_drop, causal: as :class:`Attention`.
+        mlp_ratio: hidden width of the MLP in multiples of ``dim``.
+        drop: dropout after each sublayer's last linear (hidden dropout).
+        drop_path: stochastic depth on each residual branch (pre-norm only; Huang et al. 2016).
+        act_layer: the MLP's activation (GELU; GPT-2 uses its tanh approximation).
+        norm_eps: LayerNorm epsilon (ViT 1e-6, GPT-2 1e-5, BERT 1e-12).
+        pre_norm: True: ``x + f(norm(x))``; False: ``norm(x + f(x))``.
+    """
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
+                 drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0,
+                 act_layer: Callable[[], nn.Module] = nn.GELU, norm_eps: float = 1e-6,
+                 pre_norm: bool = True, causal: bool = False) -> None:
+        super().__init__()
+        if drop_path and not pre_norm:
+            raise ValueError("drop_path (stochastic depth) needs pre_norm=True: a post-norm block "
+                             "normalises the residual sum, so there is no branch to drop alone")
+        self.pre_norm = pre_norm
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
+        self.attn = Attention(dim, num_heads, qkv_bias, attn_drop, drop, causal)
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, drop=(0.0, drop))
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def attention_sublayer(self, x: torch.Tensor,
+                           attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention half: ``x + attn(norm1(x))`` (pre-norm) or ``norm1(x + attn(x))``."""
+        if self.pre_norm:
+            return x + self.drop_path1(self.attn(self.norm1(x), attn_mask))
+        return self.norm1(x + self.attn(x, attn_mask))
+
+    def mlp_sublayer(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP half: ``x + mlp(norm2(x))`` (pre-norm) or ``norm2(x + mlp(x))``."""
+        if self.pre_norm:
+            return x + self.drop_path2(self.mlp(self.norm2(x)))
+        return self.norm2(x + self.mlp(x))
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.mlp_sublayer(self.attention_sublayer(x, attn_mask))
+
+
+def run_blocks(blocks: Sequence[Block], x: torch.Tensor, mode: str | None,
+               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Run ``blocks`` in order under checkpoint ``mode`` (see the module docstring): ``None``
+    (plain), ``"block"``, ``"sublayer"`` or ``"selective"``.
+
+    In ``"block"`` mode the last block runs plainly: backward needs its activations first, so
+    recomputing them would cost FLOPs and save no peak memory (as
+    ``checkpoint_sequential(skip_last=True)``). ``"sublayer"`` checkpoints every sublayer: its
+    recompute transient is half a block, less than the last block's plain activations.
+    """
+    if mode not in (None, *TransformerModel.checkpoint_modes):
+        raise ValueError(f"unknown transformer checkpoint mode {mode!r}; expected None or one of "
+                         f"{', '.join(TransformerModel.checkpoint_modes)}")
+    last = len(blocks) - 1
+    for i, block in enumerate(blocks):
+        if mode is None or (i == last and mode == "block"):
+            x = block(x, attn_mask)
+        elif mode == "block":
+            x = checkpoint(block, x, attn_mask)
+        elif mode == "sublayer":
+            x = checkpoint(block.attention_sublayer, x, attn_mask)
+            x = checkpoint(block.mlp_sublayer, x)
+        else:
+            x = checkpoint(block, x, attn_mask, save_ops=SELECTIVE_SAVE_OPS)
+    return x
+
+
+class Step(nn.Module):
+    """Wraps a callable (e.g. a model's embedding method) as a module for ``checkpoint_chain``.
+
+    The callable is held as a plain attribute, not a submodule, so the model's parameters stay
+    registered once, where they live.
+    """
+
+    def __init__(self, fn: Callable[..., torch.Tensor], name: str) -> None:
+        super().__init__()
+        self.fn = fn
+        self.name = name
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.fn(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return self.name
+
+
+class TransformerModel(ZooModel):
+    """Base of the zoo's transformers: ``self.blocks`` (an ``nn.Sequential`` of :class:`Block`)
+    run under the active checkpoint mode, or under a planner's ``checkpoint_plan``."""
+
+    checkpoint_modes: ClassVar[tuple[str, ...]] = ("block", "sublayer", "selective")
+    blocks: nn.Sequential
+
+    def forward_blocks(self, x: torch.Tensor,
+                       attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Every block on ``x`` (B, T, dim), checkpointed as ``self.grad_checkpointing`` says."""
+        return run_blocks(self.blocks, x, self.grad_checkpointing, attn_mask)
+
+
+def init_linear_and_embedding(module: nn.Module, std: float = 0.02) -> None:
+    """BERT / GPT-2 initialisation: N(0, std) weights for linears and embeddings, zero biases,
+    LayerNorm to identity. Use with ``model.apply``."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=std)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
