@@ -1,1 +1,144 @@
-"""Being written: see issue 3."""
+"""The CIFAR-10 CNN of seed 004, checkpointed with its dropout and BatchNorm left where they belong.
+
+Seed 004 (a blog post on ``torch.utils.checkpoint``) trains a small CIFAR-10 CNN: two blocks of
+conv3x3-ReLU-conv3x3-ReLU-max-pool (32 and 64, then 64 and 64 channels) each followed by dropout
+0.25, then flatten, Linear(4096, 512)-ReLU, dropout 0.5 and Linear(512, 10). To checkpoint it the
+post had to (1) move dropout, and BatchNorm "another example", *out* of the checkpointed blocks,
+because a recompute would draw other random numbers and update the statistics twice, and (2)
+leave the first block unchecked, because reentrant checkpoint gives it no gradient when the input
+images do not require grad.
+
+With ``zoo.checkpoint`` neither workaround is needed: the recompute replays the forward's random
+numbers, BatchNorm statistics update once, and parameters get their gradients whatever the inputs.
+So here each block is conv-BN-ReLU-conv-BN-ReLU-max-pool-dropout, *with* its dropout and
+BatchNorm inside, and every block (the first one too) is checkpointed. ``batch_norm=False`` gives
+the seed's exact layers (biased convolutions, no BatchNorm).
+
+Checkpoint modes (all give exactly the plain model's outputs, gradients and BatchNorm statistics
+in train mode, dropout active, and the same state_dict):
+
+* ``"block"`` (recommended): each conv block is checkpointed whole; only block inputs are kept
+  and both convolutions run again in backward.
+* ``"bn_relu"``: every convolution's output is kept; BN-ReLU, max-pool and dropout are recomputed
+  and no convolution runs twice (+0% FLOPs), for a smaller saving.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..checkpoint import checkpoint
+from ..nn import cp_BatchNorm2d
+from ._base import ZooModel
+from ._registry import register_model
+
+__all__ = ["ConvBlock", "CifarCNN"]
+
+
+class ConvBlock(nn.Module):
+    """conv3x3-BN-ReLU-conv3x3-BN-ReLU-max-pool(2)-dropout: one of the seed's two conv blocks."""
+
+    def __init__(self, in_channels: int, mid_channels: int, out_channels: int,
+                 drop_rate: float = 0.25, batch_norm: bool = True) -> None:
+        super().__init__()
+        norm = cp_BatchNorm2d if batch_norm else (lambda channels: nn.Identity())
+        self.conv1 = nn.Conv2d(in_channels, mid_channels, 3, padding=1, bias=not batch_norm)
+        self.bn1 = norm(mid_channels)
+        self.conv2 = nn.Conv2d(mid_channels, out_channels, 3, padding=1, bias=not batch_norm)
+        self.bn2 = norm(out_channels)
+        self.pool = nn.MaxPool2d(kernel_size=2)
+        self.dropout = nn.Dropout(drop_rate)
+
+    def _norm_relu_conv2(self, c1: torch.Tensor) -> torch.Tensor:
+        return self.conv2(F.relu(self.bn1(c1)))
+
+    def _conv1_to_conv2(self, x: torch.Tensor) -> torch.Tensor:
+        return self._norm_relu_conv2(self.conv1(x))
+
+    def _tail(self, c2: torch.Tensor) -> torch.Tensor:
+        """BN-ReLU-max-pool-dropout after the second convolution."""
+        return self.dropout(self.pool(F.relu(self.bn2(c2))))
+
+    def _plain(self, x: torch.Tensor) -> torch.Tensor:
+        return self._tail(self._conv1_to_conv2(x))
+
+    def forward(self, x: torch.Tensor, mode: str | None = None) -> torch.Tensor:
+        """The block on ``x``; ``mode``: ``None`` (plain), ``"block"`` or ``"bn_relu"``."""
+        if mode is None:
+            return self._plain(x)
+        if mode == "block":
+            return checkpoint(self._plain, x)
+        if mode == "halves":  # backward reruns conv1-BN-ReLU and stops before conv2 runs
+            return checkpoint(self._tail, checkpoint(self._conv1_to_conv2, x))
+        if mode == "bn_relu":  # backward recomputes BN-ReLU and stops before conv2 runs
+            c2 = checkpoint(self._norm_relu_conv2, self.conv1(x))
+            return checkpoint(self._tail, c2)
+        raise ValueError(f"unknown CifarCNN checkpoint mode {mode!r}; expected None, 'block' or "
+                         f"'bn_relu'")
+
+
+class CifarCNN(ZooModel):
+    """Seed 004's CIFAR-10 CNN: two conv blocks (3->32->64, 64->64->64, each halving the image),
+    then Linear(64 * (size/4)^2, 512)-ReLU, dropout 0.5 and a linear classifier.
+
+    The submodules keep the seed's names (``cnn_block_1``, ``cnn_block_2``, ``linearize``,
+    ``dropout_3``, ``out``); ``num_features`` is 512, the width of the classifier's input.
+
+    Args:
+        num_classes: classifier outputs.
+        image_size: side of the square input images (32 for CIFAR); fixes the first Linear's size.
+        drop_rate: dropout after each conv block (the seed's 0.25); the head's is twice that.
+        batch_norm: BatchNorm after each convolution (default); ``False`` is the seed's model.
+        efficient: checkpointing: ``False``, ``True`` (``"block"``) or a mode name.
+    """
+
+    checkpoint_modes = ("halves", "block", "bn_relu")
+
+    def __init__(self, num_classes: int = 10, image_size: int = 32, drop_rate: float = 0.25,
+                 batch_norm: bool = True, efficient: bool | str = False) -> None:
+        super().__init__()
+        if image_size < 4 or image_size % 4:
+            raise ValueError(f"image_size must be a multiple of 4 (two 2x2 max-pools), "
+                             f"got {image_size}")
+        if not 0 <= drop_rate < 1:
+            raise ValueError(f"drop_rate must be in [0, 1), got {drop_rate}")
+        self.num_classes = num_classes
+        self.image_size = image_size
+        self.num_features = 512
+        self.cnn_block_1 = ConvBlock(3, 32, 64, drop_rate, batch_norm)
+        self.cnn_block_2 = ConvBlock(64, 64, 64, drop_rate, batch_norm)
+        self.linearize = nn.Sequential(nn.Linear(64 * (image_size // 4) ** 2, 512), nn.ReLU())
+        self.dropout_3 = nn.Dropout(2 * drop_rate)
+        self.out = nn.Linear(512, num_classes)
+        self.set_grad_checkpointing(efficient)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images -> the second block's feature maps (64 channels at a quarter of the side)."""
+        if self.checkpoint_plan is not None:
+            return self.run_chain(self.checkpoint_chain(), x)
+        mode = self.grad_checkpointing
+        return self.cnn_block_2(self.cnn_block_1(x, mode), mode)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = self.dropout_3(self.linearize(torch.flatten(x, 1)))
+        return x if pre_logits else self.out(x)
+
+    def checkpoint_chain(self) -> list[nn.Module]:
+        """The two conv blocks."""
+        return [self.cnn_block_1, self.cnn_block_2]
+
+    def example_input(self, batch_size: int = 2, size: int | None = None) -> torch.Tensor:
+        """Random images of ``image_size`` (the head's Linear fixes the size; ``size`` must match)."""
+        if size is not None and size != self.image_size:
+            raise ValueError(f"this CifarCNN was built for {self.image_size}px images (its first "
+                             f"Linear layer fixes the size), got size={size}; build it with "
+                             f"image_size={size}")
+        side = self.image_size
+        return torch.randn(batch_size, 3, side, side, device=self.out.weight.device)
+
+
+@register_model
+def cifar_cnn(efficient: bool | str = False, **kwargs) -> CifarCNN:
+    """Seed 004's CIFAR-10 CNN with BatchNorm, dropout kept inside the checkpointed blocks."""
+    return CifarCNN(efficient=efficient, **kwargs)

@@ -1,1 +1,450 @@
-"""Being written: see issue 3."""
+"""ResNets for CIFAR and ImageNet, with memory-efficient (checkpointed) training.
+
+A ResNet (He et al. 2016, "Deep Residual Learning for Image Recognition", arXiv:1512.03385) is a
+chain of residual blocks ``relu(F(x) + shortcut(x))``: BasicBlock (two 3x3 convolutions) or
+Bottleneck (1x1, 3x3, 1x1). Plain training keeps, per block, the input of every convolution and
+of every BatchNorm; most of that is cheap to rebuild.
+
+Checkpoint modes (``checkpoint_modes``, the recommended first; all give exactly the plain model's
+outputs, gradients and BatchNorm statistics, and the same state_dict):
+
+* ``"halves"`` (recommended): each block is checkpointed in two halves that meet at conv2's
+  output, so per block only its input and conv2's output are kept. Backward reruns conv1 (and, in
+  a Bottleneck, conv3 and the downsample convolution) but never conv2, the 3x3 convolution that
+  holds most of a Bottleneck's FLOPs: torch's non-reentrant checkpoint stops recomputing as soon
+  as it has rebuilt every tensor backward needs, and a convolution saves its input before it
+  runs. ResNet-50, batch 8 at 224 px: lower peak *and* fewer FLOPs than timm's
+  ``set_grad_checkpointing(True)`` (scripts/bench_resnet.py).
+* ``"block"``: each block's residual branch and shortcut are checkpointed whole (timm's
+  granularity): only block inputs are kept and the block's forward runs again in backward.
+  ``checkpoint_every=n`` checkpoints ``n`` consecutive blocks as one region, so only every n-th
+  block's output is kept (Chen et al. 2016's segments; timm's ``checkpoint_seq(every=n)``).
+* ``"bn_relu"``: only BatchNorms, ReLUs and shortcuts are recomputed; every convolution's output
+  is kept and none runs again: +0% FLOPs for a smaller saving.
+
+In every mode the stem's BN-ReLU(-max-pool) is checkpointed too (its convolution is not rerun),
+and each block's final ReLU runs outside the checkpoint: it saves its output, which is the next
+block's input and kept anyway, so recomputing it would only hold a second copy.
+
+The ImageNet models' submodules are named as torchvision's (``conv1``, ``bn1``, ``layer1.0.
+conv1``, ``layer2.0.downsample.0``, ``fc``), so torchvision's state_dicts load with ``strict=True``
+(torchvision's v1.5 layout: the stride is on the 3x3 convolution). The CIFAR models follow the
+paper's Section 4.2: a 3x3 stem of 16 channels, three stages of 16/32/64 channels with ``n``
+BasicBlocks each (depth ``6n + 2``), global average pooling and a linear classifier; shortcuts
+are option A (identity, subsampled and zero-padded where the shape changes: no parameters).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..checkpoint import checkpoint
+from ..nn import cp_BatchNorm2d
+from ._base import ZooModel
+from ._registry import register_model
+
+__all__ = ["ZeroPadShortcut", "BasicBlock", "Bottleneck", "ResNet", "CifarResNet"]
+
+MODES = ("halves", "block", "bn_relu")
+
+
+class ZeroPadShortcut(nn.Module):
+    """Option A shortcut (He et al. 2016, Sec. 3.3): the identity, subsampled by ``stride`` and
+    zero-padded to ``out_channels``. No parameters, so it leaves the state_dict alone."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int) -> None:
+        super().__init__()
+        self.extra = out_channels - in_channels
+        self.stride = stride
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stride != 1:
+            x = x[:, :, ::self.stride, ::self.stride]
+        return F.pad(x, (0, 0, 0, 0, 0, self.extra)) if self.extra else x
+
+
+class _ResidualBlock(nn.Module):
+    """``relu(bn_k(conv_k(... relu(bn_1(conv_1(x))))) + shortcut(x))`` in every checkpoint mode.
+
+    Subclasses create ``conv1``, ``bn1``, ``conv2``, ``bn2`` (, ``conv3``, ``bn3``) and
+    ``downsample`` (``None``, torchvision's ``Sequential(conv1x1, BatchNorm)`` or a
+    parameter-free shortcut), and list the pairs in ``_stages``.
+    """
+
+    downsample: nn.Module | None
+
+    @property
+    def _stages(self) -> list[tuple[nn.Conv2d, nn.BatchNorm2d]]:
+        raise NotImplementedError
+
+    def _shortcut(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.downsample is None else self.downsample(x)
+
+    def _run(self, start: int, stop: int, x: torch.Tensor) -> torch.Tensor:
+        """conv-BN-ReLU stages ``start..stop-1`` of the residual branch, ending on a convolution:
+        ``conv_start``, then ``bn_k``-ReLU-``conv_{k+1}`` for each further stage."""
+        stages = self._stages
+        if start == 0:
+            x = stages[0][0](x)
+            start = 1
+        for k in range(start, stop):
+            x = stages[k][0](F.relu(stages[k - 1][1](x), inplace=True))
+        return x
+
+    def _finish(self, c: torch.Tensor, x: torch.Tensor, start: int) -> torch.Tensor:
+        """From conv_start's output ``c`` to the sum before the final ReLU."""
+        stages = self._stages
+        c = self._run(start, len(stages), c) if start < len(stages) else c
+        return stages[-1][1](c) + self._shortcut(x)
+
+    def _norm_relu_conv(self, k: int, c: torch.Tensor) -> torch.Tensor:
+        """BN_k-ReLU-conv_{k+1} (0-based k): recomputed in ``bn_relu`` mode, the conv is not."""
+        stages = self._stages
+        return stages[k + 1][0](F.relu(stages[k][1](c), inplace=True))
+
+    def _last_norm_add(self, c: torch.Tensor, shortcut_input: torch.Tensor) -> torch.Tensor:
+        bn = self._stages[-1][1]
+        ds = self.downsample
+        if isinstance(ds, nn.Sequential):  # conv1x1 ran outside: only its BatchNorm is here
+            return bn(c) + ds[1](shortcut_input)
+        return bn(c) + self._shortcut(shortcut_input)
+
+    def residual(self, x: torch.Tensor) -> torch.Tensor:
+        """Residual branch plus shortcut: the block's output before its final ReLU."""
+        return self._finish(self._run(0, 1, x), x, 1)
+
+    def forward(self, x: torch.Tensor, mode: str | None = None) -> torch.Tensor:
+        """The block on ``x``; ``mode`` is ``None`` (plain) or a checkpoint mode (module doc)."""
+        if mode is None:
+            out = self.residual(x)
+        elif mode == "block":
+            out = checkpoint(self.residual, x)
+        elif mode == "halves":
+            c2 = checkpoint(self._run, 0, 2, x)  # backward reruns conv1, stops before conv2
+            out = checkpoint(self._finish, c2, x, 2)
+        elif mode == "bn_relu":
+            c = self._stages[0][0](x)
+            for k in range(len(self._stages) - 1):
+                c = checkpoint(self._norm_relu_conv, k, c)
+            ds = self.downsample
+            d = ds[0](x) if isinstance(ds, nn.Sequential) else x
+            out = checkpoint(self._last_norm_add, c, d)
+        else:
+            raise ValueError(f"unknown ResNet checkpoint mode {mode!r}; expected None or one of "
+                             f"{', '.join(MODES)}")
+        return F.relu(out, inplace=True)
+
+
+def _conv3x3(in_channels: int, out_channels: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
+
+
+def _conv1x1(in_channels: int, out_channels: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False)
+
+
+class BasicBlock(_ResidualBlock):
+    """Two 3x3 conv-BN layers and a shortcut (He et al. 2016, Fig. 5 left); torchvision's names."""
+
+    expansion = 1
+
+    def __init__(self, in_channels: int, planes: int, stride: int = 1,
+                 downsample: nn.Module | None = None) -> None:
+        super().__init__()
+        self.conv1 = _conv3x3(in_channels, planes, stride)
+        self.bn1 = cp_BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)  # torchvision has it; the forward uses F.relu
+        self.conv2 = _conv3x3(planes, planes)
+        self.bn2 = cp_BatchNorm2d(planes)
+        self.downsample = downsample
+        self.stride = stride
+
+    @property
+    def _stages(self) -> list[tuple[nn.Conv2d, nn.BatchNorm2d]]:
+        return [(self.conv1, self.bn1), (self.conv2, self.bn2)]
+
+
+class Bottleneck(_ResidualBlock):
+    """1x1 (reduce), 3x3 (stride here, torchvision's v1.5), 1x1 (expand x4) conv-BN layers and a
+    shortcut (He et al. 2016, Fig. 5 right); torchvision's names."""
+
+    expansion = 4
+
+    def __init__(self, in_channels: int, planes: int, stride: int = 1,
+                 downsample: nn.Module | None = None) -> None:
+        super().__init__()
+        self.conv1 = _conv1x1(in_channels, planes)
+        self.bn1 = cp_BatchNorm2d(planes)
+        self.conv2 = _conv3x3(planes, planes, stride)
+        self.bn2 = cp_BatchNorm2d(planes)
+        self.conv3 = _conv1x1(planes, planes * self.expansion)
+        self.bn3 = cp_BatchNorm2d(planes * self.expansion)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = downsample
+        self.stride = stride
+
+    @property
+    def _stages(self) -> list[tuple[nn.Conv2d, nn.BatchNorm2d]]:
+        return [(self.conv1, self.bn1), (self.conv2, self.bn2), (self.conv3, self.bn3)]
+
+
+def _segment(blocks: Sequence[_ResidualBlock], x: torch.Tensor) -> torch.Tensor:
+    """Blocks in order, the last one stopping before its final ReLU (``block`` mode's region)."""
+    for block in blocks[:-1]:
+        x = block(x)
+    return blocks[-1].residual(x)
+
+
+class _ResNetBase(ZooModel):
+    """What both ResNets share: stem conv -> stem tail (BN-ReLU[-pool]) -> stages -> pool -> fc."""
+
+    checkpoint_modes = MODES
+    checkpoint_every: int = 1
+    conv1: nn.Conv2d
+    fc: nn.Linear
+
+    def _stage_names(self) -> list[str]:
+        raise NotImplementedError
+
+    def _stem_modules(self) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def _init(self, checkpoint_every: int, efficient: bool | str) -> None:
+        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) \
+                or checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be a positive int (blocks per checkpointed "
+                             f"region in 'block' mode), got {checkpoint_every!r}")
+        self.checkpoint_every = checkpoint_every
+        for m in self.modules():  # torchvision's (He et al. 2015) initialisation
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+        self.set_grad_checkpointing(efficient)
+
+    def set_grad_checkpointing(self, enable: bool | str = True) -> None:
+        """As ZooModel's; ``checkpoint_every > 1`` needs the ``block`` mode (the others split
+        each block at its convolutions, which a multi-block region cannot do)."""
+        previous = self.grad_checkpointing
+        super().set_grad_checkpointing(enable)
+        if self.checkpoint_every != 1 and self.grad_checkpointing not in (None, "block"):
+            mode, self.grad_checkpointing = self.grad_checkpointing, previous
+            raise ValueError(f"checkpoint_every={self.checkpoint_every} groups whole blocks and "
+                             f"works with the 'block' mode only, not {mode!r}: pass "
+                             f"efficient='block' or leave checkpoint_every at 1")
+
+    def blocks(self) -> list[_ResidualBlock]:
+        """Every residual block, stage after stage."""
+        return [b for name in self._stage_names() for b in getattr(self, name)]
+
+    def _stem(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """The stem's modules from ``start`` on: conv, BN, ReLU (, max-pool)."""
+        for m in self._stem_modules()[start:]:
+            x = m(x)
+        return x
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images -> the last stage's feature maps (before pooling)."""
+        if self.checkpoint_plan is not None:
+            return self.run_chain(self.checkpoint_chain(), x)
+        mode = self.grad_checkpointing
+        if mode is None:
+            x = self._stem(x)
+        elif mode == "bn_relu":  # keep the stem conv's output: no convolution runs twice
+            x = checkpoint(self._stem, self.conv1(x), 1)
+        else:  # keep only the images: the stem conv has 3 input channels, ~1% of the FLOPs
+            x = checkpoint(self._stem, x)
+        blocks = self.blocks()
+        if mode == "block":
+            n = self.checkpoint_every
+            for i in range(0, len(blocks), n):
+                x = F.relu(checkpoint(_segment, blocks[i:i + n], x), inplace=True)
+            return x
+        for block in blocks:
+            x = block(x, mode)
+        return x
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
+        return x if pre_logits else self.fc(x)
+
+    def checkpoint_chain(self) -> list[nn.Module]:
+        """The stem's modules (conv, BN, ReLU[, max-pool]) and then every residual block."""
+        return [*self._stem_modules(), *self.blocks()]
+
+    def example_input(self, batch_size: int = 2, size: int | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ResNet(_ResNetBase):
+    """ImageNet ResNet (He et al. 2016, Table 1) in torchvision's layout: 7x7/2 conv, BN-ReLU,
+    3x3/2 max-pool, four stages of 64/128/256/512-plane blocks, global pooling, linear classifier.
+
+    Args:
+        block: ``BasicBlock`` (ResNet-18/34) or ``Bottleneck`` (ResNet-50/101/152).
+        layers: blocks per stage.
+        num_classes: classifier outputs.
+        checkpoint_every: with the ``block`` mode, blocks per checkpointed region.
+        efficient: checkpointing: ``False``, ``True`` (``"halves"``) or a mode name.
+    """
+
+    def __init__(self, block: type[BasicBlock] | type[Bottleneck], layers: Sequence[int],
+                 num_classes: int = 1000, checkpoint_every: int = 1,
+                 efficient: bool | str = False) -> None:
+        super().__init__()
+        if len(layers) != 4 or min(layers) < 1:
+            raise ValueError(f"layers must give 4 stages of at least one block, got {tuple(layers)}")
+        self.num_classes = num_classes
+        self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+        self.bn1 = cp_BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        channels = 64
+        for i, (planes, n) in enumerate(zip((64, 128, 256, 512), layers)):
+            stride = 1 if i == 0 else 2
+            downsample = None
+            if stride != 1 or channels != planes * block.expansion:
+                downsample = nn.Sequential(_conv1x1(channels, planes * block.expansion, stride),
+                                           cp_BatchNorm2d(planes * block.expansion))
+            stage = [block(channels, planes, stride, downsample)]
+            channels = planes * block.expansion
+            stage += [block(channels, planes) for _ in range(1, n)]
+            self.add_module(f"layer{i + 1}", nn.Sequential(*stage))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.num_features = channels
+        self.fc = nn.Linear(channels, num_classes)
+        self._init(checkpoint_every, efficient)
+
+    def _stage_names(self) -> list[str]:
+        return ["layer1", "layer2", "layer3", "layer4"]
+
+    def _stem_modules(self) -> list[nn.Module]:
+        return [self.conv1, self.bn1, self.relu, self.maxpool]
+
+    def example_input(self, batch_size: int = 2, size: int | None = None) -> torch.Tensor:
+        """Random images, 64 px by default (small for CPU tests; 224 is the native size)."""
+        return torch.randn(batch_size, 3, size or 64, size or 64, device=self.fc.weight.device)
+
+
+class CifarResNet(_ResNetBase):
+    """CIFAR ResNet of depth ``6n + 2`` (He et al. 2016, Sec. 4.2): 3x3 conv (16), BN-ReLU,
+    three stages of ``n`` BasicBlocks with 16/32/64 channels (stride 2 at the start of stages 2
+    and 3), option A shortcuts, global pooling, linear classifier.
+
+    Args:
+        depth: ``6n + 2``: 20, 32, 44, 56, 110, 1202 in the paper.
+        num_classes: classifier outputs.
+        checkpoint_every: with the ``block`` mode, blocks per checkpointed region.
+        efficient: checkpointing: ``False``, ``True`` (``"halves"``) or a mode name.
+    """
+
+    def __init__(self, depth: int = 20, num_classes: int = 10, checkpoint_every: int = 1,
+                 efficient: bool | str = False) -> None:
+        super().__init__()
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 8 or (depth - 2) % 6:
+            raise ValueError(f"a CIFAR ResNet has depth 6n + 2 (20, 32, 44, 56, 110, 1202), "
+                             f"got {depth!r}")
+        n = (depth - 2) // 6
+        self.depth = depth
+        self.num_classes = num_classes
+        self.conv1 = _conv3x3(3, 16)
+        self.bn1 = cp_BatchNorm2d(16)
+        self.relu = nn.ReLU(inplace=True)
+        channels = 16
+        for i, planes in enumerate((16, 32, 64)):
+            stride = 1 if i == 0 else 2
+            shortcut = ZeroPadShortcut(channels, planes, stride) if stride != 1 else None
+            stage = [BasicBlock(channels, planes, stride, shortcut)]
+            stage += [BasicBlock(planes, planes) for _ in range(1, n)]
+            self.add_module(f"layer{i + 1}", nn.Sequential(*stage))
+            channels = planes
+        self.num_features = channels
+        self.fc = nn.Linear(channels, num_classes)
+        self._init(checkpoint_every, efficient)
+
+    def _stage_names(self) -> list[str]:
+        return ["layer1", "layer2", "layer3"]
+
+    def _stem_modules(self) -> list[nn.Module]:
+        return [self.conv1, self.bn1, self.relu]
+
+    def example_input(self, batch_size: int = 2, size: int | None = None) -> torch.Tensor:
+        """Random 32x32 images (CIFAR's size) unless ``size`` says otherwise."""
+        return torch.randn(batch_size, 3, size or 32, size or 32, device=self.fc.weight.device)
+
+
+# ------------------------------------------------------------------------------------------------
+# CIFAR (He et al. 2016, Table 6): depth 6n + 2, 10 classes by default.
+# ------------------------------------------------------------------------------------------------
+@register_model
+def resnet20(efficient: bool | str = False, **kwargs: Any) -> CifarResNet:
+    """ResNet-20 for CIFAR (n=3): 0.27M parameters (He et al. 2016, Table 6)."""
+    return CifarResNet(depth=20, efficient=efficient, **kwargs)
+
+
+@register_model
+def resnet32(efficient: bool | str = False, **kwargs: Any) -> CifarResNet:
+    """ResNet-32 for CIFAR (n=5): 0.46M parameters (He et al. 2016, Table 6)."""
+    return CifarResNet(depth=32, efficient=efficient, **kwargs)
+
+
+@register_model
+def resnet44(efficient: bool | str = False, **kwargs: Any) -> CifarResNet:
+    """ResNet-44 for CIFAR (n=7): 0.66M parameters (He et al. 2016, Table 6)."""
+    return CifarResNet(depth=44, efficient=efficient, **kwargs)
+
+
+@register_model
+def resnet56(efficient: bool | str = False, **kwargs: Any) -> CifarResNet:
+    """ResNet-56 for CIFAR (n=9): 0.85M parameters (He et al. 2016, Table 6)."""
+    return CifarResNet(depth=56, efficient=efficient, **kwargs)
+
+
+@register_model
+def resnet110(efficient: bool | str = False, **kwargs: Any) -> CifarResNet:
+    """ResNet-110 for CIFAR (n=18): 1.7M parameters (He et al. 2016, Table 6)."""
+    return CifarResNet(depth=110, efficient=efficient, **kwargs)
+
+
+@register_model
+def resnet1202(efficient: bool | str = False, **kwargs: Any) -> CifarResNet:
+    """ResNet-1202 for CIFAR (n=200): 19.4M parameters (He et al. 2016, Table 6)."""
+    return CifarResNet(depth=1202, efficient=efficient, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# ImageNet (He et al. 2016, Table 1): torchvision's layout, so its weights load strictly.
+# ------------------------------------------------------------------------------------------------
+@register_model
+def resnet18(efficient: bool | str = False, **kwargs: Any) -> ResNet:
+    """ResNet-18 (BasicBlock, 2-2-2-2): 11.7M parameters; loads torchvision's weights."""
+    return ResNet(BasicBlock, (2, 2, 2, 2), efficient=efficient, **kwargs)
+
+
+@register_model
+def resnet34(efficient: bool | str = False, **kwargs: Any) -> ResNet:
+    """ResNet-34 (BasicBlock, 3-4-6-3): 21.8M parameters; loads torchvision's weights."""
+    return ResNet(BasicBlock, (3, 4, 6, 3), efficient=efficient, **kwargs)
+
+
+@register_model
+def resnet50(efficient: bool | str = False, **kwargs: Any) -> ResNet:
+    """ResNet-50 (Bottleneck, 3-4-6-3): 25.6M parameters; loads torchvision's weights."""
+    return ResNet(Bottleneck, (3, 4, 6, 3), efficient=efficient, **kwargs)
+
+
+@register_model
+def resnet101(efficient: bool | str = False, **kwargs: Any) -> ResNet:
+    """ResNet-101 (Bottleneck, 3-4-23-3): 44.5M parameters; loads torchvision's weights."""
+    return ResNet(Bottleneck, (3, 4, 23, 3), efficient=efficient, **kwargs)
+
+
+@register_model
+def resnet152(efficient: bool | str = False, **kwargs: Any) -> ResNet:
+    """ResNet-152 (Bottleneck, 3-8-36-3): 60.2M parameters; loads torchvision's weights."""
+    return ResNet(Bottleneck, (3, 8, 36, 3), efficient=efficient, **kwargs)
