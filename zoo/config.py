@@ -1,0 +1,227 @@
+"""Training configuration: plain data (a dataclass), loaded from YAML recipes and command-line flags.
+
+Precedence, lowest first: the dataclass defaults < the recipe file (``--config``, or
+``configs/<model>.yaml`` when the model has one) < the checkpoint's config when resuming < flags.
+An unknown key or a value of the wrong type is a :class:`ConfigError` naming the valid keys, in
+files as on the command line (nanoGPT's rule: configs are plain data, unknown keys are errors).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["ConfigError", "TrainConfig", "MODEL_ALIASES", "resolve_model_name", "load_yaml",
+           "merge", "config_keys", "to_yaml", "resolve_config"]
+
+# Family aliases accepted by ``--model``: the family's flagship CIFAR model.
+MODEL_ALIASES = {"densenet": "densenet_bc_100", "resnet": "resnet110", "vit": "vit_cifar",
+                 "cnn": "cifar_cnn"}
+
+
+class ConfigError(ValueError):
+    """Bad input to training (a flag, a config file, a dataset, a resume file). train.py prints the
+    message, which says what was wrong and what to do, and exits with status 2 (no traceback)."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run depends on. The defaults are the DenseNet-BC recipe (Huang et al.
+    2017, as in gpleiss/efficient_densenet_pytorch's demo): SGD, Nesterov momentum 0.9, lr 0.1,
+    weight decay 1e-4, batch 64, lr x0.1 at 50% and 75% of the epochs."""
+
+    model: str = "densenet_bc_100"       # registry name or family alias (densenet, resnet, vit, cnn)
+    efficient: bool | str = False        # checkpointing: True (recommended), False, or a mode name
+    model_kwargs: dict = field(default_factory=dict)  # extra constructor arguments of the model
+    dataset: str = "shapes"              # shapes, synthetic, cifar10, cifar100
+    data_dir: str = "data"               # where CIFAR is looked for and downloaded to
+    image_size: int | None = None        # resize images to this side (None: 32, the data's own)
+    train_size: int | None = None        # use the first N training images (None: all)
+    test_size: int | None = None         # use the first N test images (None: all)
+    workers: int = 0                     # DataLoader worker processes
+    epochs: int = 300
+    batch_size: int = 64                 # global batch: split evenly over DDP processes
+    optimizer: str = "sgd"               # sgd or adamw
+    lr: float = 0.1
+    momentum: float = 0.9                # SGD momentum (AdamW: beta1)
+    nesterov: bool = True
+    weight_decay: float = 1e-4
+    schedule: str = "step"               # step, cosine or constant (stepped every iteration)
+    milestones: list[float] = field(default_factory=lambda: [0.5, 0.75])  # step: fractions of the run
+    gamma: float = 0.1                   # step: lr factor at each milestone
+    warmup_iters: int = 0                # iterations of warm-up before the schedule
+    warmup_lr: float | None = None       # constant warm-up lr (He et al.); None: linear from 0
+    label_smoothing: float = 0.0
+    seed: int = 0
+    device: str = "auto"                 # auto (cuda if available), cpu, cuda, cuda:1, ...
+    amp: bool = False                    # autocast: bfloat16 (CPU, or GPUs with bf16), float16 + GradScaler
+    compile: bool = False                # torch.compile the model
+    data_parallel: bool = False          # nn.DataParallel over the visible GPUs
+    out_dir: str | None = None           # run directory; None: runs/<model>-<dataset>-<time>
+    resume: str | None = None            # a run directory or its last.pt/best.pt: continue it
+
+    def validate(self) -> None:
+        """Check values that have the right type but an impossible value."""
+        positive = {"epochs": self.epochs, "batch_size": self.batch_size}
+        for key, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"{key} must be at least 1, got {value}")
+        for key in ("train_size", "test_size"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"{key} must be at least 1 (or null for the whole split), "
+                                  f"got {value}")
+        if self.image_size is not None and self.image_size < 8:
+            raise ConfigError(f"image_size must be at least 8 (or null for 32), got {self.image_size}")
+        if self.workers < 0:
+            raise ConfigError(f"workers must be >= 0, got {self.workers}")
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be positive, got {self.lr}")
+        if self.optimizer not in ("sgd", "adamw"):
+            raise ConfigError(f"optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}")
+        if self.schedule not in ("step", "cosine", "constant"):
+            raise ConfigError(f"schedule must be 'step', 'cosine' or 'constant', "
+                              f"got {self.schedule!r}")
+        if any(not 0 < m < 1 for m in self.milestones):
+            raise ConfigError(f"milestones are fractions of the run in (0, 1), "
+                              f"got {self.milestones}")
+        if self.warmup_iters < 0:
+            raise ConfigError(f"warmup_iters must be >= 0, got {self.warmup_iters}")
+        if not 0 <= self.label_smoothing < 1:
+            raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+
+
+def config_keys() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def resolve_model_name(name: str) -> str:
+    """A family alias (``densenet``) -> its registry name (``densenet_bc_100``); others unchanged."""
+    return MODEL_ALIASES.get(name, name)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
+    """``value`` checked against the annotation ``tp``; ints are accepted for floats, and on the
+    command line (where Fire parses ``--out_dir 7`` as an int, ``--efficient true`` as a string)
+    numbers for strings and true/false strings for booleans."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arm in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(key, value, arm, from_cli)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"{key} must be {' or '.join(_type_name(a) for a in args)}, "
+                          f"got {value!r} ({type(value).__name__})")
+    if origin is list:
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {value!r} ({type(value).__name__})")
+        return [_coerce(f"{key}[{i}]", v, args[0], from_cli) for i, v in enumerate(value)]
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r} ({type(value).__name__})")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if from_cli and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def merge(base: TrainConfig, overrides: dict[str, Any], source: str,
+          from_cli: bool = False) -> TrainConfig:
+    """A copy of ``base`` with ``overrides`` applied, every key and value checked."""
+    hints = typing.get_type_hints(TrainConfig)
+    values = dataclasses.asdict(base)
+    for raw_key, value in overrides.items():
+        key = raw_key.replace("-", "_")
+        if key not in hints:
+            close = difflib.get_close_matches(key, hints, n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ConfigError(f"unknown key {raw_key!r} in {source}{hint}; valid keys: "
+                              f"{', '.join(config_keys())}")
+        values[key] = _coerce(key, value, hints[key], from_cli)
+    if isinstance(values["efficient"], str) and values["efficient"].lower() in ("true", "false"):
+        values["efficient"] = values["efficient"].lower() == "true"
+    cfg = TrainConfig(**values)
+    cfg.model = resolve_model_name(cfg.model)
+    return cfg
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """A recipe file as a dict; a missing, unreadable or non-mapping file is a ConfigError."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror or e}; "
+                          f"the recipes are in configs/ (e.g. configs/densenet_bc_100.yaml)") from e
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must be a mapping of keys to values, "
+                          f"got a {type(data).__name__}; valid keys: {', '.join(config_keys())}")
+    return data
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+
+
+def resolve_config(flags: dict[str, Any], recipes_dir: str | Path | None = None,
+                   saved: dict[str, Any] | None = None) -> tuple[TrainConfig, list[str]]:
+    """The run's config and where its values came from, lowest precedence first.
+
+    ``flags``: command-line values (``config`` names a recipe file). Without ``--config`` and
+    without ``saved``, the model's own recipe ``recipes_dir/<model>.yaml`` is used when it exists.
+    ``saved``: the config of the run being resumed (it already includes its recipe).
+    """
+    flags = {k.replace("-", "_"): v for k, v in flags.items()}
+    config_path = flags.pop("config", None)
+    cfg, sources = TrainConfig(), ["defaults"]
+    if saved is not None:
+        cfg = merge(cfg, saved, "the resumed run's config")
+        sources.append("the resumed run's config")
+    elif config_path is None and recipes_dir is not None:
+        model = resolve_model_name(str(flags.get("model", cfg.model)))
+        recipe = Path(recipes_dir) / f"{model}.yaml"
+        if recipe.is_file():
+            config_path = recipe
+    if config_path is not None:
+        cfg = merge(cfg, load_yaml(config_path), f"config file {str(config_path)!r}")
+        sources.append(str(config_path))
+    if flags:
+        cfg = merge(cfg, flags, "the command line", from_cli=True)
+        sources.append("command line")
+    cfg.validate()
+    return cfg, sources
