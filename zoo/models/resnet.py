@@ -3,28 +3,32 @@
 A ResNet (He et al. 2016, "Deep Residual Learning for Image Recognition", arXiv:1512.03385) is a
 chain of residual blocks ``relu(F(x) + shortcut(x))``: BasicBlock (two 3x3 convolutions) or
 Bottleneck (1x1, 3x3, 1x1). Plain training keeps, per block, the input of every convolution and
-of every BatchNorm; most of that is cheap to rebuild.
+every BatchNorm; most of it is cheap to rebuild.
 
 Checkpoint modes (``checkpoint_modes``, the recommended first; all give exactly the plain model's
-outputs, gradients and BatchNorm statistics, and the same state_dict):
+outputs, gradients and BatchNorm statistics, and the same state_dict). Figures: one training step,
+exact CPU peak (MemTracker, parameters and gradients included) and FLOPs, scripts/bench_resnet.py:
 
 * ``"halves"`` (recommended): each block is checkpointed in two halves that meet at conv2's
   output, so per block only its input and conv2's output are kept. Backward reruns conv1 (and, in
   a Bottleneck, conv3 and the downsample convolution) but never conv2, the 3x3 convolution that
   holds most of a Bottleneck's FLOPs: torch's non-reentrant checkpoint stops recomputing as soon
   as it has rebuilt every tensor backward needs, and a convolution saves its input before it
-  runs. ResNet-50, batch 8 at 224 px: lower peak *and* fewer FLOPs than timm's
-  ``set_grad_checkpointing(True)`` (scripts/bench_resnet.py).
+  runs. ResNet-50, batch 8 at 224 px: 797 -> 386 MiB at +18% FLOPs, where timm's
+  ``set_grad_checkpointing(True)`` gives 433 MiB at +33%. ResNet-110, batch 64: 0.51x at +17%.
 * ``"block"``: each block's residual branch and shortcut are checkpointed whole (timm's
-  granularity): only block inputs are kept and the block's forward runs again in backward.
-  ``checkpoint_every=n`` checkpoints ``n`` consecutive blocks as one region, so only every n-th
-  block's output is kept (Chen et al. 2016's segments; timm's ``checkpoint_seq(every=n)``).
+  granularity): only block inputs are kept and the whole forward runs again in backward (+33%).
+  ResNet-50: 365 MiB; ResNet-110: 0.27x. ``checkpoint_every=n`` checkpoints ``n`` consecutive
+  blocks as one region, so only every n-th block's output is kept (Chen et al. 2016's segments;
+  timm's ``checkpoint_seq(every=n)``): ResNet-110 with n=2: 0.165x, the lowest peak for the
+  CIFAR nets; ResNet-50 with n=2: 397 MiB (two blocks rebuilt at once outweigh the savings).
 * ``"bn_relu"``: only BatchNorms, ReLUs and shortcuts are recomputed; every convolution's output
-  is kept and none runs again: +0% FLOPs for a smaller saving.
+  is kept and none runs again: +0% FLOPs for 0.84x (ResNet-50) or 0.76x (ResNet-110).
 
-In every mode the stem's BN-ReLU(-max-pool) is checkpointed too (its convolution is not rerun),
-and each block's final ReLU runs outside the checkpoint: it saves its output, which is the next
-block's input and kept anyway, so recomputing it would only hold a second copy.
+The stem's BN-ReLU(-max-pool) is checkpointed too: with its convolution in ``halves`` and
+``block`` (3 input channels: ~1% of the FLOPs, and its 112x112 output is not kept), without it
+in ``bn_relu``. Each block's final ReLU runs outside the checkpoint: it saves its output, which
+is the next block's input and kept anyway, so recomputing it would only hold a second copy.
 
 The ImageNet models' submodules are named as torchvision's (``conv1``, ``bn1``, ``layer1.0.
 conv1``, ``layer2.0.downsample.0``, ``fc``), so torchvision's state_dicts load with ``strict=True``
@@ -68,54 +72,41 @@ class ZeroPadShortcut(nn.Module):
 
 
 class _ResidualBlock(nn.Module):
-    """``relu(bn_k(conv_k(... relu(bn_1(conv_1(x))))) + shortcut(x))`` in every checkpoint mode.
+    """``relu(bn_n(conv_n(... relu(bn_1(conv_1(x))))) + shortcut(x))`` in every checkpoint mode.
 
     Subclasses create ``conv1``, ``bn1``, ``conv2``, ``bn2`` (, ``conv3``, ``bn3``) and
     ``downsample`` (``None``, torchvision's ``Sequential(conv1x1, BatchNorm)`` or a
-    parameter-free shortcut), and list the pairs in ``_stages``.
+    parameter-free shortcut), and list them in ``_convs`` and ``_norms``.
     """
 
     downsample: nn.Module | None
+    _convs: list[nn.Conv2d]
+    _norms: list[nn.BatchNorm2d]
 
-    @property
-    def _stages(self) -> list[tuple[nn.Conv2d, nn.BatchNorm2d]]:
-        raise NotImplementedError
-
-    def _shortcut(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.downsample is None else self.downsample(x)
-
-    def _run(self, start: int, stop: int, x: torch.Tensor) -> torch.Tensor:
-        """conv-BN-ReLU stages ``start..stop-1`` of the residual branch, ending on a convolution:
-        ``conv_start``, then ``bn_k``-ReLU-``conv_{k+1}`` for each further stage."""
-        stages = self._stages
-        if start == 0:
-            x = stages[0][0](x)
-            start = 1
+    def _branch(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Convolutions ``start..stop-1`` (0-based) of the residual branch, BN-ReLU before each
+        but the first: ``x`` is the block's input (start 0) or conv_start-1's output."""
         for k in range(start, stop):
-            x = stages[k][0](F.relu(stages[k - 1][1](x), inplace=True))
+            if k > 0:
+                x = F.relu(self._norms[k - 1](x), inplace=True)
+            x = self._convs[k](x)
         return x
 
-    def _finish(self, c: torch.Tensor, x: torch.Tensor, start: int) -> torch.Tensor:
-        """From conv_start's output ``c`` to the sum before the final ReLU."""
-        stages = self._stages
-        c = self._run(start, len(stages), c) if start < len(stages) else c
-        return stages[-1][1](c) + self._shortcut(x)
+    def _tail(self, c: torch.Tensor, x: torch.Tensor, start: int) -> torch.Tensor:
+        """From ``c`` (conv_start's input: see ``_branch``) to the sum before the final ReLU."""
+        c = self._branch(c, start, len(self._convs))
+        return self._norms[-1](c) + (x if self.downsample is None else self.downsample(x))
 
-    def _norm_relu_conv(self, k: int, c: torch.Tensor) -> torch.Tensor:
-        """BN_k-ReLU-conv_{k+1} (0-based k): recomputed in ``bn_relu`` mode, the conv is not."""
-        stages = self._stages
-        return stages[k + 1][0](F.relu(stages[k][1](c), inplace=True))
-
-    def _last_norm_add(self, c: torch.Tensor, shortcut_input: torch.Tensor) -> torch.Tensor:
-        bn = self._stages[-1][1]
+    def _last_norm_add(self, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """``bn_n(c)`` plus the shortcut, whose convolution (if any) already gave ``d``."""
         ds = self.downsample
-        if isinstance(ds, nn.Sequential):  # conv1x1 ran outside: only its BatchNorm is here
-            return bn(c) + ds[1](shortcut_input)
-        return bn(c) + self._shortcut(shortcut_input)
+        if isinstance(ds, nn.Sequential):
+            return self._norms[-1](c) + ds[1](d)
+        return self._norms[-1](c) + (d if ds is None else ds(d))
 
     def residual(self, x: torch.Tensor) -> torch.Tensor:
         """Residual branch plus shortcut: the block's output before its final ReLU."""
-        return self._finish(self._run(0, 1, x), x, 1)
+        return self._tail(x, x, 0)
 
     def forward(self, x: torch.Tensor, mode: str | None = None) -> torch.Tensor:
         """The block on ``x``; ``mode`` is ``None`` (plain) or a checkpoint mode (module doc)."""
@@ -124,15 +115,14 @@ class _ResidualBlock(nn.Module):
         elif mode == "block":
             out = checkpoint(self.residual, x)
         elif mode == "halves":
-            c2 = checkpoint(self._run, 0, 2, x)  # backward reruns conv1, stops before conv2
-            out = checkpoint(self._finish, c2, x, 2)
-        elif mode == "bn_relu":
-            c = self._stages[0][0](x)
-            for k in range(len(self._stages) - 1):
-                c = checkpoint(self._norm_relu_conv, k, c)
+            c2 = checkpoint(self._branch, x, 0, 2)  # backward reruns conv1, stops before conv2
+            out = checkpoint(self._tail, c2, x, 2)
+        elif mode == "bn_relu":  # convolutions outside, BN-ReLU(-conv input) inside checkpoints
+            c = self._convs[0](x)
+            for k in range(1, len(self._convs)):
+                c = checkpoint(self._branch, c, k, k + 1)
             ds = self.downsample
-            d = ds[0](x) if isinstance(ds, nn.Sequential) else x
-            out = checkpoint(self._last_norm_add, c, d)
+            out = checkpoint(self._last_norm_add, c, ds[0](x) if isinstance(ds, nn.Sequential) else x)
         else:
             raise ValueError(f"unknown ResNet checkpoint mode {mode!r}; expected None or one of "
                              f"{', '.join(MODES)}")
@@ -164,8 +154,12 @@ class BasicBlock(_ResidualBlock):
         self.stride = stride
 
     @property
-    def _stages(self) -> list[tuple[nn.Conv2d, nn.BatchNorm2d]]:
-        return [(self.conv1, self.bn1), (self.conv2, self.bn2)]
+    def _convs(self) -> list[nn.Conv2d]:
+        return [self.conv1, self.conv2]
+
+    @property
+    def _norms(self) -> list[nn.BatchNorm2d]:
+        return [self.bn1, self.bn2]
 
 
 class Bottleneck(_ResidualBlock):
@@ -188,8 +182,12 @@ class Bottleneck(_ResidualBlock):
         self.stride = stride
 
     @property
-    def _stages(self) -> list[tuple[nn.Conv2d, nn.BatchNorm2d]]:
-        return [(self.conv1, self.bn1), (self.conv2, self.bn2), (self.conv3, self.bn3)]
+    def _convs(self) -> list[nn.Conv2d]:
+        return [self.conv1, self.conv2, self.conv3]
+
+    @property
+    def _norms(self) -> list[nn.BatchNorm2d]:
+        return [self.bn1, self.bn2, self.bn3]
 
 
 def _segment(blocks: Sequence[_ResidualBlock], x: torch.Tensor) -> torch.Tensor:
