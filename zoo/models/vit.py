@@ -7,18 +7,22 @@ blocks (``zoo.models._transformer.Block``) runs on the tokens. The class token's
 LayerNorm'd, feeds a linear classifier.
 
 Checkpoint modes (see ``_transformer``): ``"block"`` (recommended) recomputes each block in
-backward, keeping only its input; ``"selective"`` keeps the blocks' matmul outputs and
-recomputes attention and pointwise ops. For ViT-S/16 at batch 8, 224 px, ``"block"`` needs no
-more memory and no more FLOPs than timm's ``set_grad_checkpointing(True)``
-(scripts/bench_transformers.py).
+backward, keeping only its input; ``"sublayer"`` checkpoints the attention and MLP halves apart;
+``"selective"`` keeps the blocks' matmul outputs and recomputes attention and pointwise ops. For
+ViT-S/16 at batch 8, 224 px, ``"block"`` peaks at exactly timm's ``set_grad_checkpointing(True)``
+(210.8 MiB, 0.388x plain) for fewer FLOPs (+20.2% against timm's +22.0%), because its last block
+is not recomputed (scripts/bench_transformers.py).
+
+ViT uses dropout where BERT and GPT-2 do (after each sublayer, on attention probabilities, after
+the position embedding, before the head), not after the MLP's GELU as timm also does; with the
+default rates (0) the two are the same model.
 
 State dicts use timm's ``VisionTransformer`` names (``cls_token``, ``pos_embed``,
 ``patch_embed.proj``, ``blocks.N.attn.qkv`` ..., ``norm``, ``head``), so timm's
 ``vit_small_patch16_224`` / ``vit_base_patch16_224`` weights load with ``strict=True``.
 
 Inputs of another size than the one the position embeddings were made for are accepted: the
-embeddings are resampled (bicubic, as timm's ``dynamic_img_size``) to the patch grid. Tests use
-64 px inputs for the 224 px models to stay small.
+embeddings are resampled (bicubic, as timm's ``dynamic_img_size``) to the patch grid.
 """
 from __future__ import annotations
 
@@ -110,10 +114,13 @@ class VisionTransformer(TransformerModel):
         return [Step(self.embed, "embed"), *self.blocks, self.norm]
 
     def example_input(self, batch_size: int = 2, size: int | None = None) -> torch.Tensor:
-        """Random images; ``size`` defaults to ``img_size`` for models made for 32 px, else 64
-        (any multiple of the patch size works; pass 224 for the native resolution)."""
+        """Random images. ``size`` defaults to ``img_size`` for models made for 32 px and to 160
+        for the 224 px ones (position embeddings are resampled): at 128 px a batch of 4 has fewer
+        activations than the parameters' gradients, so no checkpointing can lower the step's
+        peak; at 160 it can, with half the tokens of 224 for CPU tests. Pass 224
+        for the native resolution."""
         if size is None:
-            size = self.img_size if self.img_size <= 32 else 64
+            size = self.img_size if self.img_size <= 32 else 160
         return torch.randn(batch_size, 3, size, size, device=self.head.weight.device)
 
 
