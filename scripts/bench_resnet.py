@@ -1,7 +1,7 @@
 """Peak memory and FLOPs of one ResNet training step, plain against each checkpoint mode and timm.
 
-    python scripts/bench_resnet.py                  # exact CPU figures (MemTracker, FlopCounterMode)
-    python scripts/bench_resnet.py --fake           # same bytes and FLOPs without running kernels
+    python scripts/bench_resnet.py          # exact CPU figures (MemTracker, FlopCounterMode)
+    python scripts/bench_resnet.py --fake   # same bytes and FLOPs without running kernels
 
 One step = forward, ``square().mean()`` loss, backward, in train mode, from fresh gradients; the
 model's parameters count towards the peak (``track``), as they would on a GPU. Workloads:
@@ -61,7 +61,7 @@ def measure(model: nn.Module, x: torch.Tensor) -> Result:
 
 def bench_zoo(name: str, batch_size: int, size: int, fake: bool,
               every: tuple[int, ...] = ()) -> dict[str, Result]:
-    """Plain, every checkpoint mode, and ``block`` mode with each ``checkpoint_every`` in ``every``."""
+    """Plain, every checkpoint mode, and the ``block`` mode with each ``checkpoint_every``."""
     torch.manual_seed(0)
     with _maybe_fake(fake):
         model = zoo.create_model(name)
@@ -99,7 +99,8 @@ def main(imagenet_batch: int = 8, imagenet_size: int = 224, cifar_batch: int = 6
     def add(workload: str, results: dict[str, Result], base: Result) -> None:
         for variant, (peak, flops) in results.items():
             rows.append({"workload": workload, "variant": variant, "peak_bytes": peak,
-                         "flops": flops, "peak_ratio": peak / base[0], "flop_ratio": flops / base[1]})
+                         "flops": flops, "peak_ratio": peak / base[0],
+                         "flop_ratio": flops / base[1]})
 
     r50 = bench_zoo("resnet50", imagenet_batch, imagenet_size, fake, every=(2, 3))
     timm_r50 = bench_timm("resnet50", imagenet_batch, imagenet_size, fake)

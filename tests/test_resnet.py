@@ -53,8 +53,8 @@ def test_parameter_count_matches_published(name):
     assert f"{count / 1e6:.{digits}f}" == published, f"{count:,} parameters"
 
 
-@pytest.mark.parametrize("name,depth,blocks_per_stage", [("resnet20", 20, 3), ("resnet110", 110, 18),
-                                                         ("resnet1202", 1202, 200)])
+@pytest.mark.parametrize("name,depth,blocks_per_stage", [
+    ("resnet20", 20, 3), ("resnet110", 110, 18), ("resnet1202", 1202, 200)])
 def test_cifar_depth_is_6n_plus_2(name, depth, blocks_per_stage):
     with torch.device("meta"):
         model = zoo.create_model(name)
@@ -173,7 +173,10 @@ def test_each_mode_reruns_exactly_the_convolutions_it_says(kind, mode):
     """``bn_relu`` reruns none; ``halves`` reruns the stem conv, conv1, conv3 and the downsample
     conv but never conv2 (backward stops before it); ``block`` reruns every convolution."""
     torch.manual_seed(0)
-    model = CifarResNet(depth=8, efficient=mode) if kind == "cifar" else tiny_bottleneck(efficient=mode)
+    if kind == "cifar":
+        model = CifarResNet(depth=8, efficient=mode)
+    else:
+        model = tiny_bottleneck(efficient=mode)
     runs = _conv_runs(model, model.example_input(2, 32))
     assert set(runs) == {n for n, m in model.named_modules() if isinstance(m, torch.nn.Conv2d)}
     rerun = {name for name, count in runs.items() if count == 2}

@@ -134,7 +134,7 @@ class CifarCNN(ZooModel):
         return [self.cnn_block_1, self.cnn_block_2]
 
     def example_input(self, batch_size: int = 2, size: int | None = None) -> torch.Tensor:
-        """Random images of ``image_size`` (the head's Linear fixes the size; ``size`` must match)."""
+        """Random images of ``image_size`` (the head's Linear fixes it; ``size`` must match)."""
         if size is not None and size != self.image_size:
             raise ValueError(f"this CifarCNN was built for {self.image_size}px images (its first "
                              f"Linear layer fixes the size), got size={size}; build it with "

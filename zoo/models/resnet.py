@@ -122,7 +122,8 @@ class _ResidualBlock(nn.Module):
             for k in range(1, len(self._convs)):
                 c = checkpoint(self._branch, c, k, k + 1)
             ds = self.downsample
-            out = checkpoint(self._last_norm_add, c, ds[0](x) if isinstance(ds, nn.Sequential) else x)
+            d = ds[0](x) if isinstance(ds, nn.Sequential) else x
+            out = checkpoint(self._last_norm_add, c, d)
         else:
             raise ValueError(f"unknown ResNet checkpoint mode {mode!r}; expected None or one of "
                              f"{', '.join(MODES)}")
@@ -296,7 +297,8 @@ class ResNet(_ResNetBase):
                  efficient: bool | str = False) -> None:
         super().__init__()
         if len(layers) != 4 or min(layers) < 1:
-            raise ValueError(f"layers must give 4 stages of at least one block, got {tuple(layers)}")
+            raise ValueError(f"layers must give 4 stages of at least one block each, "
+                             f"got {tuple(layers)}")
         self.num_classes = num_classes
         self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
         self.bn1 = cp_BatchNorm2d(64)
