@@ -43,7 +43,7 @@ class TrainConfig:
     image_size: int | None = None        # resize images to this side (None: 32, the data's own)
     train_size: int | None = None        # use the first N training images (None: all)
     test_size: int | None = None         # use the first N test images (None: all)
-    workers: int = 0                     # DataLoader worker processes
+    workers: int | None = None           # DataLoader worker processes; None: 0 on CPU, up to 8 on GPU
     epochs: int = 300
     batch_size: int = 64                 # global batch: split evenly over DDP processes
     optimizer: str = "sgd"               # sgd or adamw
@@ -78,7 +78,7 @@ class TrainConfig:
                                   f"got {value}")
         if self.image_size is not None and self.image_size < 8:
             raise ConfigError(f"image_size must be at least 8 (or null for 32), got {self.image_size}")
-        if self.workers < 0:
+        if self.workers is not None and self.workers < 0:
             raise ConfigError(f"workers must be >= 0, got {self.workers}")
         if self.lr <= 0:
             raise ConfigError(f"lr must be positive, got {self.lr}")

@@ -61,7 +61,7 @@ def _bar(u: np.ndarray, v: np.ndarray, angle: float, half_len: float, half_w: fl
 def draw_shape(label: int, rng: np.random.Generator, size: int = 32) -> np.ndarray:
     """One ``size`` x ``size`` RGB image (float32 in [0, 1], HWC) of class ``label``."""
     y, x = (np.mgrid[0:size, 0:size].astype(np.float32) + 0.5) / size
-    r = rng.uniform(0.16, 0.3)
+    r = rng.uniform(0.2, 0.36)
     cx, cy = rng.uniform(0.5 - (0.45 - r), 0.5 + (0.45 - r), size=2)
     u, v = x - cx, y - cy
     theta = rng.uniform(0, 2 * math.pi)
@@ -98,8 +98,8 @@ def draw_shape(label: int, rng: np.random.Generator, size: int = 32) -> np.ndarr
 
 
 class ShapesDataset(Dataset):
-    """``length`` procedurally drawn images (classes balanced, ``index % 10``), normalised to about
-    zero mean and unit variance; image ``i`` depends only on (seed, train, i)."""
+    """``length`` procedurally drawn images (classes balanced, ``index % 10``), each standardised
+    to zero mean and unit variance; image ``i`` depends only on (seed, train, i)."""
 
     classes = SHAPE_CLASSES
 
@@ -114,8 +114,9 @@ class ShapesDataset(Dataset):
             raise IndexError(f"index {index} out of range for {self.length} images")
         label = index % len(SHAPE_CLASSES)
         rng = np.random.default_rng([self.seed, self.split, index])
-        img = draw_shape(label, rng, self.size)
-        return (torch.from_numpy(img).permute(2, 0, 1) - 0.5) / 0.25, label
+        img = torch.from_numpy(draw_shape(label, rng, self.size)).permute(2, 0, 1)
+        # Per-image standardisation: the random colours carry no label, so take them out.
+        return (img - img.mean()) / (img.std() + 1e-3), label
 
 
 class SyntheticDataset(Dataset):

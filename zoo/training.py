@@ -143,7 +143,10 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
 def _loader(ds: Dataset, batch: int, sampler: Any, cfg: TrainConfig, epoch: int,
             device: torch.device) -> DataLoader:
     # The generator seeds the workers' RNGs (augmentation) per epoch, so a resumed run repeats them.
-    return DataLoader(ds, batch_size=batch, sampler=sampler, num_workers=cfg.workers,
+    workers = cfg.workers
+    if workers is None:  # on CPU the model needs the cores; on GPU, feed it in parallel
+        workers = 0 if device.type == "cpu" else min(8, (os.cpu_count() or 1) // 2)
+    return DataLoader(ds, batch_size=batch, sampler=sampler, num_workers=workers,
                       pin_memory=device.type == "cuda",
                       generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
 
@@ -264,7 +267,8 @@ def fit(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
-        scaler.load_state_dict(ckpt["scaler"])
+        if ckpt["scaler"] and scaler.is_enabled():  # (empty when saved without float16 AMP)
+            scaler.load_state_dict(ckpt["scaler"])
         start_epoch, step, best_acc = ckpt["epoch"], ckpt["step"], ckpt["best_acc"]
         rngs = ckpt["rng"]
         set_rng_state(rngs[env.rank] if len(rngs) == env.world_size else rngs[0])
@@ -289,6 +293,9 @@ def fit(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
         + (f", DataParallel over {torch.cuda.device_count()} GPUs" if cfg.data_parallel else "")
         + (f"; resuming after epoch {start_epoch}" if ckpt is not None else ""))
 
+    if start_epoch >= cfg.epochs:
+        say(f"nothing to do: the run already has {start_epoch} of {cfg.epochs} epochs; pass "
+            f"--epochs N (more than {start_epoch}) to train it further")
     history, started = [], time.perf_counter()
     for epoch in range(start_epoch, cfg.epochs):
         sampler.set_epoch(epoch)
