@@ -213,6 +213,17 @@ def test_selective_recompute_keeps_named_ops_and_matches_plain():
     assert flops_selective < flops_full  # matmuls were kept, not recomputed
 
 
+@pytest.mark.parametrize("norm", [nn.BatchNorm2d, zoo.cp_BatchNorm2d])
+def test_selective_recompute_with_batchnorm_in_the_region(images, norm):
+    """save_ops replays the region under a mode that rejects ops the forward did not run; the
+    statistics bookkeeping of a recompute (snapshots, cp_BatchNorm's counter) must not trip it."""
+    plain, ckpt = conv_bn_net(norm), conv_bn_net(norm)
+    save = {torch.ops.aten.convolution.default}
+    assert_same_training(plain, plain, ckpt, lambda x: zoo.checkpoint(ckpt, x, save_ops=save),
+                         images, steps=3)
+    assert int(ckpt[1].num_batches_tracked) == 3
+
+
 def test_memory_is_lower_than_plain_and_than_torch_sequential():
     """Two stages, each run with checkpoint_sequential: torch keeps the first stage's last segment
     alive through the whole second stage; the zoo checkpoints it (seed 000)."""

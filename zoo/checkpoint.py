@@ -35,14 +35,16 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _python_dispatch
 from torch.utils import checkpoint as torch_checkpoint
 
-__all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing", "split_segments"]
+__all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing", "split_segments",
+           "state_bookkeeping"]
 
 # --------------------------------------------------------------------------------------------
 # Recompute state: a per-thread depth (autograd runs backward on one thread per device, and
@@ -85,6 +87,29 @@ def _norm_state(module: nn.Module) -> list[torch.Tensor] | None:
             if b is not None]
 
 
+# The dispatch mode that replays a selective-checkpoint region (``save_ops``) during backward:
+# it insists that every op it sees was recorded in the forward, so ops that exist only in a
+# recompute (the snapshot copies below, cp_BatchNorm's counter correction) must run outside it.
+_SAC_REPLAY_MODE = getattr(torch_checkpoint, "_CachedTorchDispatchMode", None)
+
+
+@contextlib.contextmanager
+def state_bookkeeping() -> Iterator[None]:
+    """Run recompute-only bookkeeping on module state outside selective checkpoint's replay.
+
+    Selective recompute (``save_ops``) replays the forward under a dispatch mode that matches each
+    op against the forward's record and fails on any op the forward did not run. Copies of running
+    statistics made only while recomputing are not part of the region's computation, so they run
+    with that mode lifted; any other mode (FakeTensorMode, MemTracker) stays active.
+    """
+    mode = _python_dispatch._get_current_dispatch_mode()
+    if _SAC_REPLAY_MODE is not None and isinstance(mode, _SAC_REPLAY_MODE):
+        with _python_dispatch._pop_mode_temporarily():
+            yield
+    else:
+        yield
+
+
 def _stashes() -> dict[int, list[list[torch.Tensor]]]:
     if not hasattr(_local, "stash"):
         _local.stash = {}
@@ -96,7 +121,7 @@ def _save_norm_stats(module: nn.Module, args: Any) -> None:
         return
     buffers = _norm_state(module)
     if buffers is not None:
-        with torch.no_grad():
+        with torch.no_grad(), state_bookkeeping():
             _stashes().setdefault(id(module), []).append([b.clone() for b in buffers])
 
 
@@ -107,7 +132,7 @@ def _restore_norm_stats(module: nn.Module, args: Any, output: Any) -> None:
     saved = stack.pop()
     if not stack:
         del _stashes()[id(module)]
-    with torch.no_grad():
+    with torch.no_grad(), state_bookkeeping():
         for live, old in zip(_norm_state(module) or [], saved):
             live.copy_(old)
 

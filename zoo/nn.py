@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import is_recomputing
+from .checkpoint import is_recomputing, state_bookkeeping
 
 __all__ = ["cp_BatchNorm1d", "cp_BatchNorm2d", "cp_BatchNorm3d", "cp_SyncBatchNorm",
            "convert_batchnorm", "in_recompute"]
@@ -61,7 +61,7 @@ class _RecomputeSafeNorm:
         finally:
             self.momentum = momentum
             if self.num_batches_tracked is not None:
-                with torch.no_grad():
+                with torch.no_grad(), state_bookkeeping():
                     self.num_batches_tracked.sub_(1)
 
 
