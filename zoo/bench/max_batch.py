@@ -1,0 +1,188 @@
+"""The largest batch each variant trains within a memory budget.
+
+Two ways to the same answer:
+
+* :class:`PeakPredictor` (any machine, no GPU): the exact peak of one training step under
+  ``FakeTensorMode``, where tensors have shapes but no data, so MemTracker counts every byte a
+  real step would allocate while nothing is allocated or computed. A laptop answers "what fits on
+  a 12 GB card". With ``allocator="cuda"`` every allocation is rounded up to the CUDA caching
+  allocator's 512-byte blocks (MemTracker does this only for CUDA tensors, and fake CUDA tensors
+  cannot run backward without a GPU, so the rounding is applied to the fake CPU tensors).
+  What it cannot see: cuDNN/cuBLAS workspaces and kernels that differ between CPU and CUDA (on the
+  CPU, attention with dropout stores its T x T matrix; CUDA's fused kernels do not).
+* :func:`cuda_peak` (a real GPU): one real step, ``torch.cuda.set_per_process_memory_fraction``
+  capping the device at the budget; an out-of-memory error means "does not fit", the memory is
+  freed and the search goes on.
+
+:func:`largest_batch` searches either: a linear guess from two probes, galloping from the guess,
+then bisection, so the answer ``b`` fits and ``b + 1`` was probed and does not.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+import zoo
+from zoo.memory import cpu_peak_bytes
+
+from .measure import training_step
+from .variants import build_variant
+
+__all__ = ["CUDA_BLOCK", "cuda_allocator_rounding", "PeakPredictor", "cuda_peak",
+           "largest_batch"]
+
+CUDA_BLOCK = 512  # c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, every block a multiple of it
+
+
+@contextlib.contextmanager
+def cuda_allocator_rounding() -> Iterator[None]:
+    """While active, MemTracker rounds every storage up to a multiple of 512 bytes, as the CUDA
+    caching allocator does, whatever the device of the (fake) tensors."""
+    from torch.distributed._tools import mem_tracker
+
+    info = mem_tracker._WeakRefInfo
+    original = info._calculate_mem_consumed
+
+    def rounded(self: Any) -> int:
+        return math.ceil(self.size * self.element_size / CUDA_BLOCK) * CUDA_BLOCK
+
+    info._calculate_mem_consumed = rounded
+    try:
+        yield
+    finally:
+        info._calculate_mem_consumed = original
+
+
+class PeakPredictor:
+    """Exact peak bytes of one training step of ``model_name``'s variants at any batch size,
+    computed under ``FakeTensorMode`` (nothing is allocated; results are cached).
+
+    Args:
+        model_name: a name from ``zoo.list_models()``.
+        size: image side or sequence length (the model's ``example_input`` default if None).
+        allocator: ``"cuda"`` rounds allocations to 512-byte blocks (predicts
+            ``torch.cuda.max_memory_allocated``); ``"cpu"`` gives MemTracker's CPU bytes.
+        model_kwargs: passed to ``zoo.create_model``.
+    """
+
+    def __init__(self, model_name: str, size: int | None = None, allocator: str = "cuda",
+                 **model_kwargs: Any) -> None:
+        if allocator not in ("cuda", "cpu"):
+            raise ValueError(f"allocator must be 'cuda' (512-byte blocks) or 'cpu', got {allocator!r}")
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.model_name, self.size, self.allocator = model_name, size, allocator
+        self.model_kwargs = model_kwargs
+        self._mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self._variants: dict[str, Any] = {}
+        self.cache: dict[tuple[str, int], int] = {}
+
+    def _variant(self, name: str) -> Any:
+        if name not in self._variants:
+            with self._mode:
+                torch.manual_seed(0)
+                model = zoo.create_model(self.model_name, **self.model_kwargs)
+                self._variants[name] = build_variant(model, name, reuse=True)
+        return self._variants[name]
+
+    def __call__(self, variant: str, batch_size: int) -> int:
+        """Predicted peak bytes of one step of ``variant`` at ``batch_size``."""
+        key = (variant, int(batch_size))
+        if key not in self.cache:
+            v = self._variant(variant)
+            rounding = cuda_allocator_rounding() if self.allocator == "cuda" \
+                else contextlib.nullcontext()
+            with self._mode, rounding:
+                x = v.model.example_input(int(batch_size), self.size) \
+                    if hasattr(v.model, "example_input") else self._input(batch_size)
+                self.cache[key] = cpu_peak_bytes(training_step(v, x), track=(v.model, x))
+                v.model.zero_grad(set_to_none=True)
+        return self.cache[key]
+
+    def _input(self, batch_size: int) -> torch.Tensor:
+        """The zoo model's example input, for variants whose model is not a zoo model."""
+        if "input_model" not in self._variants:
+            with self._mode:
+                self._variants["input_model"] = zoo.create_model(self.model_name,
+                                                                 **self.model_kwargs)
+        return self._variants["input_model"].example_input(int(batch_size), self.size)
+
+
+def cuda_peak(step_at: Callable[[int], Callable[[], None]], budget: int,
+              device: torch.device) -> Callable[[int], float]:
+    """A peak function for :func:`largest_batch` on a real CUDA device capped at ``budget``.
+
+    ``step_at(b)`` returns a training step at batch ``b``. The device is capped with
+    ``set_per_process_memory_fraction`` so that allocating past the budget raises out-of-memory;
+    the returned function gives ``max_memory_allocated`` of the step, or ``inf`` on out-of-memory
+    (after freeing the failed step's memory).
+    """
+    total = torch.cuda.get_device_properties(device).total_memory
+    if budget > total:
+        raise ValueError(f"a budget of {budget / 1e9:.1f} GB exceeds the device's "
+                         f"{total / 1e9:.1f} GB")
+
+    def peak(batch_size: int) -> float:
+        torch.cuda.set_per_process_memory_fraction(budget / total, device)
+        step = None
+        try:
+            step = step_at(batch_size)
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            step()
+            torch.cuda.synchronize(device)
+            return float(torch.cuda.max_memory_allocated(device))
+        except torch.cuda.OutOfMemoryError:
+            return math.inf
+        finally:
+            del step
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+    return peak
+
+
+def largest_batch(peak: Callable[[int], float], budget: int, probes: tuple[int, int] = (8, 16),
+                  max_batch: int = 1 << 20) -> tuple[int, dict[int, float]]:
+    """The largest batch ``b`` with ``peak(b) <= budget`` (0 if not even 1 fits), and every probe.
+
+    Assumes the peak grows with the batch. Two probes give a linear guess; from the guess the
+    search gallops (steps doubling from ~1% of the guess) until it holds a batch that fits and one
+    that does not, then bisects, so ``b + 1`` is always probed and over the budget (unless ``b``
+    is ``max_batch``).
+    """
+    seen: dict[int, float] = {}
+    lo, hi = 0, max_batch + 1  # lo fits (0 trivially), hi does not (max_batch + 1 by definition)
+
+    def probe(b: int) -> bool:
+        nonlocal lo, hi
+        b = max(1, min(b, max_batch))
+        if b not in seen:
+            seen[b] = peak(b)
+        if seen[b] <= budget:
+            lo = max(lo, b)
+            return True
+        hi = min(hi, b)
+        return False
+
+    a, b = probes
+    if probe(a) and probe(b) and hi > max_batch:
+        slope = (seen[b] - seen[a]) / (b - a)
+        guess = b + int((budget - seen[b]) / slope) if slope > 0 else max_batch
+        guess = max(lo + 1, min(guess, max_batch))
+        step = max(1, guess // 100)
+        if probe(guess):
+            while hi > lo + 1 and lo < max_batch and probe(lo + step):
+                step *= 2
+        else:
+            while hi > lo + 1 and not probe(max(lo + 1, hi - step)):
+                step *= 2
+    while hi > lo + 1:
+        probe((lo + hi) // 2)
+    return lo, seen

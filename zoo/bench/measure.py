@@ -1,0 +1,180 @@
+"""One training step of each variant: peak memory, FLOPs, median time, BatchNorm error.
+
+A step is forward, ``out.float().square().mean()`` as the loss, backward, in train mode, from
+fresh (``None``) gradients: the same step as ``scripts/bench_*.py``. No optimizer: its state is
+the same for every variant and would only hide the activations' share.
+
+* Peak memory counts the model's parameters and buffers, its gradients, the input batch and every
+  activation: on CUDA ``max_memory_allocated`` (and ``max_memory_reserved``) after
+  ``reset_peak_memory_stats`` with only the measured model on the device; on the CPU the exact
+  figure of MemTracker, which is what the CUDA allocator would hold up to its 512-byte rounding.
+* FLOPs with FlopCounterMode; recompute shows up as the extra over plain.
+* Time: every variant takes one step per round, in a shuffled order, after warm-up; the median
+  over rounds, and its ratio to plain's median in the same run (machines are shared and noisy).
+* BatchNorm: one step of each variant from the same buffers and seed, then the largest absolute
+  difference of running_mean / running_var and of num_batches_tracked against plain's, and the
+  largest gradient difference (0 means exactly the plain model).
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from zoo.memory import count_flops, cpu_peak_bytes, cuda_peak_bytes
+
+from .variants import PLAIN, Variant
+
+__all__ = ["training_step", "measure_memory", "measure_flops", "measure_times",
+           "measure_exactness", "measure_variants"]
+
+_STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def training_step(variant: Variant, x: torch.Tensor) -> Callable[[], None]:
+    """One training step of ``variant`` on ``x`` (gradients reset to None first)."""
+    model = variant.model
+
+    def step() -> None:
+        variant.prepare()
+        model.train()
+        model.zero_grad(set_to_none=True)
+        model(x).float().square().mean().backward()
+
+    return step
+
+
+def _models(variants: Sequence[Variant]) -> list[nn.Module]:
+    seen: dict[int, nn.Module] = {}
+    for v in variants:
+        seen.setdefault(id(v.model), v.model)
+    return list(seen.values())
+
+
+def measure_memory(variant: Variant, x: torch.Tensor, others: Sequence[nn.Module] = ()) -> dict:
+    """Peak bytes of one step. On CUDA the ``others`` models are moved to the CPU meanwhile, so
+    the peak holds only this variant's model, as it would in a run of its own."""
+    step = training_step(variant, x)
+    if x.device.type != "cuda":
+        peak = cpu_peak_bytes(step, track=(variant.model, x))
+        variant.model.zero_grad(set_to_none=True)
+        return {"peak_bytes": peak}
+    away = [m for m in others if m is not variant.model]
+    for m in away:
+        m.to("cpu")
+    torch.cuda.empty_cache()
+    try:
+        allocated, reserved = cuda_peak_bytes(step, x.device)
+    finally:
+        variant.model.zero_grad(set_to_none=True)
+        for m in away:
+            m.to(x.device)
+    return {"peak_bytes": allocated, "peak_reserved_bytes": reserved}
+
+
+def measure_flops(variant: Variant, x: torch.Tensor) -> int:
+    """FLOPs of one step (forward, recompute and backward)."""
+    flops = count_flops(training_step(variant, x))
+    variant.model.zero_grad(set_to_none=True)
+    return flops
+
+
+def measure_times(variants: Sequence[Variant], x: torch.Tensor, repeats: int = 5,
+                  warmup: int = 1, seed: int = 0) -> dict[str, list[float]]:
+    """Seconds per step of each variant, rounds interleaved in a shuffled order."""
+    cuda = x.device.type == "cuda"
+    steps = {v.name: training_step(v, x) for v in variants}
+    times: dict[str, list[float]] = {v.name: [] for v in variants}
+    for i in range(warmup + repeats):
+        order = list(steps)
+        random.Random(seed + i).shuffle(order)  # no variant always runs right after another
+        for name in order:
+            if cuda:
+                torch.cuda.synchronize(x.device)
+            start = time.perf_counter()
+            steps[name]()
+            if cuda:
+                torch.cuda.synchronize(x.device)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def measure_exactness(variants: Sequence[Variant], x: torch.Tensor, seed: int = 0) -> dict[str, dict]:
+    """BatchNorm statistics and gradient error against plain after one step from the same state.
+
+    Every model's state is put back afterwards. Returns ``{name: {"bn_stats_error": float | None,
+    "bn_count_error": int | None, "grad_error": float}}``; None where the model has no BatchNorm.
+    """
+    states = {id(m): _state(m) for m in _models(variants)}
+    after: dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
+    for v in variants:
+        torch.manual_seed(seed)
+        training_step(v, x)()
+        buffers = {k: t.detach().clone() for k, t in v.model.state_dict().items()
+                   if k.rsplit(".", 1)[-1] in _STATS}
+        grads = {k: p.grad.detach().clone() for k, p in v.model.named_parameters()
+                 if p.grad is not None}
+        after[v.name] = (buffers, grads)
+        v.model.zero_grad(set_to_none=True)
+        v.model.load_state_dict(states[id(v.model)])
+    ref_buffers, ref_grads = after[PLAIN] if PLAIN in after else after[variants[0].name]
+    out = {}
+    for name, (buffers, grads) in after.items():
+        stats = [(buffers[k] - ref_buffers[k]).abs().max().item() for k in ref_buffers
+                 if not k.endswith("num_batches_tracked") and k in buffers]
+        counts = [int((buffers[k] - ref_buffers[k]).abs().max()) for k in ref_buffers
+                  if k.endswith("num_batches_tracked") and k in buffers]
+        shared = [k for k in ref_grads if k in grads]
+        out[name] = {
+            "bn_stats_error": max(stats) if stats else None,
+            "bn_count_error": max(counts) if counts else None,
+            "grad_error": max(((grads[k] - ref_grads[k]).abs().max().item() for k in shared),
+                              default=0.0),
+        }
+    return out
+
+
+def measure_variants(variants: Sequence[Variant], x: torch.Tensor, repeats: int = 5,
+                     warmup: int = 1, timed: bool = True, exact: bool = True,
+                     seed: int = 0) -> list[dict[str, Any]]:
+    """Every measurement of every variant on the batch ``x``; one row per variant, ratios against
+    the first variant (plain). ``timed=False`` / ``exact=False`` skip the time and BatchNorm
+    measurements (required under FakeTensorMode, where nothing is computed)."""
+    rows: list[dict[str, Any]] = [{"variant": v.name, "description": v.description,
+                                   "batch_size": int(x.shape[0])} for v in variants]
+    models = _models(variants)
+    if exact:
+        errors = measure_exactness(variants, x, seed)
+        for row in rows:
+            row.update(errors[row["variant"]])
+    for row, v in zip(rows, variants):
+        row.update(measure_memory(v, x, models))
+        row["flops"] = measure_flops(v, x)
+    if timed:
+        times = measure_times(variants, x, repeats, warmup, seed)
+        for row in rows:
+            ts = times[row["variant"]]
+            row["times_s"] = ts
+            row["median_s"] = statistics.median(ts)
+            row["images_per_s"] = row["batch_size"] / row["median_s"]
+    base = rows[0]
+    for row in rows:
+        row["peak_ratio"] = row["peak_bytes"] / base["peak_bytes"]
+        row["flops_ratio"] = row["flops"] / base["flops"] if base["flops"] else None
+        row["recompute_overhead"] = row["flops_ratio"] - 1 if row["flops_ratio"] else None
+        if timed:
+            row["time_ratio"] = row["median_s"] / base["median_s"]
+            ts = row["times_s"]
+            quartiles = statistics.quantiles(ts, n=4)[::2] if len(ts) > 1 else [ts[0], ts[0]]
+            row["time_iqr_ratio"] = [q / base["median_s"] for q in quartiles]
+    return rows

@@ -1,0 +1,158 @@
+"""The variants a benchmark compares, all built from the same weights.
+
+* ``plain``: the zoo model without checkpointing (the baseline every ratio is taken against).
+* ``official``: ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` the way torchvision
+  and timm apply it, with their plain ``nn.BatchNorm2d`` (so BatchNorm statistics are updated
+  twice per step, pytorch/pytorch#96136). For DenseNet-B models it *is* torchvision's
+  ``DenseNet(memory_efficient=True)`` (the "Official" column of seed 003: each layer's
+  concat-BN-ReLU-conv1x1 checkpointed); for every other model each repeated block of the model's
+  chain (ResNet bottlenecks, transformer layers, dense blocks and transitions) is checkpointed on
+  its own, as timm's ``checkpoint_seq`` does, the stem and the head left alone.
+* ``zoo <mode>``: the zoo model with ``set_grad_checkpointing(mode)``, for each of its
+  ``checkpoint_modes`` (the first is what ``efficient=True`` picks).
+"""
+from __future__ import annotations
+
+import copy
+import types
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils import checkpoint as torch_checkpoint
+
+from zoo.checkpoint import run_blocks
+from zoo.models import ZooModel
+from zoo.models.densenet import DenseBlock, DenseNet
+from zoo.nn import _RecomputeSafeNorm
+
+__all__ = ["PLAIN", "OFFICIAL", "Variant", "variant_names", "build_variants", "build_variant"]
+
+PLAIN = "plain"
+OFFICIAL = "official"
+ZOO_PREFIX = "zoo "
+
+
+@dataclass
+class Variant:
+    """One compared way of training a model: ``model`` in the checkpoint ``mode`` it needs."""
+
+    name: str
+    model: nn.Module
+    mode: bool | str  # what set_grad_checkpointing gets before each step (zoo models only)
+    description: str
+
+    def prepare(self) -> None:
+        """Put ``model`` in this variant's checkpoint mode (variants may share one model)."""
+        if isinstance(self.model, ZooModel) and self.model.checkpoint_plan is None:
+            self.model.set_grad_checkpointing(self.mode)
+
+
+def variant_names(model: ZooModel) -> list[str]:
+    """``plain``, ``official``, then ``zoo <mode>`` for each of the model's checkpoint modes."""
+    return [PLAIN, OFFICIAL, *(ZOO_PREFIX + m for m in model.checkpoint_modes)]
+
+
+def _check_names(model: ZooModel, names: Sequence[str]) -> None:
+    known = variant_names(model)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {', '.join(map(repr, unknown))} for "
+                         f"{type(model).__name__}; expected some of {', '.join(known)}")
+
+
+def build_variants(model: ZooModel, names: Sequence[str] | None = None) -> list[Variant]:
+    """The variants ``names`` (default: all) of ``model``, which must not be checkpointed.
+
+    The zoo variants share ``model`` itself (``prepare`` switches the mode); ``official`` is a
+    second model loaded with ``model``'s state_dict, so every variant starts from the same weights
+    and BatchNorm buffers.
+    """
+    names = list(names) if names is not None else variant_names(model)
+    _check_names(model, names)
+    return [build_variant(model, name) for name in names]
+
+
+def build_variant(model: ZooModel, name: str, reuse: bool = False) -> Variant:
+    """One variant of ``model`` (see the module docstring). ``official`` builds a second model
+    with the same state, or with ``reuse=True`` turns ``model`` itself into it (under
+    ``FakeTensorMode``, where models cannot be deep-copied)."""
+    _check_names(model, [name])
+    if name == PLAIN:
+        return Variant(PLAIN, model, False, "no checkpointing")
+    if name.startswith(ZOO_PREFIX):
+        mode = name[len(ZOO_PREFIX):]
+        note = " (efficient=True)" if mode == model.checkpoint_modes[0] else ""
+        return Variant(name, model, mode, f"zoo.checkpoint, mode {mode!r}{note}")
+    if isinstance(model, DenseNet) and _is_densenet_b(model):
+        twin = torchvision_densenet(model)
+        return Variant(OFFICIAL, twin, False,
+                       "torchvision DenseNet(memory_efficient=True), same weights")
+    twin = model if reuse else copy.deepcopy(model)
+    _to_plain_batchnorm(twin)
+    blocks = checkpoint_blocks(twin)
+    twin.set_checkpoint_plan(_plan(len(twin.checkpoint_chain()), blocks))
+    twin.run_chain = types.MethodType(_torch_run_chain, twin)  # torch's checkpoint, not the zoo's
+    return Variant(OFFICIAL, twin, False, f"torch.utils.checkpoint(use_reentrant=False) on each of "
+                   f"{len(blocks)} repeated chain blocks (timm's checkpoint_seq), nn.BatchNorm")
+
+
+# -- official: torch's checkpoint on the repeated blocks of the chain ---------------------------
+def checkpoint_blocks(model: ZooModel) -> list[int]:
+    """Indices of the chain's repeated blocks: those whose type occurs more than once (ResNet
+    bottlenecks, transformer layers, dense blocks, transitions), the ones timm checkpoints."""
+    chain = model.checkpoint_chain()
+    counts = Counter(type(b) for b in chain)
+    return [i for i, b in enumerate(chain) if counts[type(b)] > 1]
+
+
+def _plan(n: int, checkpointed: Sequence[int]) -> list[tuple[int, int, bool]]:
+    return [(i, i + 1, i in set(checkpointed)) for i in range(n)]
+
+
+def _torch_run_chain(self: ZooModel, blocks: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """``ZooModel.run_chain`` with ``torch.utils.checkpoint`` in place of ``zoo.checkpoint``."""
+    for start, stop, checkpointed in self.checkpoint_plan:
+        part = blocks[start:stop]
+        x = (torch_checkpoint.checkpoint(run_blocks, part, x, use_reentrant=False)
+             if checkpointed else run_blocks(part, x))
+    return x
+
+
+def _to_plain_batchnorm(module: nn.Module) -> None:
+    """Turn the zoo's cp_BatchNorm layers back into torch's (same state): what torchvision and
+    timm models have, and what torch's checkpoint updates twice."""
+    for m in module.modules():
+        if isinstance(m, _RecomputeSafeNorm):
+            m.__class__ = next(c for c in type(m).__mro__
+                               if c.__module__.startswith("torch.nn") and issubclass(c, nn.Module))
+
+
+# -- official for DenseNet-B: torchvision's memory_efficient DenseNet ----------------------------
+def _is_densenet_b(model: DenseNet) -> bool:
+    return all(layer.bottleneck for b in model.features.children() if isinstance(b, DenseBlock)
+               for layer in b.values())
+
+
+def torchvision_densenet(model: DenseNet) -> nn.Module:
+    """torchvision's ``DenseNet(memory_efficient=True)`` with ``model``'s architecture and state
+    (the CIFAR stem, one 3x3 convolution, replaces torchvision's ImageNet stem)."""
+    from torchvision.models.densenet import DenseNet as TorchvisionDenseNet
+
+    blocks = [b for b in model.features.children() if isinstance(b, DenseBlock)]
+    first = blocks[0]["denselayer1"]
+    growth = first.conv2.out_channels
+    conv0 = model.features.conv0
+    with torch.device(conv0.weight.device):  # built in place: .to() cannot move fake tensors
+        twin = TorchvisionDenseNet(
+            growth_rate=growth, block_config=tuple(len(b) for b in blocks),
+            num_init_features=conv0.out_channels, bn_size=first.conv1.out_channels // growth,
+            drop_rate=first.drop_rate, num_classes=model.num_classes, memory_efficient=True)
+        if model.stem == "cifar":
+            twin.features.conv0 = nn.Conv2d(3, conv0.out_channels, 3, padding=1, bias=False)
+            for name in ("norm0", "relu0", "pool0"):
+                setattr(twin.features, name, nn.Identity())
+    twin.load_state_dict(model.state_dict(), strict=True)
+    return twin.train(model.training)
