@@ -60,6 +60,20 @@ MODES: dict[str, tuple[Runner, bool]] = {  # name -> (runner, use cp_BatchNorm2d
 }
 
 
+def markdown_table(rows: list[dict]) -> str:
+    """The rows of :func:`main` (or of its JSON) as the Markdown table of docs/BENCHMARKS.md."""
+    lines = ["| mode | peak memory | vs none | FLOPs vs none | median step | vs none (IQR) "
+             "| BN running stats max error | num_batches_tracked |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lo, hi = r["time_iqr_ratio"]
+        lines.append(
+            f"| {r['mode']} | {format_bytes(r['peak_bytes'])} | {r['peak_ratio']:.2f}x "
+            f"| {r['flops_ratio']:.2f}x | {r['median_s'] * 1e3:.1f} ms | {r['time_ratio']:.2f}x "
+            f"({lo:.2f}-{hi:.2f}) | {r['bn_stats_error']:.3g} "
+            f"| {r['num_batches_tracked']} (plain: {rows[0]['num_batches_tracked']}) |")
+    return "\n".join(lines)
+
+
 def main(device: str = "cpu", blocks: int = 12, width: int = 32, batch_size: int = 32,
          size: int = 32, steps: int = 3, repeats: int = 15, warmup: int = 2,
          json_out: str | None = None) -> list[dict]:
@@ -134,15 +148,7 @@ def main(device: str = "cpu", blocks: int = 12, width: int = 32, batch_size: int
     print(f"\nChain of {blocks} conv-BN-ReLU-dropout-conv-BN-ReLU blocks, width {width}, batch "
           f"{batch_size}, {size}x{size}; device {machine}; torch {torch.__version__}; "
           f"{repeats} timed steps after {warmup} warm-up, modes interleaved in shuffled order\n")
-    print("| mode | peak memory | vs none | FLOPs vs none | median step | vs none (IQR) "
-          "| BN running stats max error | num_batches_tracked |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        lo, hi = r["time_iqr_ratio"]
-        print(f"| {r['mode']} | {format_bytes(r['peak_bytes'])} | {r['peak_ratio']:.2f}x "
-              f"| {r['flops_ratio']:.2f}x | {r['median_s'] * 1e3:.1f} ms | {r['time_ratio']:.2f}x "
-              f"({lo:.2f}-{hi:.2f}) | {r['bn_stats_error']:.3g} "
-              f"| {r['num_batches_tracked']} (plain: {rows[0]['num_batches_tracked']}) |")
+    print(markdown_table(rows))
     if json_out:
         with open(json_out, "w") as f:
             json.dump({"command": " ".join(sys.argv), "torch": torch.__version__,
