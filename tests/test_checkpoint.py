@@ -57,7 +57,21 @@ def test_frozen_input_still_trains_parameters():
 
 
 # ---- 2. normalisation statistics --------------------------------------------------------------
+class OwnForwardBatchNorm(nn.BatchNorm2d):
+    """A BatchNorm subclass with its own forward that updates its statistics its own way
+    (ignoring ``momentum``): the guard must fall back to snapshotting its buffers."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.running_mean.mul_(0.5).add_(x.mean((0, 2, 3)), alpha=0.5)
+                self.running_var.mul_(0.5).add_(x.var((0, 2, 3)), alpha=0.5)
+                self.num_batches_tracked.add_(1)
+        return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+
 NORMS = [
+    (OwnForwardBatchNorm, {}),
     (nn.BatchNorm2d, {}),
     (nn.BatchNorm2d, {"momentum": None}),
     (nn.SyncBatchNorm, {}),

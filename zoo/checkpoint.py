@@ -17,13 +17,14 @@ is not the first one, and users pay for that (see shared/seeds/):
 reach parameters through the ordinary graph, once, with no nested backward) and adds, through its
 ``context_fn``:
 
-* a recompute guard that restores every normalisation layer's running statistics after its
-  recomputed forward (BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm with tracked statistics,
-  ``momentum=None`` included), so the buffers end exactly as one plain forward leaves them;
+* a recompute guard that keeps every normalisation layer from updating its running statistics a
+  second time in the recomputed forward (BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm with
+  tracked statistics, ``momentum=None`` included), so the buffers end exactly as one plain
+  forward leaves them;
 * RNG stashing for the CPU, for every CUDA device holding an input or the region's parameters,
   and for the current CUDA device (torch only stashes the devices of the positional inputs);
 * :func:`is_recomputing`, so layers can tell a recompute from a forward (``zoo.nn.cp_BatchNorm2d``
-  uses it to skip the statistics update outright, with no copies);
+  uses it, together with a backward-pass check, to be exact under anyone's checkpoint);
 * optional selective recompute (``save_ops``): the outputs of the named ops are kept and only the
   cheap rest is recomputed (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
   Transformer Models", Megatron-LM).
@@ -66,30 +67,9 @@ def is_recomputing() -> bool:
     return _depth() > 0
 
 
-# --------------------------------------------------------------------------------------------
-# Normalisation guard: while any thread recomputes, global module hooks snapshot the running
-# statistics of every normalisation layer entered by the recomputing thread and put them back
-# after the layer's forward (also when the forward raises, e.g. torch's early-stop).
-# --------------------------------------------------------------------------------------------
-_NormBase = nn.modules.batchnorm._NormBase
-_hooks_lock = threading.Lock()
-_hooks_users = 0
-_hook_handles: list[torch.utils.hooks.RemovableHandle] = []
-
-
-def _norm_state(module: nn.Module) -> list[torch.Tensor] | None:
-    """The buffers a train-mode forward of ``module`` would update, or None if it updates none."""
-    if not isinstance(module, _NormBase) or getattr(module, "recompute_safe", False):
-        return None  # cp_BatchNorm*d handle recompute themselves, with no copies
-    if not (module.training and module.track_running_stats) or module.running_mean is None:
-        return None
-    return [b for b in (module.running_mean, module.running_var, module.num_batches_tracked)
-            if b is not None]
-
-
 # The dispatch mode that replays a selective-checkpoint region (``save_ops``) during backward:
 # it insists that every op it sees was recorded in the forward, so ops that exist only in a
-# recompute (the snapshot copies below, cp_BatchNorm's counter correction) must run outside it.
+# recompute (the guard's counter correction and snapshots below, cp_BatchNorm's) run outside it.
 _SAC_REPLAY_MODE = getattr(torch_checkpoint, "_CachedTorchDispatchMode", None)
 
 
@@ -110,19 +90,48 @@ def state_bookkeeping() -> Iterator[None]:
         yield
 
 
-def _stashes() -> dict[int, list[list[torch.Tensor]]]:
+# --------------------------------------------------------------------------------------------
+# Normalisation guard: while any thread recomputes, global module hooks keep every normalisation
+# layer entered by the recomputing thread from updating its running statistics a second time.
+# PyTorch's own BatchNorm/SyncBatchNorm/InstanceNorm forwards take their update factor from
+# ``momentum``: the recompute runs with momentum 0, which writes ``1 * running + 0 * batch``, the
+# old value bit for bit, and the ``num_batches_tracked`` increment is taken back (one tiny kernel
+# per layer). A subclass with its own forward may update its buffers some other way, so its
+# buffers are snapshotted before and copied back after instead. Both are undone in a post-hook
+# that also runs when the forward raises (torch stops a recompute early once it has what
+# backward needs).
+# --------------------------------------------------------------------------------------------
+_NormBase = nn.modules.batchnorm._NormBase
+_MOMENTUM_FORWARDS = {nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward,
+                      nn.modules.instancenorm._InstanceNorm.forward}
+_hooks_lock = threading.Lock()
+_hooks_users = 0
+_hook_handles: list[torch.utils.hooks.RemovableHandle] = []
+
+
+def _updates_stats(module: nn.Module) -> bool:
+    """Whether a train-mode forward of ``module`` updates running statistics we must protect."""
+    if not isinstance(module, _NormBase) or getattr(module, "recompute_safe", False):
+        return False  # cp_BatchNorm*d handle recompute themselves
+    return module.training and module.track_running_stats and module.running_mean is not None
+
+
+def _stashes() -> dict[int, list[Any]]:
     if not hasattr(_local, "stash"):
         _local.stash = {}
     return _local.stash
 
 
 def _save_norm_stats(module: nn.Module, args: Any) -> None:
-    if not is_recomputing():
+    if not is_recomputing() or not _updates_stats(module):
         return
-    buffers = _norm_state(module)
-    if buffers is not None:
+    if type(module).forward in _MOMENTUM_FORWARDS:
+        saved: Any = module.momentum
+        module.momentum = 0.0
+    else:
         with torch.no_grad(), state_bookkeeping():
-            _stashes().setdefault(id(module), []).append([b.clone() for b in buffers])
+            saved = [b.clone() for b in module.buffers(recurse=False)]
+    _stashes().setdefault(id(module), []).append(saved)
 
 
 def _restore_norm_stats(module: nn.Module, args: Any, output: Any) -> None:
@@ -133,8 +142,14 @@ def _restore_norm_stats(module: nn.Module, args: Any, output: Any) -> None:
     if not stack:
         del _stashes()[id(module)]
     with torch.no_grad(), state_bookkeeping():
-        for live, old in zip(_norm_state(module) or [], saved):
-            live.copy_(old)
+        if isinstance(saved, list):
+            for live, old in zip(module.buffers(recurse=False), saved):
+                live.copy_(old)
+            return
+        module.momentum = saved
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and \
+                module.num_batches_tracked is not None:
+            module.num_batches_tracked.sub_(1)
 
 
 def _acquire_norm_guard() -> None:

@@ -1,18 +1,15 @@
 """Checkpoint-safe layers: BatchNorm that updates its running statistics once per step.
 
-``zoo.checkpoint`` already keeps plain ``nn.BatchNorm*d`` exact: while it recomputes, it snapshots
-each normalisation layer's buffers and restores them after the layer runs. The ``cp_`` layers
-here add two things on top of that:
-
-1. **They are exact under anyone's checkpoint**, not only the zoo's. They recognise a recompute by
-   ``zoo.is_recomputing()`` *or* by running inside an autograd backward pass, which is where both
-   reentrant and non-reentrant ``torch.utils.checkpoint`` (and everything built on it: timm's
-   ``set_grad_checkpointing``, torchvision's ``memory_efficient``, Hugging Face's
-   ``gradient_checkpointing_enable``) recompute. A plain BatchNorm under those wrappers counts
-   every batch twice (pytorch/pytorch#96136).
-2. **They are cheaper under the zoo's checkpoint**: instead of copying three buffers out and back
-   in, the recomputed forward runs with momentum 0, which leaves running_mean/var bit-for-bit
-   unchanged, and takes back its ``num_batches_tracked`` increment (no clones, no copies).
+``zoo.checkpoint`` already keeps plain ``nn.BatchNorm*d`` exact: while it recomputes, global
+module hooks run each normalisation layer with momentum 0 and take back its ``num_batches_tracked``
+increment. The ``cp_`` layers do the same inside their own forward, which adds one thing:
+**they are exact under anyone's checkpoint**, not only the zoo's. They recognise a recompute by
+``zoo.is_recomputing()`` *or* by running inside an autograd backward pass, which is where both
+reentrant and non-reentrant ``torch.utils.checkpoint`` (and everything built on it: timm's
+``set_grad_checkpointing``, torchvision's ``memory_efficient``, Hugging Face's
+``gradient_checkpointing_enable``) recompute. A plain BatchNorm under those wrappers counts every
+batch twice (pytorch/pytorch#96136). Under the zoo's checkpoint they cost the same as plain
+BatchNorm (one in-place kernel per layer and recompute; see docs/BENCHMARKS.md).
 
 The idea and the name come from the multi-GPU checkpoint of seed 003 (``cp_BatchNorm2d``); the
 state_dict is exactly ``nn.BatchNorm2d``'s, so checkpoints load either way.
