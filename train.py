@@ -30,6 +30,9 @@ def main(**flags: Any) -> None:
     warmup_iters, warmup_lr, label_smoothing, seed, device (auto, cpu, cuda, cuda:N), amp, compile,
     data_parallel, out_dir, resume. See zoo/config.py for what each means.
     """
+    if flags.keys() & {"help", "h"}:
+        print(f"usage: python train.py [--KEY VALUE ...]\n\n{main.__doc__}")
+        return
     import torch.distributed as dist
 
     from zoo.config import ConfigError, resolve_config

@@ -127,6 +127,14 @@ def test_bad_input_exits_2_with_a_message(capsys, tmp_path, flags, message):
     assert "Traceback" not in err
 
 
+def test_help_lists_every_key_and_trains_nothing(capsys, tmp_path):
+    code, out, err = run_main(capsys, help=True, out_dir=str(tmp_path / "run"))
+    assert code == 0 and err == "" and out.startswith("usage: python train.py")
+    missing = [k for k in config_keys() if k not in out]
+    assert missing == [], f"--help does not mention {missing}"
+    assert not (tmp_path / "run").exists()
+
+
 def test_resuming_a_run_of_another_model_is_refused(capsys, tmp_path):
     code, out, err = run_main(capsys, model="cnn", dataset="shapes", train_size=16, test_size=8,
                               batch_size=8, epochs=1, out_dir=str(tmp_path / "run"))
