@@ -45,7 +45,9 @@ class TrainConfig:
     test_size: int | None = None         # use the first N test images (None: all)
     workers: int | None = None           # DataLoader worker processes; None: 0 on CPU, up to 8 on GPU
     epochs: int = 300
-    batch_size: int = 64                 # global batch: split evenly over DDP processes
+    batch_size: int | str = 64           # global batch, split over DDP processes; "auto": the
+                                         # largest that fits memory_budget (zoo.plan)
+    memory_budget: int | str | None = None  # bytes or "10GB" per device: zoo.plan checkpoints to fit
     optimizer: str = "sgd"               # sgd or adamw
     lr: float = 0.1
     momentum: float = 0.9                # SGD momentum (AdamW: beta1)
@@ -67,7 +69,19 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Check values that have the right type but an impossible value."""
-        positive = {"epochs": self.epochs, "batch_size": self.batch_size}
+        if isinstance(self.batch_size, str) and self.batch_size != "auto":
+            raise ConfigError(f"batch_size must be a number or 'auto', got {self.batch_size!r}")
+        if self.batch_size == "auto" and self.memory_budget is None:
+            raise ConfigError("--batch_size auto picks the largest batch that fits a memory budget: "
+                              "give one, e.g. --memory_budget 10GB (or set a number: --batch_size 64)")
+        if self.memory_budget is not None:
+            from .memory import parse_bytes
+            try:
+                parse_bytes(self.memory_budget)
+            except ValueError as e:
+                raise ConfigError(f"memory_budget: {e}") from None
+        positive = {"epochs": self.epochs} if self.batch_size == "auto" else {
+            "epochs": self.epochs, "batch_size": self.batch_size}
         for key, value in positive.items():
             if value < 1:
                 raise ConfigError(f"{key} must be at least 1, got {value}")

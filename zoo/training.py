@@ -122,6 +122,56 @@ def lr_factor(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
     return factor
 
 
+def plan_memory(cfg: TrainConfig, model: nn.Module, world_size: int, side: int,
+                say: Callable[[str], None]) -> TrainConfig:
+    """``--memory_budget``: checkpoint the model's chain so a training step fits (``zoo.plan``);
+    with ``--batch_size auto`` first pick the largest batch that fits. Returns ``cfg`` with the
+    batch resolved. The optimizer's state (SGD momentum: one copy of the parameters, AdamW two)
+    is taken off the budget first: the planner counts parameters, gradients and activations."""
+    from .memory import format_bytes, parse_bytes
+    from .planner import BudgetTooSmallError, largest_batch, plan, solve_profile
+
+    budget = parse_bytes(cfg.memory_budget)
+    copies = 2 if cfg.optimizer == "adamw" else int(cfg.momentum > 0)
+    state = copies * sum(p.numel() * p.element_size() for p in model.parameters())
+    room = budget - state
+    if room <= 0:
+        raise ConfigError(f"memory_budget {format_bytes(budget)} does not even hold the optimizer's "
+                          f"state ({format_bytes(state)}); give a larger budget")
+    device = next(model.parameters()).device
+
+    def make_input(batch: int) -> torch.Tensor:  # zeros: planning draws no random numbers
+        return torch.zeros(batch, 3, side, side, device=device)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, torch.zeros(out.shape[0], dtype=torch.long, device=out.device))
+
+    amp = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.amp and device.type == "cpu" \
+        else contextlib.nullcontext()  # (CUDA AMP: planned in float32, a safe over-estimate)
+    model.train()
+    with amp:
+        if cfg.batch_size == "auto":
+            per_rank, profile = largest_batch(model, make_input, room, loss_fn)
+            if per_rank == 0:
+                raise ConfigError(f"not even a batch of 1 fits memory_budget "
+                                  f"{format_bytes(budget)} with {cfg.model}; give a larger budget")
+            cfg = dataclasses.replace(cfg, batch_size=per_rank * world_size)
+            say(f"batch_size auto: {cfg.batch_size} ({per_rank} per device) is the largest batch "
+                f"that fits memory_budget {format_bytes(budget)} with a planned schedule")
+            result = solve_profile(profile, room)
+            model.set_checkpoint_plan(result.segments)
+        else:
+            try:
+                result = plan(model, make_input(cfg.batch_size // world_size), room,
+                              loss_fn=loss_fn)
+            except BudgetTooSmallError as e:
+                raise ConfigError(f"{e} (after {format_bytes(state)} of optimizer state; "
+                                  f"or try --batch_size auto)") from None
+    say(f"memory plan for memory_budget {format_bytes(budget)} ({format_bytes(state)} optimizer "
+        f"state, {format_bytes(room)} for the step):\n{result}")
+    return cfg
+
+
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
@@ -199,7 +249,7 @@ def fit(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     env = setup_distributed(cfg)
     device = resolve_device(cfg, env)
     say = log if env.is_main else (lambda _msg: None)
-    if cfg.batch_size % env.world_size:
+    if cfg.batch_size != "auto" and cfg.batch_size % env.world_size:
         raise ConfigError(f"batch_size {cfg.batch_size} (the global batch) must be divisible by the "
                           f"{env.world_size} processes")
     if cfg.data_parallel and device.type != "cuda":
@@ -246,6 +296,8 @@ def fit(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     except (RuntimeError, ValueError, AssertionError) as e:
         raise ConfigError(f"{cfg.model} cannot take 3x{side}x{side} images ({e}); set "
                           f"--image_size to the size it was built for (ImageNet ViTs: 224)") from e
+    if cfg.memory_budget is not None:
+        cfg = plan_memory(cfg, model, env.world_size, side, say)
     torch.manual_seed(cfg.seed + env.rank)  # each rank its own dropout masks
 
     per_rank = cfg.batch_size // env.world_size

@@ -1,0 +1,60 @@
+"""Measure one training step of a model without running it: peak bytes and FLOPs.
+
+The step (forward, loss, backward) runs under ``FakeTensorMode`` with the model's parameters and
+buffers swapped for fake copies, inside ``zoo.memory.cpu_peak_bytes`` (MemTracker) and
+``FlopCounterMode``. MemTracker's figure is byte-identical to a real CPU step, so this is the
+planner's independent check of its own predictions (tests, ``scripts/bench_planner.py``) and it
+costs seconds even for batches this machine could not hold.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..memory import cpu_peak_bytes
+
+__all__ = ["measure_step", "fake_state"]
+
+
+def fake_state(model: nn.Module, fake: Any) -> dict[str, torch.Tensor]:
+    """Fake copies of ``model``'s parameters and buffers by name, for ``_reparametrize_module``;
+    tied tensors (GPT-2's head and embedding) get one shared copy under every name."""
+    copies: dict[int, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False),
+                    *model.named_buffers(remove_duplicate=False)]:
+        if id(t) not in copies:
+            copy = fake.from_tensor(t.detach())
+            copies[id(t)] = copy.requires_grad_(t.requires_grad) if t.is_leaf else copy
+        state[name] = copies[id(t)]
+    return state
+
+
+def measure_step(model: nn.Module, example_input: torch.Tensor,
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None) -> tuple[int, int]:
+    """(peak bytes, FLOPs) of one fake training step of ``model`` as it is configured now
+    (checkpoint mode or plan included). ``model`` itself is left untouched."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    from .profile import default_loss
+
+    loss_fn = loss_fn or default_loss
+    fake = FakeTensorMode()
+    state = fake_state(model, fake)
+    x = fake.from_tensor(example_input.detach())
+    counter = FlopCounterMode(display=False)
+
+    def step() -> None:
+        with _reparametrize_module(model, state):
+            loss_fn(model(x)).backward()
+
+    with fake, counter, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
+        peak = cpu_peak_bytes(step, list({id(t): t for t in state.values()}.values()))
+    return peak, int(counter.get_total_flops())
