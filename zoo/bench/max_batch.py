@@ -122,13 +122,14 @@ def cuda_peak(step_at: Callable[[int], Callable[[], None]], budget: int,
     the returned function gives ``max_memory_allocated`` of the step, or ``inf`` on out-of-memory
     (after freeing the failed step's memory).
     """
-    total = torch.cuda.get_device_properties(device).total_memory
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
     if budget > total:
         raise ValueError(f"a budget of {budget / 1e9:.1f} GB exceeds the device's "
                          f"{total / 1e9:.1f} GB")
 
     def peak(batch_size: int) -> float:
-        torch.cuda.set_per_process_memory_fraction(budget / total, device)
+        torch.cuda.set_per_process_memory_fraction(budget / total, index)
         step = None
         try:
             step = step_at(batch_size)
@@ -143,7 +144,7 @@ def cuda_peak(step_at: Callable[[int], Callable[[], None]], budget: int,
             del step
             gc.collect()
             torch.cuda.empty_cache()
-            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            torch.cuda.set_per_process_memory_fraction(1.0, index)
 
     return peak
 

@@ -81,10 +81,10 @@ def benchmark_table(rows: Sequence[dict]) -> str:
 
 def max_batch_table(rows: Sequence[dict]) -> str:
     """One row per (budget, variant): the largest batch, its peak, and x plain's batch."""
-    has_check = any("predicted_batch" in r for r in rows)
+    has_check = any("predicted_peak_bytes" in r for r in rows)
     head = "| budget | variant | largest batch | x plain | peak at it | how |"
     if has_check:
-        head += " predicted batch | predicted peak | prediction error |"
+        head += " predicted peak (CPU, FakeTensorMode) | prediction error |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         line = (f"| {r['budget']} | {r['variant']} | {r['largest_batch']} | "
@@ -92,8 +92,7 @@ def max_batch_table(rows: Sequence[dict]) -> str:
                 f"{format_bytes(r['peak_bytes']) if r['peak_bytes'] else '-'} | {r['method']} |")
         if has_check:
             err = r.get("prediction_error")
-            line += (f" {r.get('predicted_batch', '-')} | "
-                     f"{format_bytes(r['predicted_peak_bytes']) if r.get('predicted_peak_bytes') else '-'}"
+            line += (f" {format_bytes(r['predicted_peak_bytes']) if r.get('predicted_peak_bytes') else '-'}"
                      f" | {_fmt(err, '+.2%', '-')} |")
         lines.append(line)
     return "\n".join(lines)

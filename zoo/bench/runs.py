@@ -109,8 +109,9 @@ def run_max_batch(model: str, budgets: Sequence[int], device: str = "cpu",
 
     On the CPU: predicted exactly under FakeTensorMode (``allocator="cuda"``: as the CUDA caching
     allocator would count it). On CUDA: searched for with real steps on a device capped at the
-    budget, and with ``check_prediction`` the CPU prediction beside it (batch and peak) and its
-    error against the measured peak.
+    budget, and with ``check_prediction`` the CPU prediction of the peak at the batch found and
+    its error against the measured peak (the predicted largest batch: run the same command with
+    ``--device cpu``).
     """
     dev = _device(device)
     predictor = PeakPredictor(model, size, allocator if dev.type == "cpu" else "cuda",
@@ -147,8 +148,6 @@ def run_max_batch(model: str, budgets: Sequence[int], device: str = "cpu",
                     predicted = predictor(name, b)
                     row["predicted_peak_bytes"] = predicted
                     row["prediction_error"] = (predicted - seen[b]) / seen[b]
-                    row["predicted_batch"], _ = largest_batch(
-                        lambda n, v=name: predictor(v, n), budget, probes, max_batch)
             row["largest_batch"] = b
             row["peak_bytes"] = seen.get(b) if b else None
             row["next_peak_bytes"] = seen.get(b + 1)
