@@ -94,10 +94,12 @@ def plot_tradeoff(payloads: list[dict], out: Path) -> list[Path]:
             title = f"{p['model']} batch {p['settings']['batch_size']}: segments (numbers)"
             name = f"{p['model']}_{p['machine']['device'].split(':')[0]}_segments.png"
         else:
-            for batch in sorted({r["batch_size"] for r in rows}):
+            variants = list(dict.fromkeys(r["variant"] for r in rows))
+            for j, batch in enumerate(sorted({r["batch_size"] for r in rows})):
                 for r in (r for r in rows if r["batch_size"] == batch):
-                    ax.plot(r["peak_ratio"], r["time_ratio"], marker="o", linestyle="none",
-                            label=f"{r['variant']} (b{batch})")
+                    ax.plot(r["peak_ratio"], r["time_ratio"], marker="osD^v"[j % 5],
+                            color=f"C{variants.index(r['variant'])}", linestyle="none",
+                            markersize=8, label=f"{r['variant']} (batch {batch})")
             batches = "-".join(str(b) for b in sorted({r["batch_size"] for r in rows}))
             title = f"{p['model']} batch {batches}: memory vs time"
             name = f"{p['model']}_{p['machine']['device'].split(':')[0]}_b{batches}_tradeoff.png"

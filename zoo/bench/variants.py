@@ -95,8 +95,10 @@ def build_variant(model: ZooModel, name: str, reuse: bool = False) -> Variant:
     blocks = checkpoint_blocks(twin)
     twin.set_checkpoint_plan(_plan(len(twin.checkpoint_chain()), blocks))
     twin.run_chain = types.MethodType(_torch_run_chain, twin)  # torch's checkpoint, not the zoo's
+    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in twin.modules())
     return Variant(OFFICIAL, twin, False, f"torch.utils.checkpoint(use_reentrant=False) on each of "
-                   f"{len(blocks)} repeated chain blocks (timm's checkpoint_seq), nn.BatchNorm")
+                   f"{len(blocks)} repeated chain blocks (timm's checkpoint_seq)"
+                   + (", torch's BatchNorm" if has_bn else ""))
 
 
 # -- official: torch's checkpoint on the repeated blocks of the chain ---------------------------
