@@ -165,8 +165,14 @@ def plan_memory(cfg: TrainConfig, model: nn.Module, world_size: int, side: int,
                 result = plan(model, make_input(cfg.batch_size // world_size), room,
                               loss_fn=loss_fn)
             except BudgetTooSmallError as e:
-                raise ConfigError(f"{e} (after {format_bytes(state)} of optimizer state; "
-                                  f"or try --batch_size auto)") from None
+                least = e.smallest + state
+                raise ConfigError(
+                    f"memory_budget {format_bytes(budget)} is below the smallest peak any "
+                    f"checkpoint schedule of {cfg.model} reaches at batch {cfg.batch_size}: "
+                    f"{format_bytes(least)} ({least} bytes, of which {format_bytes(state)} "
+                    f"optimizer state; plain training needs {format_bytes(e.plain + state)}). "
+                    f"Give --memory_budget {least} or more, a smaller --batch_size, or "
+                    f"--batch_size auto") from None
     say(f"memory plan for memory_budget {format_bytes(budget)} ({format_bytes(state)} optimizer "
         f"state, {format_bytes(room)} for the step):\n{result}")
     return cfg

@@ -47,14 +47,19 @@ def measure_step(model: nn.Module, example_input: torch.Tensor,
     loss_fn = loss_fn or default_loss
     fake = FakeTensorMode()
     state = fake_state(model, fake)
-    x = fake.from_tensor(example_input.detach())
-    counter = FlopCounterMode(display=False)
+    x = fake.from_tensor(example_input.detach()).requires_grad_(example_input.requires_grad)
+    tensors = list({id(t): t for t in state.values()}.values())
 
     def step() -> None:
         with _reparametrize_module(model, state):
             loss_fn(model(x)).backward()
 
-    with fake, counter, warnings.catch_warnings():
+    # two steps: FlopCounterMode's module hooks change what a checkpointed region holds under
+    # FakeTensorMode, so the peak is taken without it
+    with fake, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
-        peak = cpu_peak_bytes(step, list({id(t): t for t in state.values()}.values()))
+        peak = cpu_peak_bytes(step, tensors)
+        counter = FlopCounterMode(display=False)
+        with counter:
+            step()
     return peak, int(counter.get_total_flops())

@@ -242,7 +242,7 @@ def _traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], tor
     fake = FakeTensorMode()
     state = fake_state(model, fake)
     tensors = list({id(t): t for t in state.values()}.values())
-    fx = fake.from_tensor(x.detach())
+    fx = fake.from_tensor(x.detach()).requires_grad_(x.requires_grad)
     tracker = MemTracker()
     tracker.track_external(*tensors)
     counter = FlopCounterMode(display=False)
