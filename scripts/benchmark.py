@@ -6,7 +6,8 @@
     python scripts/benchmark.py --model resnet110 --batch_size 64 --segments        # seed 000
     python scripts/benchmark.py --model densenet_bc_100 --batch_size 64,256 --device cuda
 
-Variants (``--variants`` picks some): ``plain``; ``official``, torch.utils.checkpoint as
+Variants (``--variants plain,official,layer`` picks some; ``zoo_layer`` or ``layer`` for
+``zoo layer``): ``plain``; ``official``, torch.utils.checkpoint as
 torchvision and timm use it (torchvision's memory_efficient DenseNet for DenseNet-B models);
 ``zoo <mode>`` for each of the model's checkpoint modes, the first being ``efficient=True``.
 

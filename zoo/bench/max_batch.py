@@ -73,7 +73,8 @@ class PeakPredictor:
     def __init__(self, model_name: str, size: int | None = None, allocator: str = "cuda",
                  **model_kwargs: Any) -> None:
         if allocator not in ("cuda", "cpu"):
-            raise ValueError(f"allocator must be 'cuda' (512-byte blocks) or 'cpu', got {allocator!r}")
+            raise ValueError(f"allocator must be 'cuda' (512-byte blocks) or 'cpu', "
+                             f"got {allocator!r}")
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         self.model_name, self.size, self.allocator = model_name, size, allocator

@@ -109,7 +109,8 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def measure_exactness(variants: Sequence[Variant], x: torch.Tensor, seed: int = 0) -> dict[str, dict]:
+def measure_exactness(variants: Sequence[Variant], x: torch.Tensor,
+                      seed: int = 0) -> dict[str, dict]:
     """BatchNorm statistics and gradient error against plain after one step from the same state.
 
     Every model's state is put back afterwards. Returns ``{name: {"bn_stats_error": float | None,

@@ -92,8 +92,8 @@ def max_batch_table(rows: Sequence[dict]) -> str:
                 f"{format_bytes(r['peak_bytes']) if r['peak_bytes'] else '-'} | {r['method']} |")
         if has_check:
             err = r.get("prediction_error")
-            line += (f" {format_bytes(r['predicted_peak_bytes']) if r.get('predicted_peak_bytes') else '-'}"
-                     f" | {_fmt(err, '+.2%', '-')} |")
+            predicted = r.get("predicted_peak_bytes")
+            line += f" {format_bytes(predicted) if predicted else '-'} | {_fmt(err, '+.2%', '-')} |"
         lines.append(line)
     return "\n".join(lines)
 

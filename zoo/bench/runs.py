@@ -22,7 +22,8 @@ from .max_batch import PeakPredictor, cuda_peak, largest_batch
 from .measure import measure_variants, training_step
 from .report import command_line, machine_info
 from .segments import sweep_segments
-from .variants import PLAIN, Variant, build_variant, build_variants, variant_names
+from .variants import (PLAIN, Variant, build_variant, build_variants, canonical_name,
+                       variant_names)
 
 __all__ = ["fake_mode", "parse_budgets", "run_benchmark", "run_max_batch", "run_segments"]
 
@@ -81,7 +82,8 @@ def run_benchmark(model: str, batch_sizes: Sequence[int], device: str = "cpu",
     for b in batch_sizes:
         with fake_mode(fake):
             base = _model(model, dev, seed, **model_kwargs)
-            names = list(variants) if variants else variant_names(base)
+            names = ([canonical_name(base, n) for n in variants] if variants
+                     else variant_names(base))
             if PLAIN not in names:
                 names.insert(0, PLAIN)
             names.sort(key=lambda n: n != PLAIN)  # plain first: the ratios' baseline
@@ -116,8 +118,8 @@ def run_max_batch(model: str, budgets: Sequence[int], device: str = "cpu",
     dev = _device(device)
     predictor = PeakPredictor(model, size, allocator if dev.type == "cpu" else "cuda",
                               **model_kwargs)
-    names = list(variants) if variants else variant_names(_model(model, torch.device("meta"),
-                                                                 seed, **model_kwargs))
+    meta = _model(model, torch.device("meta"), seed, **model_kwargs)  # names only, no memory
+    names = [canonical_name(meta, n) for n in variants] if variants else variant_names(meta)
     names.sort(key=lambda n: n != PLAIN)
     built: list[Variant] = []
     if dev.type == "cuda":
@@ -129,7 +131,8 @@ def run_max_batch(model: str, budgets: Sequence[int], device: str = "cpu",
             row: dict[str, Any] = {"budget": _budget_label(budget), "budget_bytes": budget,
                                    "variant": name}
             if dev.type == "cpu":
-                b, seen = largest_batch(lambda n, v=name: predictor(v, n), budget, probes, max_batch)
+                b, seen = largest_batch(lambda n, v=name: predictor(v, n), budget, probes,
+                                        max_batch)
                 row["method"] = f"predicted (FakeTensorMode, {predictor.allocator} allocator)"
             else:
                 v = built[i]

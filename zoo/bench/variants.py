@@ -28,7 +28,8 @@ from zoo.models import ZooModel
 from zoo.models.densenet import DenseBlock, DenseNet
 from zoo.nn import _RecomputeSafeNorm
 
-__all__ = ["PLAIN", "OFFICIAL", "Variant", "variant_names", "build_variants", "build_variant"]
+__all__ = ["PLAIN", "OFFICIAL", "Variant", "variant_names", "canonical_name", "build_variants",
+           "build_variant"]
 
 PLAIN = "plain"
 OFFICIAL = "official"
@@ -55,7 +56,16 @@ def variant_names(model: ZooModel) -> list[str]:
     return [PLAIN, OFFICIAL, *(ZOO_PREFIX + m for m in model.checkpoint_modes)]
 
 
+def canonical_name(model: ZooModel, name: str) -> str:
+    """Accept command-line spellings: ``zoo_layer`` or a bare mode ``layer`` -> ``zoo layer``."""
+    name = name.strip()
+    if name.startswith("zoo_"):
+        name = ZOO_PREFIX + name[4:]
+    return ZOO_PREFIX + name if name in model.checkpoint_modes else name
+
+
 def _check_names(model: ZooModel, names: Sequence[str]) -> None:
+    names = [canonical_name(model, n) for n in names]
     known = variant_names(model)
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -70,7 +80,8 @@ def build_variants(model: ZooModel, names: Sequence[str] | None = None) -> list[
     second model loaded with ``model``'s state_dict, so every variant starts from the same weights
     and BatchNorm buffers.
     """
-    names = list(names) if names is not None else variant_names(model)
+    names = [canonical_name(model, n) for n in names] if names is not None \
+        else variant_names(model)
     _check_names(model, names)
     return [build_variant(model, name) for name in names]
 
@@ -79,6 +90,7 @@ def build_variant(model: ZooModel, name: str, reuse: bool = False) -> Variant:
     """One variant of ``model`` (see the module docstring). ``official`` builds a second model
     with the same state, or with ``reuse=True`` turns ``model`` itself into it (under
     ``FakeTensorMode``, where models cannot be deep-copied)."""
+    name = canonical_name(model, name)
     _check_names(model, [name])
     if name == PLAIN:
         return Variant(PLAIN, model, False, "no checkpointing")
