@@ -221,12 +221,22 @@ def test_budget_above_the_plain_peak_checkpoints_nothing(toy):
 
 # ---- the zoo's models ----
 
-@pytest.fixture(scope="module", params=["resnet110", "densenet_bc_100"])
+_PROFILED: dict[str, tuple[ZooModel, torch.Tensor, ChainProfile]] = {}
+
+
+def profiled_model(name: str) -> tuple[ZooModel, torch.Tensor, ChainProfile]:
+    """(model, batch of 2, profile), profiled once per test session (profiling takes seconds)."""
+    if name not in _PROFILED:
+        torch.manual_seed(0)
+        model = zoo.create_model(name)
+        x = model.example_input(2)
+        _PROFILED[name] = model, x, profile_chain(model, x)
+    return _PROFILED[name]
+
+
+@pytest.fixture(params=["resnet110", "densenet_bc_100"])
 def profiled(request) -> tuple[ZooModel, torch.Tensor, ChainProfile]:
-    torch.manual_seed(0)
-    model = zoo.create_model(request.param)
-    x = model.example_input(2)
-    return model, x, profile_chain(model, x)
+    return profiled_model(request.param)
 
 
 def test_measured_peak_is_within_5_percent_of_predicted_and_within_budget(profiled):
@@ -247,16 +257,16 @@ def test_measured_peak_is_within_5_percent_of_predicted_and_within_budget(profil
 def test_with_room_to_spare_the_plan_recomputes_less_than_blanket_checkpointing():
     """At the peak ResNet-110's blanket checkpointing (efficient=True) reaches, the plan fits and
     recomputes fewer FLOPs (measured: FlopCounterMode over a step)."""
-    torch.manual_seed(0)
-    model = zoo.create_model("resnet110")
-    x = model.example_input(2)
+    model, x, p = profiled_model("resnet110")
     plain_peak, plain_flops = real_step(model, x)
     model.set_grad_checkpointing(True)
     blanket_peak, blanket_flops = real_step(model, x)
     model.set_grad_checkpointing(False)
     assert blanket_peak < plain_peak
-    result = zoo.plan(model, x, blanket_peak)
+    result = solve_profile(p, blanket_peak)
+    model.set_checkpoint_plan(result.segments)
     peak, flops = real_step(model, x)
+    model.set_checkpoint_plan(None)
     assert peak <= blanket_peak
     assert flops - plain_flops == result.recompute_flops < blanket_flops - plain_flops
 
