@@ -136,3 +136,21 @@ def test_clear_errors() -> None:
         run_max_batch("densenet41", [10**9])
     with pytest.raises(ValueError, match="chain model|segments must be"):
         run_segments(MODEL, 1, segments=[3])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_max_batch_is_a_real_out_of_memory_safe_search() -> None:
+    """On a device capped at the budget: the batch found ran, the next one ran out of memory (or
+    exceeded the budget), the device is usable afterwards, and the CPU prediction is beside it."""
+    budget = 200 * 2**20
+    data = run_max_batch(MODEL, [budget], device="cuda", variants=["plain", EFFICIENT],
+                         probes=(2, 4), max_batch=4096)
+    for r in data["rows"]:
+        assert 1 <= r["largest_batch"] < 4096 and r["peak_bytes"] <= budget
+        nxt = r["probes"][str(r["largest_batch"] + 1)]
+        assert nxt is None or nxt > budget  # None: out of memory
+        assert abs(r["prediction_error"]) < 0.5
+    assert data["rows"][1]["largest_batch"] >= data["rows"][0]["largest_batch"]
+    torch.ones(2**20, device="cuda").sum().item()  # the cap is lifted, the device still works
+    assert torch.cuda.memory_allocated() < budget
