@@ -15,8 +15,8 @@ sequence 128 by default; ``--batches``) the chain is profiled once under ``FakeT
   budget the cheapest one that fits;
 * blanket checkpointing (``efficient=True``, the family's recommended mode), measured: one fake
   step under MemTracker and FlopCounterMode;
-* the largest batch each reaches under 11 GiB and 12 GiB (prediction: the profiles at batch 1 and
-  2 extrapolated, as ``--batch_size auto`` does; blanket's peak extrapolated the same way).
+* the largest batch each reaches under 11 GiB and 12 GiB (prediction: the profiles at half the
+  batch and the batch extrapolated on a line; blanket's measured peaks the same way).
 
 Planner and uniform figures are the planner's predictions (tests/test_planner.py checks them
 against measured peaks within 5%); recompute FLOPs are exact. Writes
@@ -37,7 +37,7 @@ import torch
 
 import zoo
 from zoo.memory import parse_bytes
-from zoo.planner import (BudgetTooSmallError, ChainProfile, measure_step, predict_peak,
+from zoo.planner import (ChainProfile, measure_step, predict_peak,
                          profile_chain, recompute_flops, smallest_peak, solve_profile,
                          uniform_segments)
 from zoo.planner.batch import extrapolate, largest_feasible
@@ -67,29 +67,35 @@ def best_uniform(uniform: list[dict[str, Any]], budget: int) -> dict[str, Any] |
     return min(fitting, key=lambda u: (u["overhead"], u["peak"])) if fitting else None
 
 
-def max_batches(model: torch.nn.Module, name: str, device: str, budgets: dict[str, int],
-                blanket_peaks: tuple[int, int]) -> dict[str, dict[str, int]]:
-    """Largest batch under each budget: plain, best uniform, planner, blanket (predicted)."""
-    make = lambda b: model.example_input(b, SIZES.get(name)).to(device)  # noqa: E731
-    p1, p2 = profile_chain(model, make(1)), profile_chain(model, make(2))
-    b1, b2 = blanket_peaks
+def max_batches(model: torch.nn.Module, name: str, device: str, batch: int, p: ChainProfile,
+                budgets: dict[str, int], blanket_peaks: tuple[int, int]) -> dict[str, dict]:
+    """Largest batch under each budget: plain, best uniform, planner, blanket (predicted: the
+    figures at ``batch // 2`` and ``batch`` extrapolated on a line; peaks are affine in the batch
+    once activations dominate them)."""
+    half = batch // 2
+    ph = profile_chain(model, model.example_input(half, SIZES.get(name)).to(device))
+    bh, bf = blanket_peaks
     out = {}
     for label, budget in budgets.items():
+        def at(b: int) -> ChainProfile:
+            return extrapolate(ph, p, b, half, batch)
+
         def plain(b: int) -> bool:
-            p = extrapolate(p1, p2, b)
-            return predict_peak(p, [(0, p.n_units, False)]) <= budget
+            q = at(b)
+            return predict_peak(q, [(0, q.n_units, False)]) <= budget
 
         def uniform(b: int) -> bool:
-            p = extrapolate(p1, p2, b)
-            return any(u["peak"] <= budget for u in uniform_schedules(p))
+            return any(u["peak"] <= budget for u in uniform_schedules(at(b)))
 
         def planner(b: int) -> bool:
-            p = extrapolate(p1, p2, b)
-            return smallest_peak(p, fronts(p)) <= budget
+            q = at(b)
+            return smallest_peak(q, fronts(q)) <= budget
+
+        def blanket(b: int) -> bool:
+            return bh + (b - half) * (bf - bh) / (batch - half) <= budget
 
         out[label] = {"plain": largest_feasible(plain), "uniform": largest_feasible(uniform),
-                      "planner": largest_feasible(planner),
-                      "blanket": largest_feasible(lambda b: b1 + (b - 1) * (b2 - b1) <= budget)}
+                      "planner": largest_feasible(planner), "blanket": largest_feasible(blanket)}
     return out
 
 
@@ -107,8 +113,8 @@ def bench_model(name: str, batch: int, device: str, points: int) -> dict[str, An
     plain_measured, plain_flops = measure_step(model, x)
     model.set_grad_checkpointing(True)
     blanket_peak, blanket_flops = measure_step(model, x)
-    blanket_small = (measure_step(model, model.example_input(1, SIZES.get(name)).to(device))[0],
-                     measure_step(model, model.example_input(2, SIZES.get(name)).to(device))[0])
+    blanket_half = measure_step(model, model.example_input(batch // 2, SIZES.get(name))
+                                .to(device))[0]
     model.set_grad_checkpointing(False)
     blanket = {"mode": model.checkpoint_modes[0], "peak": blanket_peak,
                "overhead": (blanket_flops - plain_flops) / plain_flops}
@@ -133,8 +139,9 @@ def bench_model(name: str, batch: int, device: str, points: int) -> dict[str, An
     sqrt_plan = solve_profile(p, sqrt_peak, front)
     no_worse = all(c["uniform"] is None or c["planner"] <= c["uniform"] + 1e-12 for c in curve)
     cheaper = 1 - sqrt_plan.overhead / sqrt_uniform["overhead"] if sqrt_uniform["overhead"] else 0.0
-    largest = max_batches(model, name, device, {"11GiB": parse_bytes("11GiB"),
-                                                "12GiB": parse_bytes("12GiB")}, blanket_small)
+    largest = max_batches(model, name, device, batch, p, {"11GiB": parse_bytes("11GiB"),
+                                                          "12GiB": parse_bytes("12GiB")},
+                          (blanket_half, blanket_peak))
     return {"model": name, "batch": batch, "input": list(x.shape), "blocks": p.n_blocks,
             "units": p.n_units, "profile_seconds": round(profile_s, 1),
             "plain_peak": plain, "plain_peak_measured": plain_measured, "smallest_peak": low,

@@ -1,5 +1,5 @@
-"""The memory planner (``zoo.plan``): its dynamic programme is exact (equal to brute force over every
-schedule, on random chains and on a real toy model), its predicted peaks are what MemTracker
+"""The memory planner (``zoo.plan``): its dynamic programme is exact (equal to brute force over
+every schedule, on random chains and on a real toy model), its predicted peaks are what MemTracker
 measures (within 5%, and within the budget) on ResNet-110 and DenseNet-BC-100, it recomputes no
 more than blanket checkpointing, it refuses impossible budgets clearly, and train.py uses it
 (``--memory_budget``, ``--batch_size auto``).

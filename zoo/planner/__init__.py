@@ -88,16 +88,23 @@ class Plan:
                 flops = f"{p.flops[u] / 1e6:.1f}" if first else ""
                 lines.append(f"| {j} | {p.block_names[j]} | {seg} | {what} | {kept} | {flops} |")
         n_ck = len(self.checkpointed_blocks)
+        roomy = "; at or above the plain peak: nothing checkpointed" \
+            if self.budget >= self.plain_peak else ""
         lines += [
             "",
-            f"budget {format_bytes(self.budget)}: predicted peak {format_bytes(self.predicted_peak)}"
+            f"budget {format_bytes(self.budget)}: predicted peak "
+            f"{format_bytes(self.predicted_peak)}"
             f" (plain {format_bytes(self.plain_peak)}, smallest feasible "
-            f"{format_bytes(self.smallest_peak)})",
+            f"{format_bytes(self.smallest_peak)}{roomy})",
             f"{n_ck} of {p.n_blocks} blocks recomputed in {sum(c for *_, c in self.segments)} "
-            f"checkpointed segments: +{self.recompute_flops / 1e9:.3f} GFLOP recomputed, "
-            f"+{100 * self.overhead:.1f}% of a plain step's {self.step_flops / 1e9:.3f} GFLOP",
+            f"checkpointed segments: +{_flops(self.recompute_flops)} recomputed, "
+            f"+{100 * self.overhead:.1f}% of a plain step's {_flops(self.step_flops)}",
         ]
         return "\n".join(lines)
+
+
+def _flops(n: int) -> str:
+    return f"{n / 1e9:.2f} GFLOP" if n >= 1e9 else f"{n / 1e6:.1f} MFLOP"
 
 
 def uniform_segments(profile: ChainProfile, segments: int) -> list[tuple[int, int, bool]]:

@@ -24,16 +24,18 @@ from .solve import fronts, smallest_peak
 __all__ = ["extrapolate", "largest_batch", "largest_feasible"]
 
 
-def extrapolate(p1: ChainProfile, p2: ChainProfile, batch: int) -> ChainProfile:
-    """The profile at ``batch`` from the profiles at batch 1 (``p1``) and 2 (``p2``)."""
+def extrapolate(pa: ChainProfile, pb: ChainProfile, batch: int, batch_a: int = 1,
+                batch_b: int = 2) -> ChainProfile:
+    """The profile at ``batch`` from the profiles at ``batch_a`` (``pa``) and ``batch_b``
+    (``pb``), every byte and FLOP figure on the line through the two."""
     def line(a: Any, b: Any) -> Any:
         if isinstance(a, bool) or not isinstance(a, int):
             return a
-        return max(0, a + (batch - 1) * (b - a))
+        return max(0, round(a + (batch - batch_a) * (b - a) / (batch_b - batch_a)))
 
     fields = {}
     for f in dataclasses.fields(ChainProfile):
-        a, b = getattr(p1, f.name), getattr(p2, f.name)
+        a, b = getattr(pa, f.name), getattr(pb, f.name)
         if isinstance(a, list) and a and isinstance(a[0], int) and not isinstance(a[0], bool):
             fields[f.name] = [line(x, y) for x, y in zip(a, b)]
         else:
@@ -58,27 +60,40 @@ def largest_feasible(fits: Callable[[int], bool], limit: int = 1 << 20) -> int:
 def largest_batch(model: nn.Module, make_input: Callable[[int], torch.Tensor],
                   memory_budget: int | float | str,
                   loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                  limit: int = 1 << 16) -> tuple[int, ChainProfile]:
+                  limit: int = 1 << 16, tries: int = 6) -> tuple[int, ChainProfile]:
     """The largest batch whose best schedule fits ``memory_budget``, and its profile.
 
-    ``make_input(b)`` builds an example batch of size ``b``. Returns ``(0, profile at batch 1)``
-    when not even batch 1 fits.
+    ``make_input(b)`` builds an example batch of size ``b``. Extrapolates from two profiles,
+    profiles the answer, and refines the line through the two closest profiles until the answer
+    repeats (a peak is a maximum of affine terms: at tiny batches a constant term such as the
+    parameters' gradients can hide the slope). Returns ``(0, profile at batch 1)`` when not even
+    batch 1 fits.
     """
     budget = parse_bytes(memory_budget)
-    p1 = profile_chain(model, make_input(1), loss_fn)
-    if smallest_peak(p1, fronts(p1)) > budget:
-        return 0, p1
-    p2 = profile_chain(model, make_input(2), loss_fn)
 
-    def fits(b: int) -> bool:
-        p = extrapolate(p1, p2, b)
+    def feasible(p: ChainProfile) -> bool:
         return smallest_peak(p, fronts(p)) <= budget
 
-    batch = largest_feasible(fits, limit)
-    while batch > 2:  # confirm on a real profile
-        p = profile_chain(model, make_input(batch), loss_fn)
-        if smallest_peak(p, fronts(p)) <= budget:
-            return batch, p
-        batch -= max(1, batch // 64)
-    p = p2 if batch == 2 and smallest_peak(p2, fronts(p2)) <= budget else p1
-    return (2 if p is p2 else 1), p
+    known = {1: profile_chain(model, make_input(1), loss_fn)}
+    if not feasible(known[1]):
+        return 0, known[1]
+    known[2] = profile_chain(model, make_input(2), loss_fn)
+    if not feasible(known[2]):
+        return 1, known[1]
+    best = max(b for b, p in known.items() if feasible(p))
+    for _ in range(tries):
+        bs = sorted(known)
+        ba, bb = bs[-2], bs[-1]  # the two largest batches profiled so far
+
+        def fits(b: int, ba: int = ba, bb: int = bb) -> bool:
+            return feasible(extrapolate(known[ba], known[bb], b, ba, bb))
+
+        guess = largest_feasible(fits, limit)
+        if guess in known:
+            break
+        known[guess] = profile_chain(model, make_input(guess), loss_fn)
+        if feasible(known[guess]):
+            best = max(best, guess)
+        else:  # too optimistic: keep the line through the largest fitting and this one
+            known = {b: p for b, p in known.items() if b <= best or b == guess}
+    return best, known[best]
