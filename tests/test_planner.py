@@ -319,3 +319,29 @@ def test_train_memory_budget_too_small_and_auto_without_budget_are_clear_errors(
     assert code == 2 and "--batch_size auto" in err and "--memory_budget" in err
     code, out, err = run_main(capsys, **TINY, memory_budget="ten gigs", out_dir=str(tmp_path / "c"))
     assert code == 2 and "memory_budget" in err
+
+
+def test_every_zoo_model_exposes_a_chain_for_the_planner():
+    for name in zoo.list_models():
+        with torch.device("meta"):  # no memory, no initialisation cost
+            model = zoo.create_model(name)
+        chain = model.checkpoint_chain()
+        assert len(chain) >= 2 and all(callable(block) for block in chain), name
+
+
+def test_tied_weights_are_measured_once():
+    """GPT-2's head shares the embedding's weight: the fake step shares its copy too, so its peak
+    is the real step's."""
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte = nn.Embedding(500, 64)
+            self.head = nn.Linear(64, 500, bias=False)
+            self.head.weight = self.wte.weight
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.wte(ids)))
+
+    torch.manual_seed(0)
+    model, ids = Tied(), torch.randint(0, 500, (4, 16))
+    assert measure_step(model, ids) == real_step(model, ids)
