@@ -36,8 +36,15 @@ def load_results(paths: Iterable[str | Path]) -> list[dict]:
 
 
 def _where(payload: dict) -> str:
+    """The machine in a title, and how the CPU got its figures."""
     m = payload["machine"]
-    return m.get("gpu") or f"CPU ({m['torch_threads']} threads)"
+    if m.get("gpu"):
+        return m["gpu"]
+    if payload["settings"].get("fake"):
+        return "CPU, exact bytes (FakeTensorMode)"
+    if payload["kind"] == "max_batch":
+        return f"CPU, {payload['settings'].get('allocator', 'cuda')} allocator"
+    return f"CPU ({m['torch_threads']} threads)"
 
 
 def plot_peak_vs_batch(payloads: list[dict], out: Path) -> list[Path]:
