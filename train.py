@@ -28,8 +28,8 @@ def main(**flags: Any) -> None:
     image_size, train_size, test_size, workers, epochs, batch_size (global, or auto: the largest
     that fits memory_budget), memory_budget (per device, e.g. 10GB: zoo.plan checkpoints the model
     to fit), optimizer (sgd, adamw), lr, momentum, nesterov, weight_decay, schedule (step, cosine,
-    constant), milestones, gamma, warmup_iters, warmup_lr, label_smoothing, seed, device (auto, cpu, cuda, cuda:N), amp, compile,
-    data_parallel, out_dir, resume. See zoo/config.py for what each means.
+    constant), milestones, gamma, warmup_iters, warmup_lr, label_smoothing, seed, device (auto, cpu,
+    cuda, cuda:N), amp, compile, data_parallel, out_dir, resume. See zoo/config.py for what each means.
     """
     if flags.keys() & {"help", "h"}:
         print(f"usage: python train.py [--KEY VALUE ...]\n\n{main.__doc__}")
