@@ -22,6 +22,7 @@ from zoo.bench.plots import plot_all
 from zoo.bench.runs import parse_budgets, run_benchmark, run_max_batch, run_segments
 from zoo.bench.variants import build_variant
 from zoo.memory import cpu_peak_bytes
+from zoo.models.densenet import DenseNet
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "cifar_cnn"
@@ -124,6 +125,24 @@ def test_plot_writes_pngs(benchmark_json: Path, max_batch_payload: dict, tmp_pat
     assert {"cifar_cnn_cpu_max_batch.png", "cifar_cnn_cpu_peak_vs_batch.png",
             "cifar_cnn_cpu_b2_tradeoff.png"} <= names
     assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in written)
+
+
+@pytest.mark.parametrize("name", ["tiny DenseNet-BC", "cifar_cnn"])
+def test_official_variant_is_the_same_network(name: str) -> None:
+    """The official column runs the same function with the same weights: torchvision's
+    memory-efficient DenseNet for DenseNet-B, torch's checkpoint over the chain otherwise."""
+    torch.manual_seed(0)
+    if name == "cifar_cnn":
+        model = zoo.create_model(name).eval()
+    else:  # DenseNet-BC-100's layout, shrunk: CIFAR stem, bottlenecks, compression
+        model = DenseNet(growth_rate=4, block_config=(2, 2), num_init_features=8, stem="cifar",
+                         num_classes=10).eval()
+    official = build_variant(model, "official")
+    if name != "cifar_cnn":
+        assert type(official.model).__module__.startswith("torchvision")
+    x = model.example_input(2)
+    with torch.no_grad():
+        assert torch.equal(model(x), official.model.eval()(x))
 
 
 def test_clear_errors() -> None:
