@@ -15,8 +15,9 @@ sequence 128 by default; ``--batches``) the chain is profiled once under ``FakeT
   budget the cheapest one that fits;
 * blanket checkpointing (``efficient=True``, the family's recommended mode), measured: one fake
   step under MemTracker and FlopCounterMode;
-* the largest batch each reaches under 11 GiB and 12 GiB (prediction: the profiles at half the
-  batch and the batch extrapolated on a line; blanket's measured peaks the same way).
+* the largest batch each reaches under 11 GiB and 12 GiB: plain and uniform from the profiles at
+  the batch and 4x the batch extrapolated on a line; planner and blanket found by secant steps
+  on real profiles / fake steps, so their batches are checked to fit.
 
 Planner and uniform figures are the planner's predictions (tests/test_planner.py checks them
 against measured peaks within 5%); recompute FLOPs are exact. Writes
@@ -30,6 +31,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import fire
@@ -70,15 +72,18 @@ def best_uniform(uniform: list[dict[str, Any]], budget: int) -> dict[str, Any] |
 def max_batches(model: torch.nn.Module, name: str, device: str, batch: int, p: ChainProfile,
                 budgets: dict[str, int], blanket_peaks: tuple[int, int]) -> dict[str, dict]:
     """Largest batch under each budget: plain, best uniform, planner, blanket (predicted: the
-    figures at ``batch // 2`` and ``batch`` extrapolated on a line; peaks are affine in the batch
-    once activations dominate them)."""
-    half = batch // 2
-    ph = profile_chain(model, model.example_input(half, SIZES.get(name)).to(device))
+    figures at ``batch`` and ``4 * batch`` extrapolated on a line; a peak is a maximum of affine
+    terms, and at small batches a constant one, such as the parameters' gradients, can hide the
+    slope). Planner and blanket then follow secant steps on real profiles / fake steps from
+    there, and report the largest batch checked to fit."""
+    big = 4 * batch
+    make = lambda b: model.example_input(b, SIZES.get(name)).to(device)  # noqa: E731
+    pb = profile_chain(model, make(big))
     bh, bf = blanket_peaks
     out = {}
     for label, budget in budgets.items():
         def at(b: int) -> ChainProfile:
-            return extrapolate(ph, p, b, half, batch)
+            return extrapolate(p, pb, b, batch, big)
 
         def plain(b: int) -> bool:
             q = at(b)
@@ -92,11 +97,48 @@ def max_batches(model: torch.nn.Module, name: str, device: str, batch: int, p: C
             return smallest_peak(q, fronts(q)) <= budget
 
         def blanket(b: int) -> bool:
-            return bh + (b - half) * (bf - bh) / (batch - half) <= budget
+            return bh + (b - batch) * (bf - bh) / (big - batch) <= budget
 
-        out[label] = {"plain": largest_feasible(plain), "uniform": largest_feasible(uniform),
-                      "planner": largest_feasible(planner), "blanket": largest_feasible(blanket)}
+        row = {"plain": largest_feasible(plain), "uniform": largest_feasible(uniform)}
+
+        def planner_peak(b: int) -> int:
+            q = profile_chain(model, make(b))
+            return smallest_peak(q, fronts(q))
+
+        def blanket_peak(b: int) -> int:
+            model.set_grad_checkpointing(True)
+            try:
+                return measure_step(model, make(b))[0]
+            finally:
+                model.set_grad_checkpointing(False)
+
+        row["planner"] = secant_largest(planner_peak, budget, largest_feasible(planner),
+                                        [(batch, smallest_peak(p)), (big, smallest_peak(pb))])
+        row["blanket"] = secant_largest(blanket_peak, budget, largest_feasible(blanket),
+                                        [(batch, bh), (big, bf)])
+        out[label] = row
     return out
+
+
+def secant_largest(peak: Callable[[int], int], budget: int, guess: int,
+                   points: list[tuple[int, int]], tries: int = 4) -> int:
+    """The largest batch found whose ``peak(batch)`` (a profile or a fake step) fits ``budget``:
+    start at ``guess``, then follow the line through the last two evaluated points."""
+    points = sorted(points)
+    best = max((b for b, m in points if m <= budget), default=0)
+    for _ in range(tries):
+        if guess in {b for b, _ in points} or guess < 1:
+            break
+        m = peak(guess)
+        if m <= budget:
+            best = max(best, guess)
+        points = [points[-1], (guess, m)]
+        (b0, m0), (b1, m1) = points
+        slope = (m1 - m0) / (b1 - b0) if b1 != b0 else 0
+        if slope <= 0:
+            break
+        guess = int(b1 + (budget - m1) / slope)
+    return best
 
 
 def bench_model(name: str, batch: int, device: str, points: int) -> dict[str, Any]:
@@ -113,8 +155,8 @@ def bench_model(name: str, batch: int, device: str, points: int) -> dict[str, An
     plain_measured, plain_flops = measure_step(model, x)
     model.set_grad_checkpointing(True)
     blanket_peak, blanket_flops = measure_step(model, x)
-    blanket_half = measure_step(model, model.example_input(batch // 2, SIZES.get(name))
-                                .to(device))[0]
+    blanket_big = measure_step(model, model.example_input(4 * batch, SIZES.get(name))
+                               .to(device))[0]
     model.set_grad_checkpointing(False)
     blanket = {"mode": model.checkpoint_modes[0], "peak": blanket_peak,
                "overhead": (blanket_flops - plain_flops) / plain_flops}
@@ -141,7 +183,7 @@ def bench_model(name: str, batch: int, device: str, points: int) -> dict[str, An
     cheaper = 1 - sqrt_plan.overhead / sqrt_uniform["overhead"] if sqrt_uniform["overhead"] else 0.0
     largest = max_batches(model, name, device, batch, p, {"11GiB": parse_bytes("11GiB"),
                                                           "12GiB": parse_bytes("12GiB")},
-                          (blanket_half, blanket_peak))
+                          (blanket_peak, blanket_big))
     return {"model": name, "batch": batch, "input": list(x.shape), "blocks": p.n_blocks,
             "units": p.n_units, "profile_seconds": round(profile_s, 1),
             "plain_peak": plain, "plain_peak_measured": plain_measured, "smallest_peak": low,
@@ -186,7 +228,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
                       f"{pct(s['uniform'])} ({s['uniform_choice']}): planner "
                       f"{100 * s['planner_cheaper_by']:.0f}% cheaper. Planner never worse than "
                       f"uniform: {'yes' if r['goal']['planner_never_worse'] else 'NO'}.", "",
-                  "| largest batch (predicted) | plain | best uniform | planner | blanket |",
+                  "| largest batch | plain (line) | best uniform (line) | planner | blanket |",
                   "|---|---:|---:|---:|---:|"]
         for label, m in r["max_batch"].items():
             lines.append(f"| {label} | {m['plain']} | {m['uniform']} | {m['planner']} | "
