@@ -129,6 +129,17 @@ def test_mode_lowers_peak_memory(name, mode):
     assert peak() < plain
 
 
+@pytest.mark.parametrize("name", [n for n in zoo.list_models() if n not in GIANTS])
+def test_chain_cut_at_every_block_trains_exactly_like_plain(name):
+    """The planner may cut the chain anywhere: every element checkpointed as its own segment
+    (none may start with an in-place op that overwrites its saved input) equals the plain model."""
+    torch.manual_seed(0)
+    plain, ckpt = zoo.create_model(name), zoo.create_model(name)
+    n = len(ckpt.checkpoint_chain())
+    ckpt.set_checkpoint_plan([(i, i + 1, True) for i in range(n)])
+    assert_same_training(plain, plain, ckpt, ckpt, plain.example_input(2), steps=1)
+
+
 @pytest.mark.parametrize("name", names())
 def test_no_grad_forward_is_the_same_with_checkpointing(name):
     """Under no_grad a checkpointed model runs its plain forward: in train mode (batch statistics,

@@ -1,7 +1,7 @@
 """The uniform interface every zoo model has (timm's, trimmed)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
 import torch
@@ -11,7 +11,25 @@ from ..checkpoint import checkpoint, run_blocks
 
 Plan = Sequence[tuple[int, int, bool]]  # (start, stop, checkpointed) segments covering the chain
 
-__all__ = ["ZooModel"]
+__all__ = ["ZooModel", "chain_of"]
+
+
+def chain_of(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """``modules`` as a chain the planner may cut anywhere: an in-place module (``inplace=True``,
+    e.g. the stem's ``nn.ReLU(inplace=True)``) is joined to the module before it.
+
+    A checkpointed segment keeps its input for the recompute; a segment that began with an
+    in-place op would overwrite that input and backward would fail ("modified by an inplace
+    operation"). The joined pair is a transient ``nn.Sequential`` of the same modules: no
+    parameter, buffer or state_dict key changes.
+    """
+    groups: list[list[nn.Module]] = []
+    for m in modules:
+        if getattr(m, "inplace", False) and groups:
+            groups[-1].append(m)
+        else:
+            groups.append([m])
+    return [g[0] if len(g) == 1 else nn.Sequential(*g) for g in groups]
 
 
 class ZooModel(nn.Module):

@@ -43,7 +43,7 @@ from torch import nn
 
 from ..checkpoint import checkpoint
 from ..nn import cp_BatchNorm2d
-from ._base import ZooModel
+from ._base import ZooModel, chain_of
 from ._registry import register_model
 
 __all__ = ["DenseLayer", "DenseBlock", "Transition", "DenseNet"]
@@ -256,7 +256,7 @@ class DenseNet(ZooModel):
 
     def checkpoint_chain(self) -> list[nn.Module]:
         """``features``' children: the stem's layers, dense blocks, transitions and ``norm5``."""
-        return list(self.features.children())
+        return chain_of(self.features.children())
 
     def example_input(self, batch_size: int = 2, size: int | None = None) -> torch.Tensor:
         """Random images; ``size`` defaults to 32 (CIFAR) or 64 (ImageNet models: any side >= 32

@@ -48,7 +48,7 @@ from torch import nn
 
 from ..checkpoint import checkpoint
 from ..nn import cp_BatchNorm2d
-from ._base import ZooModel
+from ._base import ZooModel, chain_of
 from ._registry import register_model
 
 __all__ = ["ZeroPadShortcut", "BasicBlock", "Bottleneck", "ResNet", "CifarResNet"]
@@ -273,8 +273,8 @@ class _ResNetBase(ZooModel):
         return x if pre_logits else self.fc(x)
 
     def checkpoint_chain(self) -> list[nn.Module]:
-        """The stem's modules (conv, BN, ReLU[, max-pool]) and then every residual block."""
-        return [*self._stem_modules(), *self.blocks()]
+        """The stem's modules (conv, BN-ReLU[, max-pool]) and then every residual block."""
+        return chain_of([*self._stem_modules(), *self.blocks()])
 
     def example_input(self, batch_size: int = 2, size: int | None = None) -> torch.Tensor:
         raise NotImplementedError
