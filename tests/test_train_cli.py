@@ -60,7 +60,7 @@ def test_cli_values_are_coerced_and_checked():
     assert cfg.efficient is True and cfg.out_dir == "7" and cfg.lr == 1.0 and cfg.batch_size == 32
     assert cfg.milestones == [0.3, 0.6]
     assert resolve_config({"efficient": "bottleneck"}, None)[0].efficient == "bottleneck"
-    with pytest.raises(ConfigError, match="batch_size must be int, got 'many'"):
+    with pytest.raises(ConfigError, match="batch_size must be a number or 'auto', got 'many'"):
         resolve_config({"batch_size": "many"}, None)
     with pytest.raises(ConfigError, match="batch_size must be at least 1"):
         resolve_config({"batch_size": 0}, None)

@@ -5,7 +5,11 @@ instead of asking them to pick segments: it profiles the model's chain of blocks
 under ``FakeTensorMode`` (:mod:`.profile`), finds by dynamic programming the segmentation of the
 chain whose predicted peak fits the budget with the fewest recomputed FLOPs (:mod:`.solve`;
 rotor's optimal chain checkpointing, Beaumont et al. 2019, with one level of checkpointing),
-and applies it with ``model.set_checkpoint_plan``.
+and applies it with ``model.set_checkpoint_plan``. :mod:`.batch` finds the largest batch that fits
+a budget (``train.py --batch_size auto``); :mod:`.measure` measures a step without running it.
+
+Files: ``profile.py`` (what each block costs), ``solve.py`` (the memory model and the DP),
+``batch.py``, ``measure.py``; this file holds the user-facing :func:`plan` and :class:`Plan`.
 """
 from __future__ import annotations
 
