@@ -131,10 +131,11 @@ def test_planner_chain_trains_exactly_like_plain():
     plain, planned = tiny("imagenet"), tiny("imagenet")
     chain = planned.checkpoint_chain()
     assert [type(m).__name__ for m in chain] == [
-        "Conv2d", "Sequential", "MaxPool2d", "DenseBlock", "Transition", "DenseBlock",
-        "cp_BatchNorm2d"]  # the stem's in-place ReLU rides with its BatchNorm
+        "Conv2d", "Sequential", "MaxPool2d", "DenseLink", "DenseLink", "Transition", "DenseLink",
+        "DenseLink", "DenseLink", "cp_BatchNorm2d"]  # the stem's in-place ReLU rides with its BN
     assert [type(m).__name__ for m in chain[1]] == ["cp_BatchNorm2d", "ReLU"]
-    planned.set_checkpoint_plan([(0, 3, False), (3, 4, True), (4, 6, True), (6, 7, False)])
+    planned.set_checkpoint_plan([(0, 3, False), (3, 5, True), (5, 6, False), (6, 9, True),
+                                 (9, 10, False)])
     assert_same_training(plain, plain, planned, planned, plain.example_input(2, 32))
 
 

@@ -46,7 +46,7 @@ from ..nn import cp_BatchNorm2d
 from ._base import ZooModel, chain_of
 from ._registry import register_model
 
-__all__ = ["DenseLayer", "DenseBlock", "Transition", "DenseNet"]
+__all__ = ["DenseLayer", "DenseBlock", "DenseLink", "Transition", "DenseNet"]
 
 Features = Sequence[torch.Tensor]  # the feature maps of a dense block so far, concatenated lazily
 
@@ -135,6 +135,24 @@ class DenseBlock(nn.ModuleDict):
     def forward(self, x: torch.Tensor | Features, mode: str | None = None) -> torch.Tensor:
         """The block's output as one tensor (input and every new map, concatenated)."""
         return _cat(self.run([x] if isinstance(x, torch.Tensor) else x, mode))
+
+
+class DenseLink(nn.Module):
+    """A dense layer as one link of the planner's chain (``DenseNet.checkpoint_chain``):
+    ``x -> cat(x, layer(x))``, the concatenation so far in, the one with the new maps out.
+
+    This is the naive DenseNet's memory (each layer's concatenation is a new tensor, kept for the
+    layer's BatchNorm), but as a chain of one-tensor blocks, so the planner can choose per layer
+    what to recompute (Chen et al. 2016 checkpoint DenseNets at this granularity). Built on the
+    fly; holds no parameters of its own, so the state_dict is the model's.
+    """
+
+    def __init__(self, layer: DenseLayer, name: str) -> None:
+        super().__init__()
+        self.layer, self.name = layer, name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, self.layer(x)], 1)
 
 
 class Transition(nn.Module):
@@ -255,8 +273,15 @@ class DenseNet(ZooModel):
         return x if pre_logits else self.classifier(x)
 
     def checkpoint_chain(self) -> list[nn.Module]:
-        """``features``' children: the stem's layers, dense blocks, transitions and ``norm5``."""
-        return chain_of(self.features.children())
+        """``features``' children (the stem's layers, transitions, ``norm5``) with each dense block
+        unrolled into its layers as :class:`DenseLink` s, so a plan can cut between layers."""
+        chain: list[nn.Module] = []
+        for name, module in self.features.named_children():
+            if isinstance(module, DenseBlock):
+                chain += [DenseLink(layer, f"{name}.{key}") for key, layer in module.items()]
+            else:
+                chain.append(module)
+        return chain_of(chain)
 
     def example_input(self, batch_size: int = 2, size: int | None = None) -> torch.Tensor:
         """Random images; ``size`` defaults to 32 (CIFAR) or 64 (ImageNet models: any side >= 32
