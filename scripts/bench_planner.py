@@ -94,7 +94,7 @@ def max_batches(model: torch.nn.Module, name: str, device: str, batch: int, p: C
 
         def planner(b: int) -> bool:
             q = at(b)
-            return smallest_peak(q, fronts(q)) <= budget
+            return smallest_peak(q) <= budget
 
         def blanket(b: int) -> bool:
             return bh + (b - batch) * (bf - bh) / (big - batch) <= budget
@@ -102,8 +102,7 @@ def max_batches(model: torch.nn.Module, name: str, device: str, batch: int, p: C
         row = {"plain": largest_feasible(plain), "uniform": largest_feasible(uniform)}
 
         def planner_peak(b: int) -> int:
-            q = profile_chain(model, make(b))
-            return smallest_peak(q, fronts(q))
+            return smallest_peak(profile_chain(model, make(b)))
 
         def blanket_peak(b: int) -> int:
             model.set_grad_checkpointing(True)
