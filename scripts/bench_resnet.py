@@ -16,121 +16,33 @@ Prints a Markdown table and whether each goal is met; ``--json_out`` writes the 
 """
 from __future__ import annotations
 
-import contextlib
-import json
-import platform
-import sys
-from collections.abc import Iterator
-
 import fire
-import torch
-from torch import nn
 
-import zoo
-from zoo.memory import count_flops, cpu_peak_bytes
+from zoo.bench.peers import (add_rows, print_goals, print_table, timm_checkpointing, write_json,
+                             zoo_modes)
 from zoo.models.resnet import ResNet
-
-MiB = 2**20
-Result = tuple[int, int]  # (peak bytes, FLOPs)
-
-
-@contextlib.contextmanager
-def _maybe_fake(fake: bool) -> Iterator[None]:
-    """Under FakeTensorMode no kernel runs, yet MemTracker and FlopCounterMode see every tensor."""
-    if not fake:
-        yield
-        return
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        yield
-
-
-def measure(model: nn.Module, x: torch.Tensor) -> Result:
-    """(peak bytes, FLOPs) of one training step of ``model`` on ``x``."""
-    model.train()
-
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        model(x).square().mean().backward()
-
-    peak = cpu_peak_bytes(step, track=(model,))
-    flops = count_flops(step)
-    model.zero_grad(set_to_none=True)
-    return peak, flops
-
-
-def bench_zoo(name: str, batch_size: int, size: int, fake: bool,
-              every: tuple[int, ...] = ()) -> dict[str, Result]:
-    """Plain, every checkpoint mode, and the ``block`` mode with each ``checkpoint_every``."""
-    torch.manual_seed(0)
-    with _maybe_fake(fake):
-        model = zoo.create_model(name)
-        x = model.example_input(batch_size, size)
-        results = {}
-        for mode in (False, *model.checkpoint_modes):
-            model.set_grad_checkpointing(mode)
-            results[mode or "plain"] = measure(model, x)
-        for n in every:
-            segmented = zoo.create_model(name, efficient="block", checkpoint_every=n)
-            segmented.load_state_dict(model.state_dict())
-            results[f"block, checkpoint_every={n}"] = measure(segmented, x)
-    return results
-
-
-def bench_timm(name: str, batch_size: int, size: int, fake: bool) -> dict[str, Result]:
-    """timm's ``name``, plain and with ``set_grad_checkpointing(True)``."""
-    import timm
-
-    torch.manual_seed(0)
-    with _maybe_fake(fake):
-        model = timm.create_model(name, pretrained=False)
-        x = torch.randn(batch_size, 3, size, size)
-        results = {"timm plain": measure(model, x)}
-        model.set_grad_checkpointing(True)
-        results["timm set_grad_checkpointing"] = measure(model, x)
-    return results
 
 
 def main(imagenet_batch: int = 8, imagenet_size: int = 224, cifar_batch: int = 64,
          fake: bool = False, json_out: str | None = None) -> list[dict]:
     """Measure the workloads, print a table and the goals, optionally write JSON."""
     rows: list[dict] = []
-
-    def add(workload: str, results: dict[str, Result], base: Result) -> None:
-        for variant, (peak, flops) in results.items():
-            rows.append({"workload": workload, "variant": variant, "peak_bytes": peak,
-                         "flops": flops, "peak_ratio": peak / base[0],
-                         "flop_ratio": flops / base[1]})
-
-    r50 = bench_zoo("resnet50", imagenet_batch, imagenet_size, fake, every=(2, 3))
-    timm_r50 = bench_timm("resnet50", imagenet_batch, imagenet_size, fake)
+    r50 = zoo_modes("resnet50", imagenet_batch, imagenet_size, fake, every=(2, 3))
+    timm_r50 = timm_checkpointing("resnet50", imagenet_batch, imagenet_size, fake)
     workload = f"resnet50 batch {imagenet_batch} {imagenet_size}px"
-    add(workload, r50, r50["plain"])
-    add(workload, timm_r50, r50["plain"])
-    r110 = bench_zoo("resnet110", cifar_batch, 32, fake, every=(2, 3))
-    add(f"resnet110 batch {cifar_batch} 32px", r110, r110["plain"])
-    cnn = bench_zoo("cifar_cnn", cifar_batch, 32, fake)
-    add(f"cifar_cnn batch {cifar_batch} 32px", cnn, cnn["plain"])
-
-    print(f"torch {torch.__version__}, {platform.machine()}, CPU, "
-          f"{'FakeTensorMode' if fake else 'real tensors'}; ratios against the zoo's plain model\n")
-    print("| workload | variant | peak MiB | x plain | GFLOPs | x plain |")
-    print("|---|---|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['workload']} | {r['variant']} | {r['peak_bytes'] / MiB:.1f} | "
-              f"{r['peak_ratio']:.3f} | {r['flops'] / 1e9:.2f} | {r['flop_ratio']:.4f} |")
+    add_rows(rows, workload, r50, r50["plain"])
+    add_rows(rows, workload, timm_r50, r50["plain"])
+    r110 = zoo_modes("resnet110", cifar_batch, 32, fake, every=(2, 3))
+    add_rows(rows, f"resnet110 batch {cifar_batch} 32px", r110, r110["plain"])
+    cnn = zoo_modes("cifar_cnn", cifar_batch, 32, fake)
+    add_rows(rows, f"cifar_cnn batch {cifar_batch} 32px", cnn, cnn["plain"])
+    print_table(rows, "FakeTensorMode" if fake else "real tensors")
 
     recommended = ResNet.checkpoint_modes[0]
     ours, theirs = r50[recommended], timm_r50["timm set_grad_checkpointing"]
-    goals = [(f"resnet50 {recommended} peak <= timm's", ours[0] / theirs[0]),
-             (f"resnet50 {recommended} FLOPs <= timm's", ours[1] / theirs[1])]
-    print()
-    for text, value in goals:
-        print(f"{'met   ' if value <= 1.0 else 'MISSED'} {text}: {value:.3f}x timm")
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "torch": torch.__version__, "fake": fake,
-                       "rows": rows}, f, indent=1)
+    print_goals([(f"resnet50 {recommended} peak <= timm's (x timm)", ours[0] / theirs[0], 1.0),
+                 (f"resnet50 {recommended} FLOPs <= timm's (x timm)", ours[1] / theirs[1], 1.0)])
+    write_json(json_out, rows, fake=fake)
     return rows
 
 

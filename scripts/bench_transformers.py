@@ -22,120 +22,41 @@ Prints a Markdown table and whether each goal is met; ``--json_out`` writes the 
 """
 from __future__ import annotations
 
-import contextlib
-import json
-import platform
-import sys
-from collections.abc import Iterator
-
 import fire
-import torch
-from torch import nn
 
-import zoo
-from zoo.memory import count_flops, cpu_peak_bytes
-
-MiB = 2**20
-Result = tuple[int, int]  # (peak bytes, FLOPs)
-
-
-@contextlib.contextmanager
-def _maybe_fake(fake: bool) -> Iterator[None]:
-    """Under FakeTensorMode no kernel runs, yet MemTracker and FlopCounterMode see every tensor."""
-    if not fake:
-        yield
-        return
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        yield
-
-
-def measure(model: nn.Module, x: torch.Tensor) -> Result:
-    """(peak bytes, FLOPs) of one training step of ``model`` on ``x``."""
-    model.train()
-
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        model(x).float().square().mean().backward()
-
-    peak = cpu_peak_bytes(step, track=(model,))
-    flops = count_flops(step)
-    model.zero_grad(set_to_none=True)
-    return peak, flops
-
-
-def bench_zoo(name: str, batch_size: int, size: int, fake: bool) -> dict[str, Result]:
-    """Plain and every checkpoint mode of the zoo model ``name`` (``size``: image side or tokens)."""
-    torch.manual_seed(0)
-    with _maybe_fake(fake):
-        model = zoo.create_model(name)
-        x = model.example_input(batch_size, size)
-        results = {}
-        for mode in (False, *model.checkpoint_modes):
-            model.set_grad_checkpointing(mode)
-            results[mode or "plain"] = measure(model, x)
-    return results
-
-
-def bench_timm(name: str, batch_size: int, size: int) -> dict[str, Result]:
-    """timm's ``name`` (real tensors: timm's constructor reads values, which FakeTensorMode
-    cannot give), plain and with ``set_grad_checkpointing(True)``."""
-    import timm
-
-    torch.manual_seed(0)
-    model = timm.create_model(name, pretrained=False)
-    x = torch.randn(batch_size, 3, size, size)
-    results = {"timm plain": measure(model, x)}
-    model.set_grad_checkpointing(True)
-    results["timm set_grad_checkpointing"] = measure(model, x)
-    return results
+from zoo.bench.peers import (add_rows, print_goals, print_table, timm_checkpointing, write_json,
+                             zoo_modes)
+from zoo.models.vit import VisionTransformer
 
 
 def main(vit_batch: int = 8, vit_size: int = 224, bert_batch: int = 64, bert_tokens: int = 128,
          gpt2_batch: int = 8, gpt2_tokens: int = 1024, json_out: str | None = None) -> list[dict]:
     """Measure the three workloads, print a table and the goals, optionally write JSON."""
     rows: list[dict] = []
-
-    def add(workload: str, results: dict[str, Result], base: Result, fake: bool) -> None:
-        for variant, (peak, flops) in results.items():
-            rows.append({"workload": workload, "variant": variant, "fake": fake,
-                         "peak_bytes": peak, "flops": flops, "peak_ratio": peak / base[0],
-                         "flop_ratio": flops / base[1]})
-
-    vit = bench_zoo("vit_small_patch16_224", vit_batch, vit_size, fake=False)
-    timm_vit = bench_timm("vit_small_patch16_224", vit_batch, vit_size)
+    vit = zoo_modes("vit_small_patch16_224", vit_batch, vit_size, fake=False)
+    # real tensors: timm's ViT constructor reads tensor values, which FakeTensorMode cannot give
+    timm_vit = timm_checkpointing("vit_small_patch16_224", vit_batch, vit_size, fake=False)
     workload = f"vit_small_patch16_224 batch {vit_batch} {vit_size}px"
-    add(workload, vit, vit["plain"], False)
-    add(workload, timm_vit, vit["plain"], False)
-    bert = bench_zoo("bert_base", bert_batch, bert_tokens, fake=True)
-    add(f"bert_base batch {bert_batch} seq {bert_tokens}", bert, bert["plain"], True)
-    gpt2 = bench_zoo("gpt2_small", gpt2_batch, gpt2_tokens, fake=True)
-    add(f"gpt2_small batch {gpt2_batch} seq {gpt2_tokens}", gpt2, gpt2["plain"], True)
+    add_rows(rows, workload, vit, vit["plain"], fake=False)
+    add_rows(rows, workload, timm_vit, vit["plain"], fake=False)
+    bert = zoo_modes("bert_base", bert_batch, bert_tokens, fake=True)
+    add_rows(rows, f"bert_base batch {bert_batch} seq {bert_tokens}", bert, bert["plain"],
+             fake=True)
+    gpt2 = zoo_modes("gpt2_small", gpt2_batch, gpt2_tokens, fake=True)
+    add_rows(rows, f"gpt2_small batch {gpt2_batch} seq {gpt2_tokens}", gpt2, gpt2["plain"],
+             fake=True)
+    print_table(rows, "ViT on real tensors, BERT and GPT-2 under FakeTensorMode")
 
-    print(f"torch {torch.__version__}, {platform.machine()}, CPU; ViT on real tensors, BERT and "
-          f"GPT-2 under FakeTensorMode; ratios against the zoo's plain model\n")
-    print("| workload | variant | peak MiB | x plain | GFLOPs | x plain |")
-    print("|---|---|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['workload']} | {r['variant']} | {r['peak_bytes'] / MiB:.1f} | "
-              f"{r['peak_ratio']:.3f} | {r['flops'] / 1e9:.2f} | {r['flop_ratio']:.4f} |")
-
-    recommended = zoo.models.vit.VisionTransformer.checkpoint_modes[0]
+    recommended = VisionTransformer.checkpoint_modes[0]
     timm_cp = timm_vit["timm set_grad_checkpointing"]
-    goals = [
+    print_goals([
         (f"vit_small {recommended} peak <= timm's", vit[recommended][0] / timm_cp[0], 1.0),
         (f"vit_small {recommended} FLOPs <= timm's", vit[recommended][1] / timm_cp[1], 1.0),
         ("bert_base block peak <= 0.40x plain", bert["block"][0] / bert["plain"][0], 0.40),
         ("bert_base selective peak <= 0.60x plain", bert["selective"][0] / bert["plain"][0], 0.60),
         ("bert_base selective FLOPs <= 1.05x plain", bert["selective"][1] / bert["plain"][1], 1.05),
-    ]
-    print()
-    for text, value, limit in goals:
-        print(f"{'met   ' if value <= limit else 'MISSED'} {text}: {value:.4f}")
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "torch": torch.__version__, "rows": rows},
-                      f, indent=1)
+    ])
+    write_json(json_out, rows)
     return rows
 
 
