@@ -6,6 +6,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+import zoo
+from zoo.memory import cpu_peak_bytes
+
 
 def grads(model: nn.Module) -> list[torch.Tensor | None]:
     return [p.grad for p in model.parameters()]
@@ -49,3 +52,18 @@ def assert_same_training(plain: nn.Module, plain_forward: Callable, ckpt: nn.Mod
                 torch.testing.assert_close(a, b, msg=lambda m: f"step {step} grad {i}: {m}")
     for (name, a), b in zip(ckpt.state_dict().items(), plain.state_dict().values()):
         torch.testing.assert_close(a, b, msg=lambda m: f"{name} after {steps} steps: {m}")
+
+
+def train_step_peak(model: nn.Module, x: torch.Tensor) -> int:
+    """Exact CPU peak (MemTracker) of one training step from fresh gradients, parameters counted."""
+    model.zero_grad(set_to_none=True)
+    return cpu_peak_bytes(lambda: model(x).float().square().mean().backward(), track=(model,))
+
+
+def assert_published_parameter_count(name: str, published: str) -> None:
+    """``name``'s parameter count in millions, rounded to ``published``'s digits, equals it."""
+    with torch.device("meta"):
+        model = zoo.create_model(name)
+    count = sum(p.numel() for p in model.parameters())
+    digits = len(published.split(".")[1])
+    assert f"{count / 1e6:.{digits}f}" == published, f"{count:,} parameters"

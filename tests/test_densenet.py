@@ -13,7 +13,8 @@ import torch
 import torchvision
 
 import zoo
-from helpers import assert_same_training
+from helpers import (assert_published_parameter_count, assert_same_training,
+                     train_step_peak)
 from zoo.memory import count_flops, cpu_peak_bytes
 from zoo.models.densenet import DenseLayer, DenseNet
 
@@ -43,20 +44,10 @@ def tiny(stem: str = "cifar", bn_size: int | None = 4, drop_rate: float = 0.0,
                     drop_rate=drop_rate, num_classes=5, stem=stem, efficient=efficient)
 
 
-def train_step_peak(model: torch.nn.Module, x: torch.Tensor) -> int:
-    model.zero_grad(set_to_none=True)
-    return cpu_peak_bytes(lambda: model(x).square().mean().backward(), track=(model,))
-
-
 # -- sizes ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
 def test_parameter_count_matches_published(name):
-    with torch.device("meta"):
-        model = zoo.create_model(name)
-    count = sum(p.numel() for p in model.parameters())
-    published = PUBLISHED_PARAMS[name]
-    digits = len(published.split(".")[1])
-    assert f"{count / 1e6:.{digits}f}" == published, f"{count:,} parameters"
+    assert_published_parameter_count(name, PUBLISHED_PARAMS[name])
 
 
 @pytest.mark.parametrize("name,features,classes", [("densenet40", 448, 10),

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import zoo
-from helpers import assert_same_training
-from zoo.memory import cpu_peak_bytes
+from helpers import assert_same_training, train_step_peak
 
 # Big enough that CI time matters. They are marked slow (they still run in CI) and get the cheap
 # generic tests plus the equivalence test of their recommended (efficient=True) mode; every finer
@@ -120,13 +119,9 @@ def test_mode_lowers_peak_memory(name, mode):
     model = zoo.create_model(name)
     x = model.example_input(4)
 
-    def peak() -> int:
-        model.zero_grad(set_to_none=True)
-        return cpu_peak_bytes(lambda: model(x).float().square().mean().backward(), track=(model,))
-
-    plain = peak()
+    plain = train_step_peak(model, x)
     model.set_grad_checkpointing(mode)
-    assert peak() < plain
+    assert train_step_peak(model, x) < plain
 
 
 @pytest.mark.parametrize("name", [n for n in zoo.list_models() if n not in GIANTS])

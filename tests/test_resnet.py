@@ -16,8 +16,8 @@ import torch
 import torchvision
 
 import zoo
-from helpers import assert_same_training
-from zoo.memory import cpu_peak_bytes
+from helpers import (assert_published_parameter_count, assert_same_training,
+                     train_step_peak)
 from zoo.models.resnet import Bottleneck, CifarResNet, ResNet, ZeroPadShortcut
 
 # Millions of parameters to the published digits: He et al. 2016, Table 6 (CIFAR, option A
@@ -37,20 +37,10 @@ def tiny_bottleneck(**kwargs) -> ResNet:
     return ResNet(Bottleneck, (1, 1, 1, 1), num_classes=5, **kwargs)
 
 
-def train_step_peak(model: torch.nn.Module, x: torch.Tensor) -> int:
-    model.zero_grad(set_to_none=True)
-    return cpu_peak_bytes(lambda: model(x).square().mean().backward(), track=(model,))
-
-
 # -- sizes and shapes -----------------------------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
 def test_parameter_count_matches_published(name):
-    with torch.device("meta"):
-        model = zoo.create_model(name)
-    count = sum(p.numel() for p in model.parameters())
-    published = PUBLISHED_PARAMS[name]
-    digits = len(published.split(".")[1])
-    assert f"{count / 1e6:.{digits}f}" == published, f"{count:,} parameters"
+    assert_published_parameter_count(name, PUBLISHED_PARAMS[name])
 
 
 @pytest.mark.parametrize("name,depth,blocks_per_stage", [

@@ -16,8 +16,8 @@ import torch
 from timm.models.vision_transformer import VisionTransformer as TimmViT
 
 import zoo
-from helpers import assert_same_training
-from zoo.memory import count_flops, cpu_peak_bytes
+from helpers import assert_same_training, train_step_peak
+from zoo.memory import count_flops
 from zoo.models._transformer import TransformerModel
 from zoo.models.bert import Bert
 from zoo.models.gpt2 import GPT2
@@ -50,11 +50,6 @@ def tiny(family: str, efficient: bool | str = False, drop: float = 0.1) -> Trans
 
 
 FAMILIES = ["vit", "bert", "gpt2"]
-
-
-def step_peak(model: torch.nn.Module, x: torch.Tensor) -> int:
-    model.zero_grad(set_to_none=True)
-    return cpu_peak_bytes(lambda: model(x).float().square().mean().backward(), track=(model,))
 
 
 # -- sizes and shapes -----------------------------------------------------------------------------
@@ -249,7 +244,7 @@ def test_selective_keeps_no_more_than_plain_and_block_least():
     peaks = {}
     for mode in (False, *MODES):
         model.set_grad_checkpointing(mode)
-        peaks[mode] = step_peak(model, x)
+        peaks[mode] = train_step_peak(model, x)
     assert peaks["selective"] < peaks[False]
     assert peaks["block"] < peaks["selective"] and peaks["sublayer"] < peaks["selective"]
 
@@ -260,9 +255,9 @@ def test_modes_lower_peak_memory(family, mode):
     torch.manual_seed(0)
     model = tiny(family)
     x = model.example_input(4, 64 if family == "vit" else 32)
-    plain = step_peak(model, x)
+    plain = train_step_peak(model, x)
     model.set_grad_checkpointing(mode)
-    assert step_peak(model, x) < plain
+    assert train_step_peak(model, x) < plain
 
 
 # -- causality and masking ------------------------------------------------------------------------
