@@ -308,6 +308,133 @@ def test_checkpoint_sequential_under_no_grad_runs_plainly():
     assert seen == [False] * 3
 
 
+# ---- the region's own machinery (saved-tensor slots, early stop, errors) -------------------------
+def mlp_chain(ends_in_linear: bool) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)]
+    return nn.Sequential(*[nn.Sequential(*(layers if ends_in_linear else layers[:2]))
+                           for _ in range(6)])
+
+
+@pytest.mark.parametrize("ends_in_linear", [True, False])
+def test_same_peak_and_flops_as_torch_non_reentrant(ends_in_linear):
+    """The zoo's region keeps and recomputes exactly what torch's non-reentrant checkpoint does:
+    recomputed activations are freed as backward consumes them, and a region whose last op saves
+    nothing (a Linear at the end) is not run to its end again."""
+    chain = mlp_chain(ends_in_linear)
+    x = torch.randn(256, 64, requires_grad=True)
+
+    def step(wrap):
+        def run():
+            chain.zero_grad(set_to_none=True)
+            x.grad = None
+            h = x
+            for block in chain:
+                h = wrap(block, h)
+            h.sum().backward()
+        return run
+
+    torch_step = step(lambda b, h: torch_checkpoint.checkpoint(b, h, use_reentrant=False))
+    zoo_step = step(zoo.checkpoint)
+    assert zoo.memory.cpu_peak_bytes(zoo_step) == zoo.memory.cpu_peak_bytes(torch_step)
+    plain_flops = zoo.memory.count_flops(step(lambda b, h: b(h)))
+    zoo_flops = zoo.memory.count_flops(zoo_step)
+    assert zoo_flops == zoo.memory.count_flops(torch_step)
+    # Linear forward = 1/3 of its forward+backward: recomputing the first Linear only is +1/6 of
+    # an ending-in-Linear block; without the early stop it would be +1/3.
+    assert zoo_flops == plain_flops * (7 / 6 if ends_in_linear else 4 / 3)
+
+
+def test_backward_twice_with_retain_graph_and_partial_backward(images):
+    plain, ckpt = conv_bn_net(), conv_bn_net()
+    plain.eval(), ckpt.eval()  # dropout off: the two backward passes must see the same graph
+
+    def two_heads(net, x):
+        y = net(x)
+        return y[:, :4].sum(), y[:, 4:].square().sum()
+
+    ref = two_heads(plain, images)
+    got = two_heads(lambda x: zoo.checkpoint(ckpt, x), images)
+    for r, g in zip(ref, got):  # grad of each head alone: one backward per head, graph retained
+        g_ref = torch.autograd.grad(r, list(plain.parameters()), retain_graph=True)
+        g_got = torch.autograd.grad(g, list(ckpt.parameters()), retain_graph=True)
+        for a, b in zip(g_got, g_ref):
+            torch.testing.assert_close(a, b)
+    (ref[0] + ref[1]).backward()
+    (got[0] + got[1]).backward()
+    for a, b in zip(grads(ckpt), grads(plain)):
+        torch.testing.assert_close(a, b)
+
+
+def test_double_backward_gradient_penalty_matches_plain():
+    """create_graph=True through a checkpoint (a WGAN-GP style penalty) gives plain's gradients."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Softplus(), nn.Linear(8, 1))
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def penalty_grads(forward):
+        net.zero_grad(set_to_none=True)
+        g, = torch.autograd.grad(forward(x).sum(), x, create_graph=True)
+        g.square().sum().backward()
+        return [p.grad for p in net.parameters()]
+
+    ref = penalty_grads(net)
+    got = penalty_grads(lambda t: zoo.checkpoint(net, t))
+    for a, b in zip(got, ref):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b)
+
+
+def test_input_changed_in_place_after_the_region_is_an_error():
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    y = zoo.checkpoint(lambda t: lin(t).relu(), x)
+    x.mul_(2)  # the recompute would now see other values than the forward did
+    with pytest.raises(RuntimeError, match="modified in place"):
+        y.sum().backward()
+
+
+def test_region_that_saves_something_else_on_recompute_is_an_error():
+    lin = nn.Linear(4, 4)
+    calls = []
+
+    def changes_shape(t):
+        calls.append(1)
+        return lin(t if len(calls) == 1 else t[:1]).relu()
+
+    y = zoo.checkpoint(changes_shape, torch.randn(2, 4))
+    with pytest.raises(RuntimeError, match="not deterministic"):
+        y.sum().backward()
+
+
+def test_threads_recompute_independently(images):
+    """nn.DataParallel runs replicas on threads: recomputes on concurrent threads stay apart
+    (recompute flag, normalisation guard, saved slots). Dropout is off because the CPU random
+    generator is one for the whole process, so threads would interleave their draws."""
+    import threading
+
+    nets = [conv_bn_net() for _ in range(4)]
+    plains = [conv_bn_net() for _ in range(4)]
+    for net in nets + plains:
+        net[3].p = 0.0
+    errors = []
+
+    def train(i):
+        try:
+            assert_same_training(plains[i], plains[i], nets[i],
+                                 lambda x: zoo.checkpoint_sequential(nets[i], x), images, steps=3)
+        except Exception as e:  # reported below, on the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
 # ---- CUDA: run where a GPU is present ----------------------------------------------------------
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -13,9 +13,10 @@ is not the first one, and users pay for that (see shared/seeds/):
 * dropout must see the same random numbers on recompute, on every device it draws from;
 * reentrant checkpoint runs a nested backward per region, which made nn.DataParallel 5x slower.
 
-:func:`checkpoint` is built on PyTorch's non-reentrant machinery (saved-tensor hooks, so gradients
-reach parameters through the ordinary graph, once, with no nested backward) and adds, through its
-``context_fn``:
+:func:`checkpoint` works like PyTorch's non-reentrant checkpoint (saved-tensor hooks, so gradients
+reach parameters through the ordinary graph, once, with no nested backward), in its own lean
+implementation (``_Region`` below: about a third less Python per region than torch's, which
+matters on models made of many small layers), and adds:
 
 * a recompute guard that keeps every normalisation layer from updating its running statistics a
   second time in the recomputed forward (BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm with
@@ -27,7 +28,11 @@ reach parameters through the ordinary graph, once, with no nested backward) and 
   uses it, together with a backward-pass check, to be exact under anyone's checkpoint);
 * optional selective recompute (``save_ops``): the outputs of the named ops are kept and only the
   cheap rest is recomputed (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-  Transformer Models", Megatron-LM).
+  Transformer Models", Megatron-LM). This path runs on ``torch.utils.checkpoint`` with the
+  guard and RNG contexts passed as its ``context_fn``; regions traced by ``torch.compile`` are
+  left to torch's checkpoint and AOTAutograd;
+* errors that name the cause and the fix: an input changed in place before the recompute, a
+  region that saves different tensors when recomputed.
 
 Under ``torch.no_grad()`` / ``inference_mode`` it simply calls ``fn``: nothing is saved and
 nothing is recomputed, so there is nothing to pay.
@@ -35,7 +40,9 @@ nothing is recomputed, so there is nothing to pay.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
+import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -91,15 +98,16 @@ def state_bookkeeping() -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------------------------
-# Normalisation guard: while any thread recomputes, global module hooks keep every normalisation
-# layer entered by the recomputing thread from updating its running statistics a second time.
-# PyTorch's own BatchNorm/SyncBatchNorm/InstanceNorm forwards take their update factor from
-# ``momentum``: the recompute runs with momentum 0, which writes ``1 * running + 0 * batch``, the
-# old value bit for bit, and the ``num_batches_tracked`` increment is taken back (one tiny kernel
-# per layer). A subclass with its own forward may update its buffers some other way, so its
-# buffers are snapshotted before and copied back after instead. Both are undone in a post-hook
-# that also runs when the forward raises (torch stops a recompute early once it has what
-# backward needs).
+# Normalisation guard: while any thread recomputes, a global module pre-hook keeps every
+# normalisation layer entered by the recomputing thread from updating its running statistics a
+# second time. PyTorch's own BatchNorm/SyncBatchNorm/InstanceNorm forwards take their update
+# factor from ``momentum``: the recompute runs them with momentum 0, which writes
+# ``1 * running + 0 * batch``, the old value bit for bit, and the ``num_batches_tracked``
+# increments are taken back afterwards (one tiny kernel per call). A subclass with its own forward
+# may update its buffers some other way, so its buffers are snapshotted before its first call and
+# copied back after instead. The undoing happens once, when the recompute ends (also when it
+# ends early or raises): one pre-hook and no post-hook keeps the per-module cost of a recompute
+# small, which matters on models made of many small layers.
 # --------------------------------------------------------------------------------------------
 _NormBase = nn.modules.batchnorm._NormBase
 _MOMENTUM_FORWARDS = {nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward,
@@ -109,6 +117,15 @@ _hooks_users = 0
 _hook_handles: list[torch.utils.hooks.RemovableHandle] = []
 
 
+class _Guarded:
+    """A normalisation layer touched by a recompute: what to put back, and how many calls to undo."""
+
+    __slots__ = ("module", "saved", "calls")
+
+    def __init__(self, module: nn.Module, saved: Any):
+        self.module, self.saved, self.calls = module, saved, 0
+
+
 def _updates_stats(module: nn.Module) -> bool:
     """Whether a train-mode forward of ``module`` updates running statistics we must protect."""
     if not isinstance(module, _NormBase) or getattr(module, "recompute_safe", False):
@@ -116,49 +133,43 @@ def _updates_stats(module: nn.Module) -> bool:
     return module.training and module.track_running_stats and module.running_mean is not None
 
 
-def _stashes() -> dict[int, list[Any]]:
-    if not hasattr(_local, "stash"):
-        _local.stash = {}
-    return _local.stash
-
-
-def _save_norm_stats(module: nn.Module, args: Any) -> None:
-    if not is_recomputing() or not _updates_stats(module):
+def _guard_norm(module: nn.Module, args: Any) -> None:
+    """Global forward pre-hook: freeze a normalisation layer's statistics during a recompute."""
+    guarded = getattr(_local, "guarded", None)
+    if guarded is None or not _updates_stats(module):
         return
-    if type(module).forward in _MOMENTUM_FORWARDS:
-        saved: Any = module.momentum
-        module.momentum = 0.0
-    else:
-        with torch.no_grad(), state_bookkeeping():
-            saved = [b.clone() for b in module.buffers(recurse=False)]
-    _stashes().setdefault(id(module), []).append(saved)
+    entry = guarded.get(id(module))
+    if entry is None:
+        if type(module).forward in _MOMENTUM_FORWARDS:
+            entry = _Guarded(module, module.momentum)
+            module.momentum = 0.0
+        else:
+            with torch.no_grad(), state_bookkeeping():
+                entry = _Guarded(module, [b.clone() for b in module.buffers(recurse=False)])
+        guarded[id(module)] = entry
+    entry.calls += 1
 
 
-def _restore_norm_stats(module: nn.Module, args: Any, output: Any) -> None:
-    stack = _stashes().get(id(module))
-    if not stack:
-        return
-    saved = stack.pop()
-    if not stack:
-        del _stashes()[id(module)]
+def _unguard_norms(guarded: dict[int, _Guarded]) -> None:
+    """Put back what :func:`_guard_norm` changed, as if the recompute never ran the layers."""
     with torch.no_grad(), state_bookkeeping():
-        if isinstance(saved, list):
-            for live, old in zip(module.buffers(recurse=False), saved):
-                live.copy_(old)
-            return
-        module.momentum = saved
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and \
-                module.num_batches_tracked is not None:
-            module.num_batches_tracked.sub_(1)
+        for entry in guarded.values():
+            module = entry.module
+            if isinstance(entry.saved, list):
+                for live, old in zip(module.buffers(recurse=False), entry.saved):
+                    live.copy_(old)
+                continue
+            module.momentum = entry.saved
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and \
+                    module.num_batches_tracked is not None:
+                module.num_batches_tracked.sub_(entry.calls)
 
 
 def _acquire_norm_guard() -> None:
     global _hooks_users
     with _hooks_lock:
         if _hooks_users == 0:
-            _hook_handles.append(nn.modules.module.register_module_forward_pre_hook(_save_norm_stats))
-            _hook_handles.append(
-                nn.modules.module.register_module_forward_hook(_restore_norm_stats, always_call=True))
+            _hook_handles.append(nn.modules.module.register_module_forward_pre_hook(_guard_norm))
         _hooks_users += 1
 
 
@@ -188,17 +199,30 @@ def _cuda_devices(fn: Callable, tensors: Iterable[Any]) -> list[int]:
     return sorted(devices)
 
 
+@functools.cache
+def _autocast_devices() -> tuple[str, ...]:
+    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
+def _autocast_state() -> tuple[Any, ...]:
+    """This thread's autocast settings for the CPU and (where present) CUDA."""
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                 for d in _autocast_devices()) + (torch.is_autocast_cache_enabled(),)
+
+
 class _ForwardContext:
-    """Entered around the region's first forward: records the RNG states it starts from."""
+    """Entered around the region's first forward: records the RNG and autocast state it runs in."""
 
     def __init__(self, cuda_devices: list[int]):
         self.cuda_devices = cuda_devices
         self.cpu_state: torch.Tensor | None = None
         self.cuda_states: list[torch.Tensor] = []
+        self.autocast: tuple[Any, ...] = ()
 
     def __enter__(self) -> _ForwardContext:
         self.cpu_state = torch.get_rng_state()
         self.cuda_states = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]
+        self.autocast = _autocast_state()
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -206,27 +230,46 @@ class _ForwardContext:
 
 
 class _RecomputeContext:
-    """Entered around the recompute: same RNG as the forward, flag on, normalisation guard on."""
+    """Entered around the recompute: the forward's RNG and autocast, flag on, normalisation guard.
+
+    The RNG states of this thread are put back afterwards, so a recompute during backward leaves
+    the random stream of the training loop where it was.
+    """
 
     def __init__(self, forward: _ForwardContext):
         self.forward = forward
-        self.stack = contextlib.ExitStack()
+        self.autocasts: list[Any] = []
 
     def __enter__(self) -> _RecomputeContext:
         fwd = self.forward
         self.outer_depth = _depth()
-        self.stack.enter_context(torch.random.fork_rng(devices=fwd.cuda_devices, device_type="cuda"))
+        self.cpu_state = torch.get_rng_state()
+        self.cuda_states = [torch.cuda.get_rng_state(d) for d in fwd.cuda_devices]
         torch.set_rng_state(fwd.cpu_state)
         for device, state in zip(fwd.cuda_devices, fwd.cuda_states):
             torch.cuda.set_rng_state(state, device)
+        if _autocast_state() != fwd.autocast:  # backward runs outside the forward's autocast
+            *devices, cache = fwd.autocast
+            for device, enabled, dtype in devices:
+                ctx = torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache)
+                ctx.__enter__()
+                self.autocasts.append(ctx)
         _acquire_norm_guard()
-        self.stack.callback(_release_norm_guard)
+        self.outer_guarded = getattr(_local, "guarded", None)
+        _local.guarded = {}
         _local.depth = self.outer_depth + 1
         return self
 
     def __exit__(self, *exc: Any) -> None:
         _local.depth = self.outer_depth
-        self.stack.close()
+        guarded, _local.guarded = _local.guarded, self.outer_guarded
+        _release_norm_guard()
+        _unguard_norms(guarded)
+        while self.autocasts:
+            self.autocasts.pop().__exit__(None, None, None)
+        torch.set_rng_state(self.cpu_state)
+        for device, state in zip(self.forward.cuda_devices, self.cuda_states):
+            torch.cuda.set_rng_state(state, device)
 
 
 class _Both:
@@ -243,6 +286,129 @@ class _Both:
 
     def __exit__(self, *exc: Any) -> bool:
         return self.stack.__exit__(*exc)
+
+
+# --------------------------------------------------------------------------------------------
+# The region: non-reentrant checkpointing through saved-tensor hooks, in as little Python as the
+# contract allows. Autograd hands every tensor the region's forward saves to ``pack``, which
+# keeps a small empty slot instead; the first ``unpack`` in a backward reruns the region once,
+# filling the slots in the order the forward created them, and each slot is emptied as its node
+# consumes it, so a recomputed activation lives no longer than in the plain model. The rerun stops
+# as soon as the last slot is filled (ops after the last saved tensor are not recomputed).
+# torch.utils.checkpoint's non-reentrant path works the same way but spends about 1.5x as much
+# time per region on bookkeeping that only its other features need (per-backward handle maps,
+# metadata for its determinism check, device probing); scripts/bench_checkpoint.py --small
+# measures the difference.
+# --------------------------------------------------------------------------------------------
+class _Slot:
+    """Stands in the autograd graph for one tensor the region saved, until backward needs it."""
+
+    __slots__ = ("value", "shape", "__weakref__")
+
+    def __init__(self, shape: torch.Size):
+        self.value: torch.Tensor | None = None
+        self.shape = shape
+
+
+class _StopRecompute(Exception):
+    """Ends a recompute early: every saved tensor still needed has been rebuilt."""
+
+
+class _Region:
+    """One checkpointed call: its inputs, the forward's RNG/autocast state and its saved slots."""
+
+    __slots__ = ("fn", "args", "kwargs", "versions", "forward", "slots", "filled", "in_forward",
+                 "last", "stop_early")
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict, forward: _ForwardContext):
+        self.fn, self.args, self.kwargs, self.forward = fn, args, kwargs, forward
+        self.versions = [(t, t._version) for t in (*args, *kwargs.values())
+                         if isinstance(t, torch.Tensor)]
+        self.slots: list[weakref.ref[_Slot]] = []
+        self.filled = 0
+        self.in_forward = True
+        self.last: weakref.ref[torch.Tensor] | None = None
+        self.stop_early = True
+
+    def run(self) -> Any:
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            out = self.fn(*self.args, **self.kwargs)
+        self.in_forward = False
+        # A region whose output is the last tensor it saved (it ends in ReLU, sigmoid, ...) has
+        # nothing left to skip after the last slot: its recompute runs to the end instead of
+        # being stopped by an exception, which costs more than the op it would skip.
+        self.stop_early = self.last is None or self.last() is not out
+        self.last = None
+        return out
+
+    def pack(self, tensor: torch.Tensor) -> _Slot:
+        slot = _Slot(tensor.shape)
+        self.slots.append(weakref.ref(slot))
+        self.last = weakref.ref(tensor)
+        return slot
+
+    def unpack(self, slot: _Slot) -> torch.Tensor:
+        if slot.value is None:
+            self.recompute()
+            if slot.value is None:
+                raise RuntimeError(
+                    "zoo.checkpoint: the recomputed region saved fewer tensors for backward than "
+                    "its forward did, so it is not deterministic (does it branch on random "
+                    "numbers, global state or tensor values?). Make the region deterministic "
+                    "given its inputs, or leave it out of the checkpoint.")
+        value, slot.value = slot.value, None
+        return value
+
+    def recompute(self) -> None:
+        if self.in_forward:
+            raise RuntimeError(
+                "zoo.checkpoint: backward was called inside a checkpointed region's own forward "
+                "(e.g. torch.autograd.grad in fn). Compute that gradient outside the checkpoint.")
+        for tensor, version in self.versions:
+            if tensor._version != version:
+                raise RuntimeError(
+                    "zoo.checkpoint: an input of a checkpointed region was modified in place after "
+                    f"the region started (version {version} -> {tensor._version}), so the "
+                    "recompute would see other values. Clone the input before changing it, or "
+                    "keep in-place ops on a region's input out of the region.")
+        args = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                for a in self.args]
+        kwargs = {k: v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor)
+                  else v for k, v in self.kwargs.items()}
+        self.filled = 0
+        try:
+            with torch.enable_grad(), _RecomputeContext(self.forward), \
+                    torch.autograd.graph.saved_tensors_hooks(self.fill, _recomputed_graph_used):
+                self.fn(*args, **kwargs)
+        except _StopRecompute:
+            pass
+
+    def fill(self, tensor: torch.Tensor) -> None:
+        index, total = self.filled, len(self.slots)
+        self.filled = index + 1
+        if index >= total:
+            raise RuntimeError(
+                "zoo.checkpoint: the recomputed region saved more tensors for backward than its "
+                "forward did, so it is not deterministic given its inputs.")
+        if tensor.requires_grad:
+            tensor = tensor.detach()  # the recompute's own graph is never used; let it go
+        slot = self.slots[index]()
+        if slot is not None:  # None: its node already ran and was freed
+            if slot.shape != tensor.shape:
+                raise RuntimeError(
+                    f"zoo.checkpoint: saved tensor {index} of the region had shape "
+                    f"{tuple(slot.shape)} in the forward but {tuple(tensor.shape)} in the "
+                    "recompute; the region is not deterministic given its inputs.")
+            slot.value = tensor
+        if index + 1 == total and self.stop_early:
+            raise _StopRecompute
+        # The recompute's graph keeps nothing: holding the tensor here would tie it to itself.
+        return None
+
+
+def _recomputed_graph_used(_: None) -> torch.Tensor:
+    raise RuntimeError("zoo.checkpoint: backward through a region's recompute is not supported "
+                       "(was torch.autograd.grad called inside the checkpointed function?)")
 
 
 def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | None = None,
@@ -271,11 +437,13 @@ def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | N
             if save_ops else torch_checkpoint.noop_context_fn
         return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=sac, **kwargs)
 
+    if not save_ops:
+        with _ForwardContext(_cuda_devices(fn, (*args, *kwargs.values()))) as forward:
+            return _Region(fn, args, kwargs, forward).run()
+
     def context_fn() -> tuple[Any, Any]:
         forward = _ForwardContext(_cuda_devices(fn, (*args, *kwargs.values())))
         recompute = _RecomputeContext(forward)
-        if not save_ops:
-            return forward, recompute
         sac_forward, sac_recompute = torch_checkpoint.create_selective_checkpoint_contexts(
             list(save_ops))
         return _Both(forward, sac_forward), _Both(recompute, sac_recompute)
