@@ -2,6 +2,8 @@
 
     python scripts/bench_checkpoint.py                       # CPU, exact memory via MemTracker
     python scripts/bench_checkpoint.py --device cuda         # CUDA max_memory_allocated
+    python scripts/bench_checkpoint.py --small               # 100 tiny blocks, 1 thread: the
+                                                             # per-region cost of each checkpoint
 
 Modes, each checkpointing every block on its own: no checkpoint; torch.utils.checkpoint reentrant
 and non-reentrant; zoo.checkpoint with plain nn.BatchNorm2d; zoo.checkpoint with cp_BatchNorm2d.
@@ -76,8 +78,18 @@ def markdown_table(rows: list[dict]) -> str:
 
 def main(device: str = "cpu", blocks: int = 12, width: int = 32, batch_size: int = 32,
          size: int = 32, steps: int = 3, repeats: int = 15, warmup: int = 2,
+         threads: int | None = None, small: bool = False,
          json_out: str | None = None) -> list[dict]:
-    """Run every mode and print a Markdown table (and JSON to ``json_out`` if given)."""
+    """Run every mode and print a Markdown table (and JSON to ``json_out`` if given).
+
+    ``small`` sets 100 blocks of width 8 on one 8x8 image and one CPU thread: the kernels take
+    microseconds, so the step time is mostly the checkpoint's own per-region work (what a GPU
+    run of a model with many small layers pays on the host). ``threads`` sets torch's CPU threads.
+    """
+    if small:
+        blocks, width, batch_size, size, threads = 100, 8, 1, 8, threads or 1
+    if threads:
+        torch.set_num_threads(threads)
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     base = make_chain(blocks, width).to(dev)

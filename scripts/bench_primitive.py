@@ -1,0 +1,123 @@
+"""The checkpoint primitive alone: a zoo model's checkpointed mode on zoo.checkpoint against the
+same regions run by torch.utils.checkpoint (non-reentrant).
+
+    python scripts/bench_primitive.py --model densenet_bc_100 --batch_size 1 --threads 1
+    python scripts/bench_primitive.py --model bert_base --batch_size 1 --mode selective
+
+Both variants checkpoint exactly the same regions of the same model (the model modules' imported
+``checkpoint`` is swapped for torch's, selective recompute mapped to torch's
+``create_selective_checkpoint_contexts``), so the time difference is the primitive's own work per
+region. Small batches on one thread make that work visible; on a GPU it is host time that the
+device waits for when kernels are short. Steps are interleaved in shuffled order; medians and
+interquartile ranges are ratios to the plain model in the same run. The last column is the
+largest ``num_batches_tracked`` after one step: 1 for both variants on the zoo's convolutional
+models, whose cp_BatchNorm2d stays exact under torch's checkpoint too.
+"""
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import fire
+import torch
+from torch.utils import checkpoint as torch_checkpoint
+
+import zoo
+from zoo.bench.report import machine_info
+
+_MODEL_MODULES = [m for name, m in sys.modules.items()
+                  if name.startswith("zoo.models.") and hasattr(m, "checkpoint")]
+
+
+def torch_non_reentrant(fn: Callable, *args: Any, save_ops: Any = None, **kwargs: Any) -> Any:
+    """zoo.checkpoint's signature on torch.utils.checkpoint(use_reentrant=False)."""
+    context_fn = ((lambda: torch_checkpoint.create_selective_checkpoint_contexts(list(save_ops)))
+                  if save_ops else torch_checkpoint.noop_context_fn)
+    return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn,
+                                       **kwargs)
+
+
+@contextmanager
+def primitive(fn: Callable) -> Iterator[None]:
+    """Make every zoo model module call ``fn`` where it calls ``checkpoint``."""
+    saved = [(m, m.checkpoint) for m in _MODEL_MODULES]
+    for m, _ in saved:
+        m.checkpoint = fn
+    try:
+        yield
+    finally:
+        for m, original in saved:
+            m.checkpoint = original
+
+
+def main(model: str = "densenet_bc_100", batch_size: int = 1, mode: Any = True,
+         device: str = "cpu", threads: int | None = 1, repeats: int = 21, warmup: int = 3,
+         json_out: str | None = None) -> list[dict]:
+    """Print plain / torch non-reentrant / zoo.checkpoint step times for ``model`` in ``mode``."""
+    if threads:
+        torch.set_num_threads(threads)
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    net = zoo.create_model(model).to(dev)
+    x = net.example_input(batch_size).to(dev)
+    variants = {"plain": (False, zoo.checkpoint), "torch non-reentrant": (mode, torch_non_reentrant),
+                "zoo.checkpoint": (mode, zoo.checkpoint)}
+
+    def step(name: str) -> float:
+        flag, fn = variants[name]
+        net.set_grad_checkpointing(flag)
+        net.zero_grad(set_to_none=True)
+        with primitive(fn):
+            if cuda:
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            net(x).float().square().mean().backward()
+            if cuda:
+                torch.cuda.synchronize(dev)
+            return time.perf_counter() - t0
+
+    counts = {}
+    for name in variants:  # one step each from the same buffers: the BatchNorm count it leaves
+        state = {k: v.clone() for k, v in net.state_dict().items()}
+        step(name)
+        counts[name] = max((int(b.num_batches_tracked) for b in net.modules()
+                            if getattr(b, "num_batches_tracked", None) is not None), default=0)
+        net.load_state_dict(state)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for i in range(warmup + repeats):
+        order = list(variants)
+        random.Random(i).shuffle(order)
+        for name in order:
+            t = step(name)
+            if i >= warmup:
+                times[name].append(t)
+    base = statistics.median(times["plain"])
+    rows = []
+    for name, ts in times.items():
+        q1, _, q3 = statistics.quantiles(ts, n=4)
+        rows.append({"variant": name, "median_s": statistics.median(ts),
+                     "ratio": statistics.median(ts) / base, "iqr_ratio": [q1 / base, q3 / base],
+                     "num_batches_tracked_after_one_step": counts[name]})
+    info = machine_info(dev)
+    print(f"\n{model} (mode {mode!r}), batch {batch_size}; {info.get('gpu') or info['cpu']}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}\n")
+    print("| variant | median step | x plain (IQR) | num_batches_tracked after 1 step |")
+    print("|---|---|---|---|")
+    for r in rows:
+        lo, hi = r["iqr_ratio"]
+        print(f"| {r['variant']} | {r['median_s'] * 1e3:.1f} ms | {r['ratio']:.2f}x "
+              f"({lo:.2f}-{hi:.2f}) | {r['num_batches_tracked_after_one_step']} |")
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "machine": info, "rows": rows}, f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    fire.Fire(main, serialize=lambda rows: None)
