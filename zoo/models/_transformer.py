@@ -17,7 +17,7 @@ gradients exactly, dropout included, because ``zoo.checkpoint`` replays the rand
 figures from scripts/bench_transformers.py, one training step):
 
 * ``"block"`` (recommended): every block but the last is one checkpoint; only its input is
-  kept and it runs again in backward (torch's non-reentrant checkpoint stops recomputing once
+  kept and it runs again in backward (zoo.checkpoint, like torch's non-reentrant one, stops once
   backward has what it needs, so without dropout ``mlp.fc2`` never reruns). The last block runs
   plainly: backward needs it first. ViT-S/16 batch 8: 0.388x the plain peak at +20.2% FLOPs
   (timm's set_grad_checkpointing: 0.388x at +22.0%); BERT-base batch 64 x 128: 0.193x, +30.6%.

@@ -12,11 +12,11 @@ gradients and BatchNorm statistics, and the same state_dict):
 
 * ``"bottleneck"`` (recommended): each half of a dense layer (concat-BN-ReLU-conv1x1 and
   BN-ReLU-conv3x3) is checkpointed on its own. Backward recomputes the concatenation, BatchNorms
-  and ReLUs and stops before each convolution (torch's non-reentrant checkpoint stops as soon as
-  it has rebuilt every tensor backward needs, and a convolution saves its input before it runs),
-  so no convolution runs twice: +0% FLOPs. Kept per layer: the bottleneck's output and the new
-  maps; the concatenation and the BN-ReLU outputs are never stored. DenseNet-BC-100, batch 32:
-  0.245x the plain model's peak (scripts/bench_densenet.py).
+  and ReLUs and stops before each convolution (zoo.checkpoint, like torch's non-reentrant one,
+  stops as soon as it has rebuilt every tensor backward needs, and a convolution saves its input
+  before it runs), so no convolution runs twice: +0% FLOPs. Kept per layer: the bottleneck's
+  output and the new maps; the concatenation and the BN-ReLU outputs are never stored.
+  DenseNet-BC-100, batch 32: 0.245x the plain model's peak (scripts/bench_densenet.py).
 * ``"layer"``: each dense layer is checkpointed whole; its 1x1 bottleneck convolution runs again
   in backward, and only the layers' new maps are kept: 0.166x the peak for +16% FLOPs.
 
