@@ -13,7 +13,7 @@ exact CPU peak (MemTracker, parameters and gradients included) and FLOPs, script
   output, so per block only its input and conv2's output are kept. Backward reruns conv1 (and, in
   a Bottleneck, conv3 and the downsample convolution) but never conv2, the 3x3 convolution that
   holds most of a Bottleneck's FLOPs: zoo.checkpoint (like torch's non-reentrant one) stops once
-  as it has rebuilt every tensor backward needs, and a convolution saves its input before it
+  it has rebuilt every tensor backward needs, and a convolution saves its input before it
   runs. ResNet-50, batch 8 at 224 px: 797 -> 386 MiB at +18% FLOPs, where timm's
   ``set_grad_checkpointing(True)`` gives 433 MiB at +33%. ResNet-110, batch 64: 0.51x at +17%.
 * ``"block"``: each block's residual branch and shortcut are checkpointed whole (timm's
