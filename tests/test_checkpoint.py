@@ -311,9 +311,12 @@ def test_checkpoint_sequential_under_no_grad_runs_plainly():
 # ---- the region's own machinery (saved-tensor slots, early stop, errors) -------------------------
 def mlp_chain(ends_in_linear: bool) -> nn.Sequential:
     torch.manual_seed(0)
-    layers = [nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)]
-    return nn.Sequential(*[nn.Sequential(*(layers if ends_in_linear else layers[:2]))
-                           for _ in range(6)])
+
+    def block() -> nn.Sequential:
+        tail = [nn.Linear(64, 64)] if ends_in_linear else []
+        return nn.Sequential(nn.Linear(64, 64), nn.GELU(), *tail)
+
+    return nn.Sequential(*[block() for _ in range(6)])
 
 
 @pytest.mark.parametrize("ends_in_linear", [True, False])
