@@ -15,13 +15,9 @@ models, whose cp_BatchNorm2d stays exact under torch's checkpoint too.
 """
 from __future__ import annotations
 
-import json
-import random
 import statistics
 import sys
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import fire
@@ -29,7 +25,9 @@ import torch
 from torch.utils import checkpoint as torch_checkpoint
 
 import zoo
-from zoo.bench.report import machine_info
+from zoo.bench.measure import measure_times, training_step
+from zoo.bench.report import command_line, machine_info, write_json
+from zoo.bench.variants import Variant
 
 _MODEL_MODULES = [m for name, m in sys.modules.items()
                   if name.startswith("zoo.models.") and hasattr(m, "checkpoint")]
@@ -43,17 +41,25 @@ def torch_non_reentrant(fn: Callable, *args: Any, save_ops: Any = None, **kwargs
                                        **kwargs)
 
 
-@contextmanager
-def primitive(fn: Callable) -> Iterator[None]:
-    """Make every zoo model module call ``fn`` where it calls ``checkpoint``."""
-    saved = [(m, m.checkpoint) for m in _MODEL_MODULES]
-    for m, _ in saved:
-        m.checkpoint = fn
-    try:
-        yield
-    finally:
-        for m, original in saved:
-            m.checkpoint = original
+class PrimitiveVariant(Variant):
+    """A zoo model in checkpoint ``mode`` with ``primitive`` doing the checkpointing."""
+
+    def __init__(self, name: str, model: torch.nn.Module, mode: bool | str, description: str,
+                 primitive: Callable = zoo.checkpoint):
+        super().__init__(name, model, mode, description)
+        self.primitive = primitive
+
+    def prepare(self) -> None:
+        """Before each step: the mode, and ``primitive`` wherever the zoo's models call
+        ``checkpoint`` (undone by :func:`restore_primitive`)."""
+        super().prepare()
+        for m in _MODEL_MODULES:
+            m.checkpoint = self.primitive
+
+
+def restore_primitive() -> None:
+    for m in _MODEL_MODULES:
+        m.checkpoint = zoo.checkpoint
 
 
 def main(model: str = "densenet_bc_100", batch_size: int = 1, mode: Any = True,
@@ -63,40 +69,24 @@ def main(model: str = "densenet_bc_100", batch_size: int = 1, mode: Any = True,
     if threads:
         torch.set_num_threads(threads)
     dev = torch.device(device)
-    cuda = dev.type == "cuda"
     net = zoo.create_model(model).to(dev)
     x = net.example_input(batch_size).to(dev)
-    variants = {"plain": (False, zoo.checkpoint), "torch non-reentrant": (mode, torch_non_reentrant),
-                "zoo.checkpoint": (mode, zoo.checkpoint)}
-
-    def step(name: str) -> float:
-        flag, fn = variants[name]
-        net.set_grad_checkpointing(flag)
-        net.zero_grad(set_to_none=True)
-        with primitive(fn):
-            if cuda:
-                torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            net(x).float().square().mean().backward()
-            if cuda:
-                torch.cuda.synchronize(dev)
-            return time.perf_counter() - t0
-
-    counts = {}
-    for name in variants:  # one step each from the same buffers: the BatchNorm count it leaves
-        state = {k: v.clone() for k, v in net.state_dict().items()}
-        step(name)
-        counts[name] = max((int(b.num_batches_tracked) for b in net.modules()
-                            if getattr(b, "num_batches_tracked", None) is not None), default=0)
-        net.load_state_dict(state)
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for i in range(warmup + repeats):
-        order = list(variants)
-        random.Random(i).shuffle(order)
-        for name in order:
-            t = step(name)
-            if i >= warmup:
-                times[name].append(t)
+    variants = [PrimitiveVariant("plain", net, False, "no checkpoint"),
+                PrimitiveVariant("torch non-reentrant", net, mode, "torch.utils.checkpoint",
+                                 torch_non_reentrant),
+                PrimitiveVariant("zoo.checkpoint", net, mode, "zoo.checkpoint")]
+    try:
+        counts = {}
+        for v in variants:  # one step each from the same buffers: the BatchNorm count it leaves
+            state = {k: t.clone() for k, t in net.state_dict().items()}
+            training_step(v, x)()
+            counts[v.name] = max((int(b.num_batches_tracked) for b in net.modules()
+                                  if getattr(b, "num_batches_tracked", None) is not None),
+                                 default=0)
+            net.load_state_dict(state)
+        times = measure_times(variants, x, repeats, warmup)
+    finally:
+        restore_primitive()
     base = statistics.median(times["plain"])
     rows = []
     for name, ts in times.items():
@@ -114,8 +104,7 @@ def main(model: str = "densenet_bc_100", batch_size: int = 1, mode: Any = True,
         print(f"| {r['variant']} | {r['median_s'] * 1e3:.1f} ms | {r['ratio']:.2f}x "
               f"({lo:.2f}-{hi:.2f}) | {r['num_batches_tracked_after_one_step']} |")
     if json_out:
-        with open(json_out, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "machine": info, "rows": rows}, f, indent=2)
+        write_json(json_out, {"command": command_line(), "machine": info, "rows": rows})
     return rows
 
 

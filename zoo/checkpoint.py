@@ -371,10 +371,8 @@ class _Region:
                     f"the region started (version {version} -> {tensor._version}), so the "
                     "recompute would see other values. Clone the input before changing it, or "
                     "keep in-place ops on a region's input out of the region.")
-        args = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
-                for a in self.args]
-        kwargs = {k: v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor)
-                  else v for k, v in self.kwargs.items()}
+        args = [_fresh_leaf(a) for a in self.args]
+        kwargs = {k: _fresh_leaf(v) for k, v in self.kwargs.items()}
         self.filled = 0
         try:
             with torch.enable_grad(), _RecomputeContext(self.forward), \
@@ -404,6 +402,13 @@ class _Region:
             raise _StopRecompute
         # The recompute's graph keeps nothing: holding the tensor here would tie it to itself.
         return None
+
+
+def _fresh_leaf(value: Any) -> Any:
+    """A tensor input as a new leaf of the recompute's own graph (same data, same requires_grad)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad)
+    return value
 
 
 def _recomputed_graph_used(_: None) -> torch.Tensor:

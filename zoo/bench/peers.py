@@ -8,34 +8,22 @@ and FLOPs from FlopCounterMode, so they are exact and repeatable on the CPU; und
 """
 from __future__ import annotations
 
-import contextlib
-import json
 import platform
-import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from ..memory import count_flops, cpu_peak_bytes
 from ..models import create_model
+from . import report
+from .runs import fake_mode
 
-__all__ = ["Result", "maybe_fake", "step_cost", "zoo_modes", "timm_checkpointing", "add_rows",
+__all__ = ["Result", "step_cost", "zoo_modes", "timm_checkpointing", "add_rows",
            "print_table", "print_goals", "write_json"]
 
 Result = tuple[int, int]  # (peak bytes, FLOPs) of one training step
 MiB = 2**20
-
-
-@contextlib.contextmanager
-def maybe_fake(fake: bool) -> Iterator[None]:
-    """``FakeTensorMode`` when ``fake``: models and inputs built inside have no storage."""
-    if not fake:
-        yield
-        return
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        yield
 
 
 def step_cost(model: nn.Module, x: torch.Tensor) -> Result:
@@ -57,7 +45,7 @@ def zoo_modes(name: str, batch_size: int, size: int, fake: bool,
     """Plain and every checkpoint mode of the zoo model ``name`` (``size``: image side or
     tokens); ``every``: also the ``block`` mode with each ``checkpoint_every`` (ResNets)."""
     torch.manual_seed(0)
-    with maybe_fake(fake):
+    with fake_mode(fake):
         model = create_model(name)
         x = model.example_input(batch_size, size)
         results = {}
@@ -78,7 +66,7 @@ def timm_checkpointing(name: str, batch_size: int, size: int, fake: bool) -> dic
     import timm
 
     torch.manual_seed(0)
-    with maybe_fake(fake):
+    with fake_mode(fake):
         model = timm.create_model(name, pretrained=False)
         x = torch.randn(batch_size, 3, size, size)
         results = {"timm plain": step_cost(model, x)}
@@ -116,6 +104,5 @@ def print_goals(goals: Sequence[tuple[str, float, float]]) -> None:
 def write_json(path: str | None, rows: Sequence[dict], **meta: object) -> None:
     """Rows with the command and torch version that produced them (nothing if ``path`` is None)."""
     if path:
-        with open(path, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "torch": torch.__version__, **meta,
-                       "rows": list(rows)}, f, indent=1)
+        report.write_json(path, {"command": report.command_line(), "torch": torch.__version__,
+                                 **meta, "rows": list(rows)})

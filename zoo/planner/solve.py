@@ -243,10 +243,12 @@ def _least_need(p: ChainProfile) -> int:
     need[n] = [p.act[n] + p.head_rise, p.head_rise]
     for a in range(n - 1, -1, -1):
         for s in ((False,) if a == 0 else (False, True)):
-            need[a][s] = min(max(local, hold + need[b][s2])
-                             for b in range(a + 1, n + 1) for ck in (False, True)
-                             for hold, local, s2 in [_segment_terms(p, a, b, ck, s,
-                                                                    grads_after[b])])
+            options = []
+            for b in range(a + 1, n + 1):
+                for ck in (False, True):
+                    hold, local, s2 = _segment_terms(p, a, b, ck, s, grads_after[b])
+                    options.append(max(local, hold + need[b][s2]))
+            need[a][s] = min(options)
     return need[0][0]
 
 
