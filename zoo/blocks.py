@@ -1,0 +1,114 @@
+"""Find the repeated blocks of any ``nn.Module``: what to checkpoint when the model has no hook.
+
+Deep networks are chains of blocks of one type (torchvision's ``BasicBlock``/``Bottleneck``,
+``_DenseLayer``, ``EncoderBlock``, ``CNBlock``; a user's ``nn.ModuleList`` of layers), and those
+blocks are the natural checkpoint regions (Chen et al. 2016 checkpoint "stages"; timm's
+``set_grad_checkpointing`` does the same per stage/block). :func:`find_blocks` names them for
+``zoo.set_grad_checkpointing`` and for the planner (``zoo.plan`` on any module), so both agree
+on what a block is.
+
+The rule, by default: count, per type, the modules that sit in a container (any module) holding
+at least two children of that type; the type with the largest count is *the block type*
+(composite types, those with submodules, are preferred to leaves such as ``nn.Conv2d``, which a
+block holds several of, and a block class of its own to a generic container such as
+``nn.Sequential`` or a subclass of it: mobilenet_v2's ``InvertedResidual``, not the
+``Conv2dNormActivation`` inside it; ties go to the type met first). Every module of that type
+that sits in a container holding at least two of them is a block, unless it is nested inside
+another block. ``modules`` overrides the rule with types, type names or dotted submodule names.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from torch import nn
+
+__all__ = ["find_blocks", "NoBlocksError"]
+
+
+class NoBlocksError(ValueError):
+    """A model has nothing that matches what was looked for."""
+
+
+_GENERIC = (nn.Sequential, nn.ModuleList, nn.ModuleDict)  # and their subclasses
+
+
+def _is_composite(module: nn.Module) -> bool:
+    return next(module.children(), None) is not None
+
+
+def _has_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _block_type(model: nn.Module) -> type | None:
+    """The type with the most members in containers holding two or more of it (composites before
+    leaves, own classes before generic containers): torchvision's ResNet-18 gives its 8
+    ``BasicBlock``, not its 4 stage ``Sequential``."""
+    totals: Counter[type] = Counter()
+    composite: dict[type, bool] = {}
+    for parent in model.modules():
+        counts = Counter(type(c) for c in parent.children() if _has_params(c))
+        for child in parent.children():
+            kind = type(child)
+            if counts[kind] >= 2:
+                totals[kind] += 1
+                composite.setdefault(kind, _is_composite(child))
+    if not totals:
+        return None
+    return max(totals, key=lambda kind: (composite[kind], not issubclass(kind, _GENERIC),
+                                         totals[kind]))
+
+
+def _outermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Drop blocks nested inside another block (checkpointing the outer one covers them)."""
+    kept: list[tuple[str, nn.Module]] = []
+    for name, module in found:
+        if not any(name.startswith(outer + ".") for outer, _ in kept):
+            kept.append((name, module))
+    return kept
+
+
+def _matches(name: str, module: nn.Module, wanted: Iterable[type | str]) -> bool:
+    for w in wanted:
+        if isinstance(w, type) and isinstance(module, w):
+            return True
+        if isinstance(w, str) and (w == name or w == type(module).__name__):
+            return True
+    return False
+
+
+def find_blocks(model: nn.Module, modules: Iterable[type | str] | type | str | None = None
+                ) -> list[tuple[str, nn.Module]]:
+    """The blocks of ``model`` to checkpoint, as ``(dotted name, module)`` in forward order.
+
+    Args:
+        model: any module.
+        modules: ``None`` for the repeated-block rule above; otherwise module types, type names
+            (``"BasicBlock"``) or dotted submodule names (``"layer1.0"``) to take instead.
+
+    Raises :class:`NoBlocksError` (a ValueError) naming what was looked for when nothing matches.
+    """
+    if modules is not None:
+        wanted = [modules] if isinstance(modules, (type, str)) else list(modules)
+        found = [(n, m) for n, m in model.named_modules() if n and _matches(n, m, wanted)]
+        if not found:
+            names = ", ".join(w.__name__ if isinstance(w, type) else repr(w) for w in wanted)
+            raise NoBlocksError(f"{type(model).__name__} has no submodule matching {names}; "
+                                "pass module types, type names or dotted submodule names that "
+                                "exist (see model.named_modules())")
+        return _outermost(found)
+    kind = _block_type(model)
+    if kind is None:
+        raise NoBlocksError(f"{type(model).__name__} has no repeated blocks to checkpoint (looked "
+                            "for a container holding two or more submodules of one type with "
+                            "parameters); name the modules to checkpoint with modules=[...]")
+    found = []
+    for parent_name, parent in model.named_modules():
+        siblings = [(n, c) for n, c in parent.named_children() if type(c) is kind]
+        if len(siblings) >= 2:
+            prefix = f"{parent_name}." if parent_name else ""
+            found += [(prefix + n, c) for n, c in siblings]
+    order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
+    found.sort(key=lambda item: order[id(item[1])])
+    return _outermost(found)
