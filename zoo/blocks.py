@@ -15,15 +15,20 @@ block holds several of, and a block class of its own to a generic container such
 ``Conv2dNormActivation`` inside it; ties go to the type met first). Every module of that type
 that sits in a container holding at least two of them is a block, unless it is nested inside
 another block. ``modules`` overrides the rule with types, type names or dotted submodule names.
+
+:func:`checkpoint_module` turns one module's every call into a ``zoo.checkpoint`` region and back.
 """
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from typing import Any
 
 from torch import nn
 
-__all__ = ["find_blocks", "NoBlocksError"]
+from .checkpoint import checkpoint
+
+__all__ = ["find_blocks", "NoBlocksError", "checkpoint_module", "is_checkpointed"]
 
 
 class NoBlocksError(ValueError):
@@ -112,3 +117,45 @@ def find_blocks(model: nn.Module, modules: Iterable[type | str] | type | str | N
     order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
     found.sort(key=lambda item: order[id(item[1])])
     return _outermost(found)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpointing a module in place: its class is swapped for a cached subclass whose forward runs
+# the original forward through zoo.checkpoint. A class swap (not an instance attribute) keeps
+# deepcopy, state_dict, hooks and parameter identity intact, and every call of the module (a
+# block called twice) is its own checkpointed region.
+# --------------------------------------------------------------------------------------------
+_CHECKPOINTED: dict[type, type] = {}
+
+
+def _checkpointed_class(cls: type) -> type:
+    if cls not in _CHECKPOINTED:
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            plain = super(sub, self).forward  # the original class's forward, bound
+            return checkpoint(plain, *args, **self._zoo_checkpoint_options, **kwargs)
+
+        sub = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                          "_zoo_checkpointed_from": cls,
+                                          "__qualname__": cls.__qualname__})
+        _CHECKPOINTED[cls] = sub
+    return _CHECKPOINTED[cls]
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether :func:`checkpoint_module` has turned ``module``'s forward into a checkpoint."""
+    return "_zoo_checkpointed_from" in type(module).__dict__
+
+
+def checkpoint_module(module: nn.Module, enable: bool = True, **options: Any) -> nn.Module:
+    """Run every call of ``module`` through ``zoo.checkpoint`` (``enable=False`` undoes it).
+
+    ``options`` (e.g. ``save_ops``) are passed to ``zoo.checkpoint`` on each call. Parameters,
+    buffers, hooks, the state_dict and the object itself stay the same. Returns ``module``.
+    """
+    if is_checkpointed(module):
+        module.__class__ = type(module).__dict__["_zoo_checkpointed_from"]
+        module.__dict__.pop("_zoo_checkpoint_options", None)
+    if enable:
+        module._zoo_checkpoint_options = dict(options)
+        module.__class__ = _checkpointed_class(type(module))
+    return module
