@@ -14,6 +14,7 @@ The project's figures all come from here, so every script measures the same way:
 """
 from __future__ import annotations
 
+import math
 import re
 import statistics
 import time
@@ -24,28 +25,80 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["parse_bytes", "format_bytes", "cpu_peak_bytes", "cuda_peak_bytes", "count_flops",
+__all__ = ["parse_bytes", "parse_budget", "format_bytes", "cpu_peak_bytes", "cuda_peak_bytes", "count_flops",
            "median_seconds"]
 
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9,
           "T": 1e12, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z%]*)\s*")
+_EXPECTED = "expected bytes or a number with a unit, like 512MB, 10GB, 12GiB"
 
 
 def parse_bytes(value: int | float | str) -> int:
-    """``10GB`` -> 10_000_000_000, ``12GiB`` -> 12 * 2**30, ``1.5e9`` or 1500 -> bytes."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value <= 0:
-            raise ValueError(f"a memory size must be positive, got {value}")
-        return int(value)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
-    unit = match.group(2).upper() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"cannot read {value!r} as a memory size: expected a number of bytes or a "
-                         "number with a unit, like 512MB, 10GB, 12GiB")
-    size = int(float(match.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise ValueError(f"a memory size must be positive, got {value!r}")
-    return size
+    """``10GB`` -> 10_000_000_000, ``12GiB`` -> 12 * 2**30, ``1.5e9`` or 1500 -> bytes.
+
+    A size must be a finite positive number; anything else is a one-line ValueError saying what
+    was expected."""
+    size = _parse_size(value, allow_fraction=False)
+    if math.isinf(size):
+        raise ValueError(f"a memory size must be finite, got {value!r}; {_EXPECTED}")
+    return int(size)
+
+
+def parse_budget(value: int | float | str, device: torch.device | str | None = None
+                 ) -> int | float:
+    """A memory budget in bytes: what :func:`parse_bytes` reads, and also ``inf`` (``float("inf")``
+    or ``"inf"``: no limit, so nothing needs checkpointing, returned as ``math.inf``) and, for a
+    CUDA ``device``, a fraction of the device's total memory (``0.8`` or ``"80%"``).
+
+    ``nan``, zero, negative and unreadable budgets raise a one-line ValueError.
+    """
+    size = _parse_size(value, allow_fraction=True)
+    if isinstance(size, _Fraction):
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        if dev.type != "cuda" or not torch.cuda.is_available():
+            raise ValueError(f"memory budget {value!r} is a fraction of a GPU's memory, but the "
+                             f"model's input is on {dev.type}; give bytes instead, like 2GB")
+        total = torch.cuda.get_device_properties(dev).total_memory
+        return int(size.fraction * total)
+    return size if math.isinf(size) else int(size)
+
+
+class _Fraction(float):
+    """A budget given as a fraction of a device's memory (``0.8``, ``"80%"``)."""
+
+    @property
+    def fraction(self) -> float:
+        return float(self)
+
+
+def _parse_size(value: int | float | str, allow_fraction: bool) -> float:
+    what = "memory budget" if allow_fraction else "memory size"
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"cannot read {value!r} as a {what}: {_EXPECTED}")
+    if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "infinity"):
+        value = math.inf
+    if isinstance(value, str):
+        match = _SIZE.fullmatch(value)
+        unit = match.group(2).upper() if match else None
+        if match is None or (unit not in _UNITS and unit != "%"):
+            raise ValueError(f"cannot read {value!r} as a {what}: {_EXPECTED}")
+        number = float(match.group(1))
+        if unit == "%":
+            if not allow_fraction or not 0 < number <= 100:
+                raise ValueError(f"{what} {value!r}: a percentage must be in (0, 100] and is "
+                                 f"allowed for a budget on a GPU only; {_EXPECTED}")
+            return _Fraction(number / 100)
+        number *= _UNITS[unit]
+    else:
+        number = float(value)
+        if math.isnan(number):
+            raise ValueError(f"{what} is nan (not a number); {_EXPECTED}")
+        if allow_fraction and isinstance(value, float) and 0 < number < 1:
+            return _Fraction(number)
+    if math.isnan(number) or number < 1:
+        raise ValueError(f"a {what} must be positive, got {value!r}; {_EXPECTED}")
+    return number
 
 
 def format_bytes(n: float) -> str:

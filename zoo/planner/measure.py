@@ -17,22 +17,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..memory import cpu_peak_bytes
+from .fake import default_loss, fake_state
 
-__all__ = ["measure_step", "fake_state"]
-
-
-def fake_state(model: nn.Module, fake: Any) -> dict[str, torch.Tensor]:
-    """Fake copies of ``model``'s parameters and buffers by name, for ``_reparametrize_module``;
-    tied tensors (GPT-2's head and embedding) get one shared copy under every name."""
-    copies: dict[int, torch.Tensor] = {}
-    state: dict[str, torch.Tensor] = {}
-    for name, t in [*model.named_parameters(remove_duplicate=False),
-                    *model.named_buffers(remove_duplicate=False)]:
-        if id(t) not in copies:
-            copy = fake.from_tensor(t.detach())
-            copies[id(t)] = copy.requires_grad_(t.requires_grad) if t.is_leaf else copy
-        state[name] = copies[id(t)]
-    return state
+__all__ = ["measure_step"]
 
 
 def measure_step(model: nn.Module, example_input: torch.Tensor,
@@ -41,8 +28,6 @@ def measure_step(model: nn.Module, example_input: torch.Tensor,
     (checkpoint mode or plan included). ``model`` itself is left untouched."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module
-
-    from .profile import default_loss
 
     loss_fn = loss_fn or default_loss
     fake = FakeTensorMode()

@@ -1,0 +1,109 @@
+"""Memory budgets as ``zoo.plan`` reads them (issue 14, item 6; issue 13, item 11), and the
+planner package's imports (issue 14, item 7).
+
+Bytes or strings with units ("2GB", "2GiB", "1500MB"); ``inf`` plans no checkpointing; a fraction
+of a GPU's memory is refused on a CPU input; nan, negative, zero and unreadable budgets are a
+one-line ValueError that says what was expected.
+"""
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import zoo
+from zoo.memory import parse_budget, parse_bytes
+from zoo.planner import measure_step
+
+PLANNER = Path(zoo.__file__).parent / "planner"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("2GB", 2 * 10**9), ("2GiB", 2 * 2**30), ("1500MB", 1500 * 10**6), (" 3 kib ", 3 * 2**10),
+    ("1e9", 10**9), (1500, 1500), (1.5e9, 1_500_000_000), ("inf", math.inf),
+    (float("inf"), math.inf), ("Infinity", math.inf)])
+def test_budgets_in_bytes_and_units(text, expected):
+    assert parse_budget(text) == expected
+
+
+@pytest.mark.parametrize("bad", [float("nan"), "nan", -1, 0, -2.5e9, "-2GB", "0B", "ten gigs",
+                                 "12 parsecs", True, None, "80%", 0.5, "150%"])
+def test_bad_budgets_are_one_line_value_errors(bad):
+    with pytest.raises(ValueError) as info:
+        parse_budget(bad)
+    message = str(info.value)
+    assert "\n" not in message and ("expected" in message or "give bytes" in message)
+
+
+def test_a_memory_size_is_finite():
+    """Sizes that are not budgets (train.py's --memory_budget goes through its own room for the
+    optimizer state) refuse inf with the same one line."""
+    with pytest.raises(ValueError, match="finite"):
+        parse_bytes("inf")
+    assert parse_bytes("2GiB") == 2 * 2**30
+
+
+def test_fraction_of_a_gpu_on_a_cpu_input_names_the_device():
+    with pytest.raises(ValueError, match="fraction of a GPU's memory.*on cpu"):
+        parse_budget("80%", torch.device("cpu"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fraction_of_a_gpu():
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert parse_budget(0.5, "cuda") == parse_budget("50%", "cuda") == int(0.5 * total)
+
+
+def test_plan_with_an_infinite_budget_checkpoints_nothing():
+    """issue 13 item 11: ``zoo.plan(model, x, float("inf"))`` raised OverflowError."""
+    torch.manual_seed(0)
+    model = zoo.create_model("cifar_cnn")
+    x = model.example_input(4)
+    plain = measure_step(model, x)
+    for budget in (float("inf"), "inf"):
+        result = zoo.plan(model, x, budget)
+        assert result.recompute_flops == 0 and result.checkpointed_blocks == []
+        assert result.predicted_peak == result.plain_peak == plain[0]
+        assert measure_step(model, x) == plain
+        assert "inf (no limit)" in str(result)
+    model.set_checkpoint_plan(None)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1, "lots"])
+def test_plan_refuses_bad_budgets_before_profiling(bad):
+    model = zoo.create_model("cifar_cnn")
+    with pytest.raises(ValueError) as info:
+        zoo.plan(model, model.example_input(2), bad)
+    assert "\n" not in str(info.value)
+    assert model.checkpoint_plan is None
+
+
+def _planner_imports(path: Path) -> set[str]:
+    """The planner modules ``path`` imports (relative imports inside zoo/planner)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            found.add(node.module or "__init__")
+    return found
+
+
+def test_no_import_circle_inside_the_planner():
+    """Every module of zoo/planner imports only modules that do not import it back, directly
+    or through others (issue 14 item 7: measure.py and profile.py imported each other)."""
+    graph = {p.stem: _planner_imports(p) for p in PLANNER.glob("*.py")}
+    assert set().union(*graph.values()) <= set(graph)
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    for module in graph:
+        assert module not in reach(module), f"zoo/planner/{module}.py imports itself back"

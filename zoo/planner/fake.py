@@ -1,0 +1,37 @@
+"""What every planner file shares, at the bottom of the package: fake copies of a model's state
+and the default loss of a profiled step.
+
+``measure.py`` and ``profile.py`` both run a training step under ``FakeTensorMode`` on these;
+keeping them here (importing nothing else from the package) is what keeps the package free of
+import circles (issue 14, item 7).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["fake_state", "default_loss"]
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The loss the profile's training step uses unless told otherwise: a mean over the output."""
+    out = output[0] if isinstance(output, (tuple, list)) else output
+    if not isinstance(out, torch.Tensor) and hasattr(out, "values"):  # Hugging Face ModelOutput
+        out = next(v for v in out.values() if isinstance(v, torch.Tensor))
+    return out.float().square().mean()
+
+
+def fake_state(model: nn.Module, fake: Any) -> dict[str, torch.Tensor]:
+    """Fake copies of ``model``'s parameters and buffers by name, for ``_reparametrize_module``;
+    tied tensors (GPT-2's head and embedding) get one shared copy under every name."""
+    copies: dict[int, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False),
+                    *model.named_buffers(remove_duplicate=False)]:
+        if id(t) not in copies:
+            copy = fake.from_tensor(t.detach())
+            copies[id(t)] = copy.requires_grad_(t.requires_grad) if t.is_leaf else copy
+        state[name] = copies[id(t)]
+    return state
