@@ -5,11 +5,15 @@ instead of asking them to pick segments: it profiles the model's chain of blocks
 under ``FakeTensorMode`` (:mod:`.profile`), finds by dynamic programming the segmentation of the
 chain whose predicted peak fits the budget with the fewest recomputed FLOPs (:mod:`.solve`;
 rotor's optimal chain checkpointing, Beaumont et al. 2019, with one level of checkpointing),
-and applies it with ``model.set_checkpoint_plan``. :mod:`.batch` finds the largest batch that fits
+and applies it with ``model.set_checkpoint_plan``. The model's own checkpoint modes (:mod:`.modes`:
+they cut inside blocks, where a chain cannot) are measured and compete with those schedules, so a
+plan never recomputes more than a hand mode that fits the same budget. :mod:`.batch` finds the largest batch that fits
 a budget (``train.py --batch_size auto``); :mod:`.measure` measures a step without running it.
 
-Files: ``profile.py`` (what each block costs), ``solve.py`` (the memory model and the DP),
-``batch.py``, ``measure.py``; this file holds the user-facing :func:`plan` and :class:`Plan`.
+Files, each importing only those listed before it (no circles): ``fake.py`` (fake state, the
+default loss), ``measure.py`` (one fake step's peak and FLOPs), ``modes.py`` (hand modes as
+candidates), ``profile.py`` (what each block costs), ``solve.py`` (the memory model and the DP),
+``batch.py``; this file holds the user-facing :func:`plan` and :class:`Plan`.
 """
 from __future__ import annotations
 
@@ -20,21 +24,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..memory import format_bytes, parse_bytes
+from ..checkpoint import split_segments
+from ..memory import format_bytes, parse_budget
 from .batch import largest_batch
+from .fake import default_loss
 from .measure import measure_step
-from .profile import ChainProfile, default_loss, profile_chain
+from .modes import ModeCost, profile_modes
+from .profile import ChainProfile, profile_chain
 from .solve import fronts, normalise, predict_peak, recompute_flops, smallest_peak, solve
 
 __all__ = ["plan", "Plan", "BudgetTooSmallError", "ChainProfile", "profile_chain", "solve_profile",
            "predict_peak", "recompute_flops", "smallest_peak", "uniform_segments",
-           "default_loss", "largest_batch", "measure_step"]
+           "default_loss", "largest_batch", "measure_step", "ModeCost", "profile_modes"]
 
 
 class BudgetTooSmallError(ValueError):
     """No checkpoint schedule fits the budget; ``smallest`` is the lowest feasible budget."""
 
-    def __init__(self, budget: int, smallest: int, plain: int) -> None:
+    def __init__(self, budget: int | float, smallest: int, plain: int) -> None:
         self.budget, self.smallest, self.plain = budget, smallest, plain
         super().__init__(
             f"memory budget {format_bytes(budget)} ({budget} bytes) is below the smallest peak "
@@ -48,20 +55,32 @@ class BudgetTooSmallError(ValueError):
 class Plan:
     """A checkpoint schedule for a model's chain and what the planner predicts it costs.
 
-    ``segments`` is block-level, as ``model.set_checkpoint_plan`` takes it. Peaks are bytes of
-    one training step (forward, loss, backward; parameters and gradients included) as
-    ``zoo.memory.cpu_peak_bytes`` measures them; ``overhead`` is recompute FLOPs over a plain
-    step's FLOPs.
+    ``segments`` is block-level, as ``model.set_checkpoint_plan`` takes it; when ``mode`` is
+    set, the plan is that hand mode of the model (``model.set_grad_checkpointing(mode)``) and
+    ``segments`` is empty. Peaks are bytes of one training step (forward, loss, backward;
+    parameters and gradients included) as ``zoo.memory.cpu_peak_bytes`` measures them;
+    ``overhead`` is recompute FLOPs over a plain step's FLOPs; ``modes``: the hand modes that
+    were candidates, as measured.
     """
 
     segments: list[tuple[int, int, bool]]
-    budget: int
+    budget: int | float
     predicted_peak: int
     plain_peak: int
     smallest_peak: int
     recompute_flops: int
     step_flops: int
     profile: ChainProfile
+    mode: str | None = None
+    modes: tuple[ModeCost, ...] = ()
+
+    def apply(self, model: nn.Module) -> None:
+        """Make ``model`` run this plan (its chain's segments, or its hand mode)."""
+        if self.mode is None:
+            model.set_checkpoint_plan(self.segments)
+        else:
+            model.set_checkpoint_plan(None)
+            model.set_grad_checkpointing(self.mode)
 
     @property
     def overhead(self) -> float:
@@ -71,7 +90,22 @@ class Plan:
     def checkpointed_blocks(self) -> list[int]:
         return [j for a, b, ck in self.segments if ck for j in range(a, b)]
 
+    def _summary(self) -> str:
+        roomy = "; at or above the plain peak: nothing checkpointed" \
+            if self.budget >= self.plain_peak else ""
+        return (f"budget {_budget(self.budget)}: predicted peak {format_bytes(self.predicted_peak)}"
+                f" (plain {format_bytes(self.plain_peak)}, smallest feasible "
+                f"{format_bytes(self.smallest_peak)}{roomy})")
+
     def __str__(self) -> str:
+        if self.mode is not None:
+            others = ", ".join(f"{m.mode} {format_bytes(m.peak)} +{_flops(m.recompute_flops)}"
+                               for m in self.modes)
+            return "\n".join([
+                f"the model's own checkpoint mode {self.mode!r} (measured; cheapest that fits)",
+                self._summary(),
+                f"+{_flops(self.recompute_flops)} recomputed, +{100 * self.overhead:.1f}% of a "
+                f"plain step's {_flops(self.step_flops)}; modes measured: {others}"])
         p = self.profile
         unit_of = {j: u for u, (a, b) in enumerate(p.units) for j in range(a, b)}
         lines = ["| block | name | segment | activations | kept after forward | fwd MFLOP |",
@@ -92,19 +126,18 @@ class Plan:
                 flops = f"{p.flops[u] / 1e6:.1f}" if first else ""
                 lines.append(f"| {j} | {p.block_names[j]} | {seg} | {what} | {kept} | {flops} |")
         n_ck = len(self.checkpointed_blocks)
-        roomy = "; at or above the plain peak: nothing checkpointed" \
-            if self.budget >= self.plain_peak else ""
         lines += [
             "",
-            f"budget {format_bytes(self.budget)}: predicted peak "
-            f"{format_bytes(self.predicted_peak)}"
-            f" (plain {format_bytes(self.plain_peak)}, smallest feasible "
-            f"{format_bytes(self.smallest_peak)}{roomy})",
+            self._summary(),
             f"{n_ck} of {p.n_blocks} blocks recomputed in {sum(c for *_, c in self.segments)} "
             f"checkpointed segments: +{_flops(self.recompute_flops)} recomputed, "
             f"+{100 * self.overhead:.1f}% of a plain step's {_flops(self.step_flops)}",
         ]
         return "\n".join(lines)
+
+
+def _budget(n: int | float) -> str:
+    return "inf (no limit)" if n == float("inf") else format_bytes(n)
 
 
 def _flops(n: int) -> str:
@@ -114,33 +147,40 @@ def _flops(n: int) -> str:
 def uniform_segments(profile: ChainProfile, segments: int) -> list[tuple[int, int, bool]]:
     """``checkpoint_sequential``'s schedule at unit level: ``segments`` balanced checkpointed
     segments covering the chain (the last one too, as ``zoo.checkpoint_sequential`` does)."""
-    from ..checkpoint import split_segments
     return [(r.start, r.stop, True) for r in split_segments(profile.n_units, segments)]
 
 
 def solve_profile(profile: ChainProfile, memory_budget: int | float | str,
-                  front: Any = None) -> Plan:
-    """The cheapest schedule for a profiled chain under ``memory_budget`` (nothing applied)."""
-    budget = parse_bytes(memory_budget)
-    p = profile
+                  front: Any = None, modes: tuple[ModeCost, ...] | list[ModeCost] = ()) -> Plan:
+    """The cheapest schedule for a profiled chain under ``memory_budget`` (nothing applied),
+    or the cheapest of ``modes`` (measured hand modes) where one fits and recomputes less."""
+    budget = parse_budget(memory_budget)
+    p, modes = profile, tuple(modes)
     front = front or fronts(p)
     plain_segments = [(0, p.n_units, False)]
     plain = predict_peak(p, plain_segments)
-    smallest = smallest_peak(p, front)
+    smallest = min([smallest_peak(p, front), *(m.peak for m in modes)])
     if budget >= plain:
-        segments, peak = plain_segments, plain
-    else:
-        found = solve(p, budget, front)
-        if found is None:
-            raise BudgetTooSmallError(budget, smallest, plain)
-        segments, peak = found
-    return Plan(p.block_segments(normalise(segments)), budget, peak, plain, smallest,
-                recompute_flops(p, segments), p.step_flops, p)
+        return Plan(p.block_segments(plain_segments), budget, plain, plain, smallest, 0,
+                    p.step_flops, p, None, modes)
+    found = solve(p, int(budget), front)
+    cost = recompute_flops(p, found[0]) if found else None
+    fitting = [m for m in modes if m.peak <= budget]
+    best = min(fitting, key=lambda m: (m.recompute_flops, m.peak), default=None)
+    if best is not None and (cost is None or best.recompute_flops < cost):
+        return Plan([], budget, best.peak, plain, smallest, best.recompute_flops, p.step_flops,
+                    p, best.mode, modes)
+    if found is None:
+        raise BudgetTooSmallError(budget, smallest, plain)
+    segments, peak = found
+    return Plan(p.block_segments(normalise(segments)), budget, peak, plain, smallest, cost,
+                p.step_flops, p, None, modes)
 
 
 def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | float | str, *,
-         loss_fn: Callable[[Any], torch.Tensor] | None = None, apply: bool = True) -> Plan:
-    """Checkpoint ``model``'s chain so one training step fits ``memory_budget`` with the least
+         loss_fn: Callable[[Any], torch.Tensor] | None = None, apply: bool = True,
+         modes: bool = True) -> Plan:
+    """Checkpoint ``model`` so one training step fits ``memory_budget`` with the least
     recompute, and return the :class:`Plan` (``print`` it for a table).
 
     Args:
@@ -148,17 +188,38 @@ def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | flo
         example_input: one batch as training will see it (shape, dtype and device decide the
             figures; its values do not matter). Nothing is computed on it: the model is
             profiled under ``FakeTensorMode``.
-        memory_budget: bytes, or a string like ``"10GB"`` / ``"12GiB"``, for one training step:
-            parameters, gradients and activations (not optimizer state: leave room for it).
+        memory_budget: bytes, or a string like ``"10GB"`` / ``"12GiB"`` / ``"1500MB"``, for one
+            training step: parameters, gradients and activations (not optimizer state: leave
+            room for it). ``inf`` (or ``"inf"``) checkpoints nothing; for an input on a GPU, a
+            fraction of its memory (``0.8`` or ``"80%"``).
         loss_fn: output -> scalar loss of the step (default: mean of squares; its memory is part
             of the prediction, usually negligible).
-        apply: call ``model.set_checkpoint_plan`` with the result (default True).
+        apply: make the model run the result (default True).
+        modes: measure the model's own checkpoint modes too and take one where it is the
+            cheapest that fits (default True).
 
     A budget at or above the plain model's peak checkpoints nothing. A budget below the lowest
-    peak any schedule reaches raises :class:`BudgetTooSmallError` naming that peak.
+    peak any schedule reaches raises :class:`BudgetTooSmallError` naming that peak; nan,
+    negative or unreadable budgets raise a one-line ValueError.
     """
-    budget = parse_bytes(memory_budget)
-    result = solve_profile(profile_chain(model, example_input, loss_fn), budget)
+    budget = parse_budget(memory_budget, example_input.device)
+    if budget == float("inf"):
+        result = _no_limit(model, example_input, loss_fn)
+    else:
+        profile = profile_chain(model, example_input, loss_fn)
+        found = profile_modes(model, example_input, profile.step_flops, loss_fn) \
+            if modes else []
+        result = solve_profile(profile, budget, modes=found)
     if apply:
-        model.set_checkpoint_plan(result.segments)
+        result.apply(model)
     return result
+
+
+def _no_limit(model: nn.Module, example_input: torch.Tensor,
+              loss_fn: Callable[[Any], torch.Tensor] | None) -> Plan:
+    """The plan for an infinite budget: nothing checkpointed (the chain is profiled once so the
+    plan still reports the plain peak)."""
+    p = profile_chain(model, example_input, loss_fn)
+    plain = predict_peak(p, [(0, p.n_units, False)])
+    return Plan([(0, p.n_blocks, False)], float("inf"), plain, plain, smallest_peak(p), 0,
+                p.step_flops, p)
