@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["parse_bytes", "parse_budget", "format_bytes", "cpu_peak_bytes", "cuda_peak_bytes", "count_flops",
+__all__ = ["parse_bytes", "parse_budget", "format_bytes", "cpu_peak_bytes", "cuda_peak_bytes",
+           "count_flops",
            "median_seconds"]
 
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9,

@@ -1,8 +1,10 @@
 """The uniform interface every zoo model has (timm's, trimmed)."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import ClassVar
+import inspect
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -52,6 +54,7 @@ class ZooModel(nn.Module):
     checkpoint_modes: ClassVar[tuple[str, ...]] = ()
     grad_checkpointing: str | None = None
     checkpoint_plan: Plan | None = None
+    checkpoint_block_modes: Sequence[str | None] | None = None
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -96,11 +99,41 @@ class ZooModel(nn.Module):
         self.checkpoint_plan = plan
 
     def run_chain(self, blocks: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
-        """Run ``blocks`` (the model's chain) on ``x`` following ``checkpoint_plan``."""
+        """Run ``blocks`` (the model's chain) on ``x`` following ``checkpoint_plan`` (and
+        ``checkpoint_block_modes``, when set: each block in its own intra-block mode)."""
+        modes = self.checkpoint_block_modes
+        if modes is not None and len(modes) == len(blocks):
+            blocks = [b if m is None else partial(self.run_chain_block, b, mode=m)
+                      for b, m in zip(blocks, modes)]
         for start, stop, checkpointed in self.checkpoint_plan:
             part = blocks[start:stop]
             x = checkpoint(run_blocks, part, x) if checkpointed else run_blocks(part, x)
         return x
+
+    def set_checkpoint_block_modes(self, modes: Sequence[str | None] | None) -> None:
+        """Run each block of a checkpoint plan's chain in an intra-block checkpoint mode
+        (``None`` for plainly), one entry per block of ``checkpoint_chain()``: the planner's
+        per-block options, inside its segments too (a checkpointed segment's recompute then
+        checkpoints again inside each block: two levels). ``None`` removes them."""
+        if modes is not None:
+            modes = list(modes)
+            n = len(self.checkpoint_chain())
+            unknown = {m for m in modes if m is not None and m not in self.checkpoint_modes}
+            if len(modes) != n or unknown:
+                raise ValueError(f"block modes must be {n} entries of None or "
+                                 f"{', '.join(self.checkpoint_modes)}; got {modes}")
+        self.checkpoint_block_modes = modes
+
+    def run_chain_block(self, block: Callable[..., Any], x: torch.Tensor,
+                        mode: str | None = None) -> torch.Tensor:
+        """One block of ``checkpoint_chain()`` in checkpoint ``mode`` (one of
+        ``checkpoint_modes``, applied inside that block only). Blocks whose ``forward`` takes a
+        ``mode`` get it (ResNet blocks, the CIFAR CNN's, DenseNet's layers and transitions);
+        the others (stems, norms) run plainly."""
+        target = block.forward if isinstance(block, nn.Module) else block
+        if mode is not None and "mode" in inspect.signature(target).parameters:
+            return block(x, mode=mode)
+        return block(x)
 
     def example_input(self, batch_size: int = 2, size: int | None = None) -> torch.Tensor:
         """A random valid input batch on the model's device; ``size``: image side or sequence length."""

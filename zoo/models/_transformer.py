@@ -35,6 +35,7 @@ figures from scripts/bench_transformers.py, one training step):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -199,6 +200,18 @@ class TransformerModel(ZooModel):
                        attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Every block on ``x`` (B, T, dim), checkpointed as ``self.grad_checkpointing`` says."""
         return run_blocks(self.blocks, x, self.grad_checkpointing, attn_mask)
+
+    def run_chain_block(self, block: Callable[..., Any], x: torch.Tensor,
+                        mode: str | None = None) -> torch.Tensor:
+        """One chain block in ``mode``, inside that block only (the planner's per-block option):
+        a :class:`Block` (or a ``partial`` of one holding ``attn_mask``) is checkpointed whole
+        (``"block"``), by sublayer or selectively; embeddings and norms run plainly."""
+        fn, kw = (block.func, block.keywords) if isinstance(block, partial) else (block, {})
+        if mode is None or not isinstance(fn, Block):
+            return block(x)
+        if mode == "block":
+            return checkpoint(fn, x, kw.get("attn_mask"))
+        return run_blocks([fn], x, mode, kw.get("attn_mask"))
 
 
 def init_linear_and_embedding(module: nn.Module, std: float = 0.02) -> None:

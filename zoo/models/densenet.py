@@ -151,8 +151,9 @@ class DenseLink(nn.Module):
         super().__init__()
         self.layer, self.name = layer, name
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x, self.layer(x)], 1)
+    def forward(self, x: torch.Tensor, mode: str | None = None) -> torch.Tensor:
+        """``mode``: the layer's checkpoint mode (the planner's per-layer option)."""
+        return torch.cat([x, self.layer(x, mode)], 1)
 
 
 class Transition(nn.Module):

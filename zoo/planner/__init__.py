@@ -7,8 +7,10 @@ chain whose predicted peak fits the budget with the fewest recomputed FLOPs (:mo
 rotor's optimal chain checkpointing, Beaumont et al. 2019, with one level of checkpointing),
 and applies it with ``model.set_checkpoint_plan``. The model's own checkpoint modes (:mod:`.modes`:
 they cut inside blocks, where a chain cannot) are measured and compete with those schedules, so a
-plan never recomputes more than a hand mode that fits the same budget. :mod:`.batch` finds the largest batch that fits
-a budget (``train.py --batch_size auto``); :mod:`.measure` measures a step without running it.
+plan never recomputes more than a hand mode that fits the same budget; the chain is also profiled
+with every block in each of those modes, inside checkpointed segments too (two levels).
+:mod:`.batch` finds the largest batch that fits a budget (``train.py --batch_size auto``);
+:mod:`.measure` measures a step without running it.
 
 Files, each importing only those listed before it (no circles): ``fake.py`` (fake state, the
 default loss), ``measure.py`` (one fake step's peak and FLOPs), ``modes.py`` (hand modes as
@@ -35,7 +37,8 @@ from .solve import fronts, normalise, predict_peak, recompute_flops, smallest_pe
 
 __all__ = ["plan", "Plan", "BudgetTooSmallError", "ChainProfile", "profile_chain", "solve_profile",
            "predict_peak", "recompute_flops", "smallest_peak", "uniform_segments",
-           "default_loss", "largest_batch", "measure_step", "ModeCost", "profile_modes"]
+           "default_loss", "largest_batch", "measure_step", "ModeCost", "profile_modes",
+           "solve_measured"]
 
 
 class BudgetTooSmallError(ValueError):
@@ -73,13 +76,21 @@ class Plan:
     profile: ChainProfile
     mode: str | None = None
     modes: tuple[ModeCost, ...] = ()
+    block_mode: str | None = None
 
     def apply(self, model: nn.Module) -> None:
-        """Make ``model`` run this plan (its chain's segments, or its hand mode)."""
+        """Make ``model`` run this plan (its chain's segments, each block in ``block_mode``, or
+        its hand mode)."""
         if self.mode is None:
             model.set_checkpoint_plan(self.segments)
+            if hasattr(model, "set_checkpoint_block_modes"):
+                n = self.profile.n_blocks
+                model.set_checkpoint_block_modes(None if self.block_mode is None
+                                                 else [self.block_mode] * n)
         else:
             model.set_checkpoint_plan(None)
+            if hasattr(model, "set_checkpoint_block_modes"):
+                model.set_checkpoint_block_modes(None)
             model.set_grad_checkpointing(self.mode)
 
     @property
@@ -126,8 +137,12 @@ class Plan:
                 flops = f"{p.flops[u] / 1e6:.1f}" if first else ""
                 lines.append(f"| {j} | {p.block_names[j]} | {seg} | {what} | {kept} | {flops} |")
         n_ck = len(self.checkpointed_blocks)
+        inner = "" if self.block_mode is None else (
+            f"every block in its {self.block_mode!r} mode (inside checkpointed segments too: two "
+            f"levels), +{_flops(self.profile.inner_flops)} recomputed by it")
         lines += [
             "",
+            *([inner] if inner else []),
             self._summary(),
             f"{n_ck} of {p.n_blocks} blocks recomputed in {sum(c for *_, c in self.segments)} "
             f"checkpointed segments: +{_flops(self.recompute_flops)} recomputed, "
@@ -150,36 +165,52 @@ def uniform_segments(profile: ChainProfile, segments: int) -> list[tuple[int, in
     return [(r.start, r.stop, True) for r in split_segments(profile.n_units, segments)]
 
 
+def _chain_plan(p: ChainProfile, budget: int | float, front: Any, plain: int,
+                smallest: int, modes: tuple[ModeCost, ...]) -> Plan | None:
+    """The cheapest schedule of profile ``p``'s chain under ``budget``, or None."""
+    stored = [(0, p.n_units, False)]
+    peak = predict_peak(p, stored)
+    if budget >= peak:
+        segments = stored
+    else:
+        found = solve(p, int(budget), front or fronts(p))
+        if found is None:
+            return None
+        segments, peak = found
+    return Plan(p.block_segments(normalise(segments)), budget, peak, plain, smallest,
+                p.inner_flops + recompute_flops(p, segments), p.step_flops, p, None, modes,
+                p.block_mode)
+
+
 def solve_profile(profile: ChainProfile, memory_budget: int | float | str,
-                  front: Any = None, modes: tuple[ModeCost, ...] | list[ModeCost] = ()) -> Plan:
-    """The cheapest schedule for a profiled chain under ``memory_budget`` (nothing applied),
-    or the cheapest of ``modes`` (measured hand modes) where one fits and recomputes less."""
+                  front: Any = None, modes: tuple[ModeCost, ...] | list[ModeCost] = (),
+                  block_profiles: tuple[ChainProfile, ...] | list[ChainProfile] = ()) -> Plan:
+    """The cheapest plan under ``memory_budget`` (nothing applied): over the schedules of
+    ``profile``'s chain (``front``: its :func:`fronts`, if already computed), of the chain with
+    every block in one intra-block mode (``block_profiles``: :func:`profile_chain` with
+    ``block_mode``), and the measured hand ``modes``. Ties go to the lower peak."""
     budget = parse_budget(memory_budget)
     p, modes = profile, tuple(modes)
     front = front or fronts(p)
-    plain_segments = [(0, p.n_units, False)]
-    plain = predict_peak(p, plain_segments)
-    smallest = min([smallest_peak(p, front), *(m.peak for m in modes)])
+    plain = predict_peak(p, [(0, p.n_units, False)])
+    smallest = min([smallest_peak(p, front), *(smallest_peak(q) for q in block_profiles),
+                    *(m.peak for m in modes)])
     if budget >= plain:
-        return Plan(p.block_segments(plain_segments), budget, plain, plain, smallest, 0,
+        return Plan(p.block_segments([(0, p.n_units, False)]), budget, plain, plain, smallest, 0,
                     p.step_flops, p, None, modes)
-    found = solve(p, int(budget), front)
-    cost = recompute_flops(p, found[0]) if found else None
-    fitting = [m for m in modes if m.peak <= budget]
-    best = min(fitting, key=lambda m: (m.recompute_flops, m.peak), default=None)
-    if best is not None and (cost is None or best.recompute_flops < cost):
-        return Plan([], budget, best.peak, plain, smallest, best.recompute_flops, p.step_flops,
-                    p, best.mode, modes)
-    if found is None:
+    candidates = [_chain_plan(p, budget, front, plain, smallest, modes)]
+    candidates += [_chain_plan(q, budget, None, plain, smallest, modes) for q in block_profiles]
+    candidates += [Plan([], budget, m.peak, plain, smallest, m.recompute_flops, p.step_flops, p,
+                        m.mode, modes) for m in modes if m.peak <= budget]
+    fitting = [c for c in candidates if c is not None]
+    if not fitting:
         raise BudgetTooSmallError(budget, smallest, plain)
-    segments, peak = found
-    return Plan(p.block_segments(normalise(segments)), budget, peak, plain, smallest, cost,
-                p.step_flops, p, None, modes)
+    return min(fitting, key=lambda c: (c.recompute_flops, c.predicted_peak))
 
 
 def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | float | str, *,
          loss_fn: Callable[[Any], torch.Tensor] | None = None, apply: bool = True,
-         modes: bool = True) -> Plan:
+         modes: bool = True, block_modes: bool = True) -> Plan:
     """Checkpoint ``model`` so one training step fits ``memory_budget`` with the least
     recompute, and return the :class:`Plan` (``print`` it for a table).
 
@@ -197,6 +228,9 @@ def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | flo
         apply: make the model run the result (default True).
         modes: measure the model's own checkpoint modes too and take one where it is the
             cheapest that fits (default True).
+        block_modes: also profile the chain with every block in each of those modes (as
+            per-block options, inside checkpointed segments too: two levels) and search those
+            schedules (default True; each mode costs a profile).
 
     A budget at or above the plain model's peak checkpoints nothing. A budget below the lowest
     peak any schedule reaches raises :class:`BudgetTooSmallError` naming that peak; nan,
@@ -209,10 +243,36 @@ def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | flo
         profile = profile_chain(model, example_input, loss_fn)
         found = profile_modes(model, example_input, profile.step_flops, loss_fn) \
             if modes else []
-        result = solve_profile(profile, budget, modes=found)
+        kinds = getattr(model, "checkpoint_modes", ()) if block_modes else ()
+        inner = [profile_chain(model, example_input, loss_fn, m) for m in kinds]
+        result = solve_measured(model, example_input, loss_fn, profile, budget, found, inner)
     if apply:
         result.apply(model)
     return result
+
+
+def solve_measured(model: nn.Module, example_input: torch.Tensor,
+             loss_fn: Callable[[Any], torch.Tensor] | None, profile: ChainProfile,
+             budget: int | float, modes: list[ModeCost], inner: list[ChainProfile]) -> Plan:
+    """:func:`solve_profile`, with a plan from a two-level profile measured before it is
+    trusted: that memory model is not yet exact (blocks' own checkpoints retain memory between
+    blocks' backwards that the chain model does not see), so a plan whose fake step exceeds the
+    budget drops its profile and the search runs again. The plan reports the measured peak."""
+    while True:
+        result = solve_profile(profile, budget, modes=modes, block_profiles=inner)
+        if result.block_mode is None or result.mode is not None:
+            return result
+        saved = (model.checkpoint_plan, model.checkpoint_block_modes)
+        result.apply(model)
+        try:
+            peak = measure_step(model, example_input, loss_fn)[0]
+        finally:
+            model.set_checkpoint_plan(saved[0])
+            model.set_checkpoint_block_modes(saved[1])
+        if peak <= budget:
+            result.predicted_peak = peak
+            return result
+        inner = [q for q in inner if q is not result.profile]
 
 
 def _no_limit(model: nn.Module, example_input: torch.Tensor,

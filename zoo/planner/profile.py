@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from functools import partial
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,7 +63,9 @@ class ChainProfile:
     and ``tail_peak`` (peaks before the chain and after its backward), ``head_rise`` (peak of the
     head, loss and head backward above the level at the chain's end), ``bwd_misc`` (what the
     head leaves during the chain's backward: its parameters' gradients), ``step_flops`` (a plain
-    step's FLOPs), and the measured peaks of the two profiling runs.
+    step's FLOPs), and the measured peaks of the two profiling runs. With ``block_mode`` every
+    block runs in that intra-block checkpoint mode; ``inner_flops`` is what the blocks' own
+    checkpoints recompute whatever the schedule (``recompute_flops`` counts beyond it).
     """
 
     block_names: list[str]
@@ -86,6 +89,8 @@ class ChainProfile:
     step_flops: int = 0
     measured_plain_peak: int = 0
     measured_ckpt_peak: int = 0
+    block_mode: str | None = None
+    inner_flops: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -226,8 +231,9 @@ class _Probe(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def _traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torch.Tensor],
-                 segments: Segments) -> tuple[_Trace, int, int]:
-    """One fake training step with the chain run by ``segments``: (trace, peak, step FLOPs)."""
+                 segments: Segments, block_mode: str | None = None) -> tuple[_Trace, int, int]:
+    """One fake training step with the chain run by ``segments`` (each block in
+    ``block_mode``): (trace, peak, step FLOPs)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.nn.utils.stateless import _reparametrize_module
@@ -247,7 +253,9 @@ def _traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], tor
 
     def run_part(blocks: Sequence[Callable], a: int, b: int, h: torch.Tensor) -> torch.Tensor:
         for j in range(a, b):
-            h = trace.call_block(j, blocks[j], h)
+            block = blocks[j] if block_mode is None else partial(
+                model.run_chain_block, blocks[j], mode=block_mode)
+            h = trace.call_block(j, block, h)
         return h
 
     def run_chain(blocks: Sequence[Callable], h: torch.Tensor) -> torch.Tensor:
@@ -302,24 +310,28 @@ def _block_name(block: Any) -> str:
 
 
 def profile_chain(model: nn.Module, example_input: torch.Tensor,
-                  loss_fn: Callable[[Any], torch.Tensor] | None = None) -> ChainProfile:
+                  loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                  block_mode: str | None = None) -> ChainProfile:
     """Profile ``model``'s chain (``checkpoint_chain``) on ``example_input`` for the planner.
 
     Runs two training steps under ``FakeTensorMode`` (nothing is computed, nothing is changed in
     ``model``: parameters, buffers and its checkpoint plan are left as they were).
+    ``block_mode``: every block runs in that intra-block checkpoint mode
+    (``model.run_chain_block``), stored or inside a checkpointed segment (two levels).
     """
     loss_fn = loss_fn or default_loss
     chain = list(model.checkpoint_chain())
     n = len(chain)
     if n == 0:
         raise ValueError(f"{type(model).__name__}.checkpoint_chain() is empty")
-    plain, plain_peak, step_flops = _traced_step(model, example_input, loss_fn, [(0, n, False)])
+    plain, plain_peak, step_flops = _traced_step(model, example_input, loss_fn, [(0, n, False)],
+                                                 block_mode)
     if plain.n_blocks != n:
         raise ValueError(f"run_chain ran {plain.n_blocks} blocks, checkpoint_chain() has {n}")
     starts = [j for j in range(n) if j == 0 or not plain.alias[j]]
     units = [(a, b) for a, b in zip(starts, starts[1:] + [n])]
     ckpt, ckpt_peak, _ = _traced_step(model, example_input, loss_fn,
-                                      [(a, b, True) for a, b in units])
+                                      [(a, b, True) for a, b in units], block_mode)
 
     def first(trace: _Trace, kinds: str, blocks: range, default: int = 0) -> int:
         vals = [trace.peak[(k, j)] for j in blocks for k in kinds if (k, j) in trace.peak]
@@ -344,16 +356,20 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
         prof.bwd_rise.append(0 if start is None else first(plain, "B", blocks, start) - start)
         prof.grads.append(sum(plain.grads.get(("B", j), 0) for j in blocks))
         prof.flops.append(sum(plain.flops.get(("F", j), 0) for j in blocks))
-        prof.recompute_flops.append(sum(ckpt.rflops.get(("B", j), 0) for j in blocks))
+        # beyond what the blocks' own checkpoints (``block_mode``) recompute in a stored run
+        prof.recompute_flops.append(sum(ckpt.rflops.get(("B", j), 0)
+                                        - plain.rflops.get(("B", j), 0) for j in blocks))
     prof.act[0] = 0  # the chain's input lives in ``base`` for the whole step
     prof.dgrad[0] = 0
     prof.base = plain.mark[("F", 0)]
     prof.pre_peak = plain.peak.get(("pre",), 0)
     prof.tail_peak = plain.peak.get(("tail",), 0)
     prof.head_rise = plain.peak[("head",)] - plain.mark[("head",)]
-    prof.step_flops = step_flops
+    prof.inner_flops = sum(plain.rflops.values())
+    prof.step_flops = step_flops - prof.inner_flops
     prof.measured_plain_peak = plain_peak
     prof.measured_ckpt_peak = ckpt_peak
+    prof.block_mode = block_mode
     last = units[-1][1] - 1
     if ("B", last) in plain.mark:
         held = _plain_held(prof)
