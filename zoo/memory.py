@@ -26,8 +26,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 __all__ = ["parse_bytes", "parse_budget", "format_bytes", "cpu_peak_bytes", "cuda_peak_bytes",
-           "count_flops",
-           "median_seconds"]
+           "count_flops", "median_seconds"]
 
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9,
           "T": 1e12, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

@@ -29,29 +29,18 @@ from torch import nn
 from ..checkpoint import split_segments
 from ..memory import format_bytes, parse_budget
 from .batch import largest_batch
+from .errors import BudgetTooSmallError
 from .fake import default_loss
 from .measure import measure_step
 from .modes import ModeCost, profile_modes
+from .modules import ModulePlan, plan_module
 from .profile import ChainProfile, profile_chain
 from .solve import fronts, normalise, predict_peak, recompute_flops, smallest_peak, solve
 
 __all__ = ["plan", "Plan", "BudgetTooSmallError", "ChainProfile", "profile_chain", "solve_profile",
            "predict_peak", "recompute_flops", "smallest_peak", "uniform_segments",
            "default_loss", "largest_batch", "measure_step", "ModeCost", "profile_modes",
-           "solve_measured"]
-
-
-class BudgetTooSmallError(ValueError):
-    """No checkpoint schedule fits the budget; ``smallest`` is the lowest feasible budget."""
-
-    def __init__(self, budget: int | float, smallest: int, plain: int) -> None:
-        self.budget, self.smallest, self.plain = budget, smallest, plain
-        super().__init__(
-            f"memory budget {format_bytes(budget)} ({budget} bytes) is below the smallest peak "
-            f"any checkpoint schedule of this model reaches on this input: "
-            f"{format_bytes(smallest)} ({smallest} bytes; plain training needs "
-            f"{format_bytes(plain)}). Give a budget of at least {smallest} bytes, or use a "
-            f"smaller batch.")
+           "solve_measured", "ModulePlan", "plan_module"]
 
 
 @dataclass
@@ -210,12 +199,17 @@ def solve_profile(profile: ChainProfile, memory_budget: int | float | str,
 
 def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | float | str, *,
          loss_fn: Callable[[Any], torch.Tensor] | None = None, apply: bool = True,
-         modes: bool = True, block_modes: bool = True) -> Plan:
+         modes: bool = True, block_modes: bool = True,
+         modules: Any = None) -> Plan | ModulePlan:
     """Checkpoint ``model`` so one training step fits ``memory_budget`` with the least
     recompute, and return the :class:`Plan` (``print`` it for a table).
 
     Args:
-        model: a ``ZooModel`` exposing ``checkpoint_chain`` (any model of the zoo).
+        model: any ``nn.Module``. A zoo model is planned over its chain of blocks, its hand
+            modes and their two-level combinations; any other module (torchvision, timm,
+            Hugging Face, yours) over its repeated blocks (``zoo.blocks.find_blocks``: the ones
+            ``zoo.set_grad_checkpointing`` takes; ``modules`` overrides them), returning a
+            :class:`ModulePlan` whose peak is measured (:func:`plan_module`).
         example_input: one batch as training will see it (shape, dtype and device decide the
             figures; its values do not matter). Nothing is computed on it: the model is
             profiled under ``FakeTensorMode``.
@@ -236,8 +230,11 @@ def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | flo
     peak any schedule reaches raises :class:`BudgetTooSmallError` naming that peak; nan,
     negative or unreadable budgets raise a one-line ValueError.
     """
-    budget = parse_budget(memory_budget, example_input.device)
-    if budget == float("inf"):
+    device = example_input.device if isinstance(example_input, torch.Tensor) else None
+    budget = parse_budget(memory_budget, device)
+    if not hasattr(model, "checkpoint_chain") or modules is not None:
+        result = plan_module(model, example_input, budget, loss_fn, modules)
+    elif budget == float("inf"):
         result = _no_limit(model, example_input, loss_fn)
     else:
         profile = profile_chain(model, example_input, loss_fn)

@@ -1,0 +1,97 @@
+"""``zoo.plan`` on any ``nn.Module`` (issue 14, item 3): a user's model, torchvision's ResNet-18
+and a Hugging Face BERT, planned over the blocks ``zoo.blocks.find_blocks`` names, profiled under
+``FakeTensorMode``, with the budget met as measured (MemTracker's exact bytes on a fake step,
+which tests/test_planner.py checks against a real one) and the same outputs and gradients as the
+plain model.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zoo
+from zoo.blocks import is_checkpointed
+from zoo.planner import BudgetTooSmallError, ModulePlan, measure_step
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class Tower(nn.Module):
+    """A user's model: an ``nn.ModuleList`` of MLP blocks of uneven widths, with dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(64, h), nn.GELU(), nn.Dropout(0.1),
+                                                  nn.Linear(h, 64))
+                                    for h in (256, 64, 512, 128, 384, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def tower() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return Tower(), torch.randn(64, 64)
+
+
+def resnet18() -> tuple[nn.Module, torch.Tensor]:
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    return torchvision.models.resnet18(num_classes=10), torch.randn(8, 3, 32, 32)
+
+
+def hf_bert() -> tuple[nn.Module, torch.Tensor]:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=4,
+                                     num_attention_heads=2, intermediate_size=64)
+    return transformers.BertModel(config), torch.randint(0, 100, (8, 32))
+
+
+@pytest.mark.parametrize("make", [tower, resnet18, hf_bert], ids=["user", "torchvision", "hf"])
+def test_any_module_is_planned_within_its_budget_as_measured(make):
+    model, x = make()
+    model.train()
+    roomy = zoo.plan(model, x, float("inf"))
+    assert isinstance(roomy, ModulePlan) and roomy.checkpointed == []
+    plain, least = roomy.plain_peak, roomy.smallest_peak
+    assert least < plain and measure_step(model, x)[0] == plain
+    previous = len(roomy.blocks) + 1
+    for budget in (least, (least + plain) // 2, plain - 1):
+        result = zoo.plan(model, x, budget)
+        peak, flops = measure_step(model, x)
+        assert peak == result.predicted_peak <= budget
+        assert flops - roomy.step_flops == result.recompute_flops > 0
+        blocks = dict(model.named_modules())
+        assert [n for n in result.blocks if is_checkpointed(blocks[n])] == result.checkpointed
+        assert len(result.checkpointed) <= previous
+        previous = len(result.checkpointed)
+    with pytest.raises(BudgetTooSmallError, match=f"at least {least} bytes"):
+        zoo.plan(model, x, least - 1)
+
+
+def test_a_planned_module_trains_as_the_plain_one():
+    """Outputs and every parameter's gradient equal the plain model's (dropout included)."""
+    model, x = tower()
+    torch.manual_seed(1)
+    out = model(x)
+    out.square().mean().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    result = zoo.plan(model, x, (zoo.plan(model, x, "inf").smallest_peak + 1))
+    assert result.checkpointed
+    torch.manual_seed(1)
+    again = model(x)
+    again.square().mean().backward()
+    assert torch.equal(out, again)
+    for p, g in zip(model.parameters(), expected):
+        assert torch.equal(p.grad, g)
