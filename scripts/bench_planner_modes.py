@@ -104,13 +104,15 @@ def main(models: str = "resnet110,densenet_bc_100,vit_cifar,cifar_cnn", batch: i
     torch.set_num_threads(1)
     names = list(models) if isinstance(models, (list, tuple)) else str(models).split(",")
     models = ",".join(names)
-    results = [bench_model(name, batch) for name in names]
     machine = f"{platform.machine()} CPU, torch {torch.__version__}"
-    path = ROOT / out
-    path.write_text(json.dumps(dict(machine=machine, command="python scripts/bench_planner_modes"
-                                    f".py --models {models} --batch {batch}", results=results),
-                               indent=1) + "\n")
-    print(f"machine: {machine}\n\n{markdown(results)}")
+    print(f"machine: {machine}\n", flush=True)
+    results = []
+    for name in names:  # each model written as soon as it is done (minutes per model)
+        results.append(bench_model(name, batch))
+        (ROOT / out).write_text(json.dumps(dict(
+            machine=machine, command=f"python scripts/bench_planner_modes.py --models {models} "
+            f"--batch {batch}", results=results), indent=1) + "\n")
+        print(markdown(results[-1:]), flush=True)
 
 
 if __name__ == "__main__":
