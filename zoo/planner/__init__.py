@@ -19,6 +19,7 @@ candidates), ``profile.py`` (what each block costs), ``solve.py`` (the memory mo
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ from .measure import measure_step
 from .modes import ModeCost, profile_modes
 from .modules import ModulePlan, plan_module
 from .profile import ChainProfile, profile_chain
+from .timing import time_profile
 from .solve import fronts, normalise, predict_peak, recompute_flops, smallest_peak, solve
 
 __all__ = ["plan", "Plan", "BudgetTooSmallError", "ChainProfile", "profile_chain", "solve_profile",
@@ -66,6 +68,7 @@ class Plan:
     mode: str | None = None
     modes: tuple[ModeCost, ...] = ()
     block_mode: str | None = None
+    cost: str = "flops"
 
     def apply(self, model: nn.Module) -> None:
         """Make ``model`` run this plan (its chain's segments, each block in ``block_mode``, or
@@ -90,6 +93,9 @@ class Plan:
     def checkpointed_blocks(self) -> list[int]:
         return [j for a, b, ck in self.segments if ck for j in range(a, b)]
 
+    def _amount(self, n: int) -> str:
+        return f"{n / 1e6:.2f} ms" if self.cost == "time" else _flops(n)
+
     def _summary(self) -> str:
         roomy = "; at or above the plain peak: nothing checkpointed" \
             if self.budget >= self.plain_peak else ""
@@ -108,7 +114,8 @@ class Plan:
                 f"plain step's {_flops(self.step_flops)}; modes measured: {others}"])
         p = self.profile
         unit_of = {j: u for u, (a, b) in enumerate(p.units) for j in range(a, b)}
-        lines = ["| block | name | segment | activations | kept after forward | fwd MFLOP |",
+        unit = "fwd ms" if self.cost == "time" else "fwd MFLOP"
+        lines = [f"| block | name | segment | activations | kept after forward | {unit} |",
                  "|---:|---|---|---|---:|---:|"]
         for i, (a, b, ck) in enumerate(self.segments):
             kind = "checkpointed" if ck else "stored"
@@ -134,8 +141,8 @@ class Plan:
             *([inner] if inner else []),
             self._summary(),
             f"{n_ck} of {p.n_blocks} blocks recomputed in {sum(c for *_, c in self.segments)} "
-            f"checkpointed segments: +{_flops(self.recompute_flops)} recomputed, "
-            f"+{100 * self.overhead:.1f}% of a plain step's {_flops(self.step_flops)}",
+            f"checkpointed segments: +{self._amount(self.recompute_flops)} recomputed, "
+            f"+{100 * self.overhead:.1f}% of a plain step's {self._amount(self.step_flops)}",
         ]
         return "\n".join(lines)
 
@@ -144,7 +151,7 @@ def _budget(n: int | float) -> str:
     return "inf (no limit)" if n == float("inf") else format_bytes(n)
 
 
-def _flops(n: int) -> str:
+def _flops(n: int) -> str:  # ns when a plan's cost is "time"
     return f"{n / 1e9:.2f} GFLOP" if n >= 1e9 else f"{n / 1e6:.1f} MFLOP"
 
 
@@ -200,7 +207,7 @@ def solve_profile(profile: ChainProfile, memory_budget: int | float | str,
 def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | float | str, *,
          loss_fn: Callable[[Any], torch.Tensor] | None = None, apply: bool = True,
          modes: bool = True, block_modes: bool = True,
-         modules: Any = None) -> Plan | ModulePlan:
+         modules: Any = None, cost: str = "flops") -> Plan | ModulePlan:
     """Checkpoint ``model`` so one training step fits ``memory_budget`` with the least
     recompute, and return the :class:`Plan` (``print`` it for a table).
 
@@ -220,6 +227,10 @@ def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | flo
         loss_fn: output -> scalar loss of the step (default: mean of squares; its memory is part
             of the prediction, usually negligible).
         apply: make the model run the result (default True).
+        cost: ``"flops"`` (default, exact) or ``"time"``: each block's forward timed on the
+            input's device, and the chain planned for least recompute time (the plan's
+            ``recompute_flops`` and ``step_flops`` are then nanoseconds, ``plan.cost ==
+            "time"``; hand modes and two-level profiles are left out of that search).
         modes: measure the model's own checkpoint modes too and take one where it is the
             cheapest that fits (default True).
         block_modes: also profile the chain with every block in each of those modes (as
@@ -232,6 +243,15 @@ def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | flo
     """
     device = example_input.device if isinstance(example_input, torch.Tensor) else None
     budget = parse_budget(memory_budget, device)
+    if cost not in ("flops", "time"):
+        raise ValueError(f"cost must be 'flops' or 'time', got {cost!r}")
+    if cost == "time" and hasattr(model, "checkpoint_chain") and budget != float("inf"):
+        profile = time_profile(model, example_input, profile_chain(model, example_input, loss_fn),
+                               loss_fn)
+        result = dataclasses.replace(solve_profile(profile, budget), cost="time")
+        if apply:
+            result.apply(model)
+        return result
     if not hasattr(model, "checkpoint_chain") or modules is not None:
         result = plan_module(model, example_input, budget, loss_fn, modules)
     elif budget == float("inf"):
