@@ -22,8 +22,8 @@ import fire
 import torch
 
 import zoo
-from zoo.planner import (BudgetTooSmallError, measure_step, predict_peak, profile_chain,
-                         profile_modes, smallest_peak, solve_profile)
+from zoo.planner import (BudgetTooSmallError, measure_step, predict_peak, profile_block_modes,
+                         profile_chain, profile_modes, smallest_peak, solve_profile)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ def bench_model(name: str, batch: int) -> dict[str, Any]:
     start = time.perf_counter()
     p = profile_chain(model, x)
     modes = profile_modes(model, x, p.step_flops)
-    inner = [profile_chain(model, x, None, m) for m in model.checkpoint_modes]
+    inner = profile_block_modes(model, x)
     seconds = time.perf_counter() - start
     plain = predict_peak(p, [(0, p.n_units, False)])
     rows = []

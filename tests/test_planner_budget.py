@@ -109,19 +109,21 @@ def test_no_import_circle_inside_the_planner():
         assert module not in reach(module), f"zoo/planner/{module}.py imports itself back"
 
 
-def test_a_plan_is_within_its_budget_as_measured_even_where_the_model_is_not_exact():
-    """The CIFAR CNN at batch 32: its one-level floor is predicted 0.7% below what MemTracker
-    measures. At that floor ``zoo.plan`` refuses, naming a least peak it measured, and at that
-    peak it returns a plan whose step is measured within it."""
+def test_a_plan_is_within_its_budget_as_measured_at_the_predicted_floor():
+    """The CIFAR CNN at batch 32, at the one-level floor the memory model predicts (on some
+    versions 0.7% below what MemTracker measures): ``zoo.plan`` either returns a plan whose step
+    is measured within it, or refuses naming a least peak it measured, at which it then plans
+    within the budget as measured."""
     torch.manual_seed(0)
     model = zoo.create_model("cifar_cnn")
     x = model.example_input(32)
     p = zoo.planner.profile_chain(model, x)
-    floor = zoo.planner.smallest_peak(p)
-    with pytest.raises(zoo.planner.BudgetTooSmallError) as info:
-        zoo.plan(model, x, floor, modes=False, block_modes=False)
-    least = info.value.smallest
-    assert least > floor and f"at least {least} bytes" in str(info.value)
-    result = zoo.plan(model, x, least, modes=False, block_modes=False)
-    assert measure_step(model, x)[0] == result.predicted_peak <= least
+    budget = zoo.planner.smallest_peak(p)
+    try:
+        result = zoo.plan(model, x, budget, modes=False, block_modes=False)
+    except zoo.planner.BudgetTooSmallError as e:
+        assert e.smallest > budget and f"at least {e.smallest} bytes" in str(e)
+        budget = e.smallest
+        result = zoo.plan(model, x, budget, modes=False, block_modes=False)
+    assert measure_step(model, x)[0] == result.predicted_peak <= budget
     model.set_checkpoint_plan(None)

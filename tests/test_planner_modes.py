@@ -16,8 +16,8 @@ import zoo
 from zoo.models.densenet import DenseNet
 from zoo.models.gpt2 import GPT2
 from zoo.models.vit import VisionTransformer
-from zoo.planner import (BudgetTooSmallError, measure_step, predict_peak, profile_chain,
-                         smallest_peak, solve_measured)
+from zoo.planner import (BudgetTooSmallError, measure_step, predict_peak, profile_block_modes,
+                         profile_chain, smallest_peak, solve_measured)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -59,7 +59,7 @@ def test_plan_at_a_modes_peak_recomputes_at_most_that_mode(family):
     plain_peak, plain_flops = measure_step(model, x)
     result = zoo.plan(model, x, plain_peak, apply=False, block_modes=False)  # profiles it once
     assert result.recompute_flops == 0 and result.modes
-    assert {m.mode for m in result.modes} == set(model.checkpoint_modes)
+    assert {m.mode for m in result.modes} <= set(model.checkpoint_modes)
     for mode in result.modes:
         for budget in (mode.peak, (mode.peak + plain_peak) // 2):
             chosen = zoo.planner.solve_profile(result.profile, budget, modes=result.modes)
@@ -97,7 +97,7 @@ def resnet20_profiles():
     model = zoo.create_model("resnet20")
     x = model.example_input(8)
     plain = profile_chain(model, x)
-    return model, x, plain, [profile_chain(model, x, None, m) for m in model.checkpoint_modes]
+    return model, x, plain, profile_block_modes(model, x)
 
 
 def test_two_level_plans_are_measured_within_the_budget(resnet20_profiles):
@@ -133,17 +133,16 @@ def test_block_modes_must_match_the_chain(resnet20_profiles):
     n = len(model.checkpoint_chain())
     with pytest.raises(ValueError, match=f"{n} entries"):
         model.set_checkpoint_block_modes(["halves"] * (n - 1))
-    with pytest.raises(ValueError, match="entries of None or halves"):
+    with pytest.raises(ValueError, match="entries of None or .*halves"):
         model.set_checkpoint_block_modes(["sideways"] * n)
     assert model.checkpoint_block_modes is None
 
 
-@pytest.mark.xfail(strict=True, reason="zoo.checkpoint regions nested in an outer region keep "
-                   "their inputs through the outer forward (torch's nested checkpoint frees "
-                   "them): why two-level plans are measured, not predicted (issue 14 item 2)")
 def test_nested_checkpoints_are_no_heavier_than_torchs():
     """Two checkpointed segments of four blocks, each block checkpointed again inside: the
-    contract's "never heavier than torch.utils.checkpoint on the same region", nested."""
+    contract's "never heavier than torch.utils.checkpoint on the same region", nested (the
+    lean region once kept inner regions' inputs through the outer forward: 21.1 vs 18.1 MiB on
+    a wider chain; two-level plans rest on this)."""
     from torch import nn
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
 

@@ -42,7 +42,7 @@ from .solve import fronts, normalise, predict_peak, recompute_flops, smallest_pe
 __all__ = ["plan", "Plan", "BudgetTooSmallError", "ChainProfile", "profile_chain", "solve_profile",
            "predict_peak", "recompute_flops", "smallest_peak", "uniform_segments",
            "default_loss", "largest_batch", "measure_step", "ModeCost", "profile_modes",
-           "solve_measured", "ModulePlan", "plan_module"]
+           "solve_measured", "ModulePlan", "plan_module", "profile_block_modes"]
 
 
 @dataclass
@@ -260,8 +260,7 @@ def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | flo
         profile = profile_chain(model, example_input, loss_fn)
         found = profile_modes(model, example_input, profile.step_flops, loss_fn) \
             if modes else []
-        kinds = getattr(model, "checkpoint_modes", ()) if block_modes else ()
-        inner = [profile_chain(model, example_input, loss_fn, m) for m in kinds]
+        inner = profile_block_modes(model, example_input, loss_fn) if block_modes else []
         result = solve_measured(model, example_input, loss_fn, profile, budget, found, inner)
     if apply:
         result.apply(model)
@@ -305,6 +304,21 @@ def solve_measured(model: nn.Module, example_input: torch.Tensor,
     else:
         raise BudgetTooSmallError(budget, reached or result.smallest_peak, result.plain_peak)
     return dataclasses.replace(result, budget=budget)
+
+
+def profile_block_modes(model: nn.Module, example_input: torch.Tensor,
+                        loss_fn: Callable[[Any], torch.Tensor] | None = None
+                        ) -> list[ChainProfile]:
+    """The chain profiled with every block in each of ``model.checkpoint_modes``; a mode that
+    has no per-block form (a block refuses it with a ValueError, e.g. a whole-model schedule)
+    is left out."""
+    profiles = []
+    for mode in getattr(model, "checkpoint_modes", ()):
+        try:
+            profiles.append(profile_chain(model, example_input, loss_fn, mode))
+        except ValueError:
+            continue
+    return profiles
 
 
 def _no_limit(model: nn.Module, example_input: torch.Tensor,
