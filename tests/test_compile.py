@@ -257,15 +257,35 @@ def test_every_mode_of_every_family_compiles_fullgraph_and_trains_like_eager_pla
 # ---- inductor, the default backend ----------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["checkpoint", "save_ops"])
-def test_inductor_compiled_regions_train_like_eager_plain(how, images, monkeypatch):
-    import torch._inductor.config as inductor_config
-    monkeypatch.setattr(inductor_config, "fallback_random", True)  # eager's dropout RNG
+def test_inductor_compiled_regions_train_like_eager_plain(how, images):
     if how == "checkpoint":
         plain, ckpt = user_nets("checkpoint")
+        for block in (*plain.blocks, *ckpt.blocks):
+            block.drop.p = 0.0  # inductor draws a checkpointed region's dropout from its own RNG
         x = images
     else:
         torch.manual_seed(0)
         plain, ckpt = MLP(None, checkpointed=False).double(), MLP({torch.ops.aten.mm.default,
                                                                  torch.ops.aten.addmm.default})
         ckpt, x = ckpt.double(), torch.randn(8, 16, dtype=torch.float64)
-    assert_compiled_matches_eager_plain(plain, ckpt, x, backend="inductor")
+    import torch._inductor.config as inductor_config
+    with inductor_config.patch(fallback_random=True):  # dropout from eager's RNG stream
+        assert_compiled_matches_eager_plain(plain, ckpt, x, backend="inductor")
+
+
+@pytest.mark.slow
+def test_inductor_recompute_uses_the_forwards_dropout_mask():
+    """With x = 0.5 everywhere, dropout(x, 0.5) is the 0/1 mask itself, so the output
+    sin(mask) reveals the mask the forward drew, and the gradient must be cos(mask) * mask * 2:
+    a recompute that drew a new mask would give another gradient."""
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(torch.nn.functional.dropout(x, 0.5, training=True))
+
+    x = torch.full((4096,), 0.5, dtype=torch.float64, requires_grad=True)
+    torch._dynamo.reset()
+    out = torch.compile(lambda t: zoo.checkpoint(region, t), fullgraph=True)(x)
+    out.sum().backward()
+    mask = (out != 0).double()
+    assert 0.3 < mask.mean() < 0.7
+    torch.testing.assert_close(x.grad, torch.cos(mask) * mask * 2)
