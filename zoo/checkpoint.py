@@ -602,6 +602,9 @@ def checkpoint_sequential(blocks: Sequence[Callable[[Any], Any]] | nn.Sequential
     """
     if isinstance(segments, torch.Tensor) and isinstance(x, int) and not isinstance(x, bool):
         x, segments = segments, x  # torch's order: (functions, segments, input)
+    if not isinstance(skip_last, bool):
+        raise TypeError(f"checkpoint_sequential: skip_last must be True or False, got "
+                        f"{type(skip_last).__name__} (blocks take one input; pass only one)")
     blocks = list(blocks)
     ranges = split_segments(len(blocks), segments)
     if not torch.is_grad_enabled():
