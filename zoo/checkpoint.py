@@ -507,9 +507,10 @@ def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | N
     Deliberate differences from torch's non-reentrant checkpoint (each pinned by a test in
     tests/test_checkpoint.py or tests/test_checkpoint_torch_*.py): BatchNorm statistics are
     updated once, not twice; the RNG is also replayed on the current CUDA device and on the
-    region's parameters' device; ``use_reentrant=True`` still gives non-reentrant semantics;
-    recomputed tensors a backward call did not use are dropped when that call ends; nested
-    regions keep the inner region's inputs instead of recomputing them from the outer one.
+    region's parameters' device; ``use_reentrant=True`` still gives non-reentrant semantics and
+    no call warns; recomputed tensors a backward call did not use are freed when that call ends
+    (torch keeps them until the graph is freed). Not yet as in torch: a region nested in another
+    keeps its own inputs alive instead of having the outer region recompute them.
     """
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
