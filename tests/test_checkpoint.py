@@ -552,3 +552,36 @@ def test_torch_keywords_reach_every_segment_and_others_reach_fn():
     assert seen == ["segment"] * 2
     out = zoo.checkpoint(lambda t, scale: t * scale, x, scale=3.0, use_reentrant=False)
     torch.testing.assert_close(out, x * 3.0)
+
+
+def test_nested_regions_inputs_are_kept_by_the_outer_region():
+    """A region nested in another hands its inputs to the outer region (torch's nestable
+    checkpoint, rule 2): they are not held through the step, so the peak of a checkpointed stage
+    of checkpointed blocks followed by plain layers is torch's nested peak, byte for byte."""
+    torch.manual_seed(0)
+    chain = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(8)])
+    x = torch.randn(256, 128, requires_grad=True)
+
+    def step(wrap):
+        def run():
+            chain.zero_grad(set_to_none=True)
+            x.grad = None
+
+            def stage(t):
+                for block in chain[:4]:
+                    t = wrap(block, t)
+                return t
+            chain[4:](wrap(stage, x)).sum().backward()
+        return run
+
+    plain = step(lambda f, t: f(t))
+    plain()
+    ref = [p.grad.clone() for p in chain.parameters()]
+    zoo_step = step(zoo.checkpoint)
+    zoo_step()
+    for p, g in zip(chain.parameters(), ref):
+        torch.testing.assert_close(p.grad, g)
+    torch_step = step(lambda f, t: torch_checkpoint.checkpoint(f, t, use_reentrant=False))
+    zoo_peak = zoo.memory.cpu_peak_bytes(zoo_step, track=(chain,))
+    assert zoo_peak == zoo.memory.cpu_peak_bytes(torch_step, track=(chain,))
+    assert zoo_peak < zoo.memory.cpu_peak_bytes(plain, track=(chain,))

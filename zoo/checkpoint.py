@@ -297,6 +297,8 @@ _Both = keywords.Both
 # as soon as the last slot is filled (ops after the last saved tensor are not recomputed).
 # The recompute's own graph keeps real tensors, so ``torch.autograd.grad`` inside the region
 # works, also during the forward (the region is then recomputed up to where the forward is).
+# A region nested in another hands its inputs to the outer one (``_SaveInputs``), which then
+# recomputes them when the inner region needs them.
 # torch.utils.checkpoint's non-reentrant path follows the same rules (its "Nestable Checkpoint"
 # note) with more bookkeeping per region (per-task handle maps, metadata, device probing);
 # scripts/bench_checkpoint.py --small measures the difference.
@@ -329,17 +331,48 @@ class _StopRecompute(Exception):
     """Ends a recompute early: every saved tensor still needed has been rebuilt."""
 
 
+class _SaveInputs(torch.autograd.Function):
+    """Saves a nested region's inputs as saved tensors of the enclosing region's forward.
+
+    A region created inside another region's forward (or recompute) hands the inputs that
+    require grad to this no-op Function, so they go through the outer region's saved-tensor
+    hooks: the outer region owns them and recomputes them when the inner one needs them, instead
+    of the inner region holding them for the whole step (torch's "Nestable Checkpoint" rule 2).
+    Its node is never reached by backward; it only keeps the saved tensors.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tensors)
+        return tensors[0].new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
+        return (None,) * len(ctx.needs_input_grad)
+
+
+_SAVED = object()  # stands in a nested region's arguments for an input the outer region keeps
+
+
+def _inside_region() -> int:
+    """How many zoo regions are running their forward or recompute on this thread."""
+    return getattr(_local, "inside", 0)
+
+
 class _Region:
     """One checkpointed call: its inputs, the forward's RNG/autocast state and its saved slots."""
 
     __slots__ = ("fn", "args", "kwargs", "versions", "forward", "opts", "slots", "filled",
-                 "in_forward", "last", "stop_early", "call")
+                 "in_forward", "last", "stop_early", "call", "saver")
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, forward: _ForwardContext,
                  opts: keywords.Options):
         self.fn, self.args, self.kwargs, self.forward, self.opts = fn, args, kwargs, forward, opts
         self.versions = [(t, t._version) for t in (*args, *kwargs.values())
                          if isinstance(t, torch.Tensor)]
+        self.saver: Any = None
+        if _inside_region():
+            self.save_through_outer()
         self.slots: list[weakref.ref[_Slot]] = []
         self.filled = 0
         self.in_forward = True
@@ -347,15 +380,45 @@ class _Region:
         self.stop_early = True  # a recompute during the forward stops where the forward is
         self.call: Any = None  # the backward call the slots' values were recomputed for
 
+    def save_through_outer(self) -> None:
+        """Hand the inputs that require grad to the enclosing region (see _SaveInputs)."""
+        tensors = [t for t in (*self.args, *self.kwargs.values())
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tensors:
+            return
+        self.saver = _SaveInputs.apply(*tensors).grad_fn
+
+    def forget_saved_inputs(self) -> None:
+        """After the forward: let go of the inputs the enclosing region keeps for us."""
+        kept = lambda v: _SAVED if isinstance(v, torch.Tensor) and v.requires_grad else v  # noqa
+        self.args = tuple(kept(a) for a in self.args)
+        self.kwargs = {k: kept(v) for k, v in self.kwargs.items()}
+        self.versions = [(t, v) for t, v in self.versions if not t.requires_grad]
+
+    def inputs(self) -> tuple[list, dict]:
+        """The arguments for a recompute: tensors as new leaves of the recompute's graph."""
+        if self.saver is None:
+            return ([_fresh_leaf(a) for a in self.args],
+                    {k: _fresh_leaf(v) for k, v in self.kwargs.items()})
+        saved = iter(self.saver.saved_tensors)  # the outer region recomputes them if needed
+        get = lambda v: next(saved).detach().requires_grad_() if v is _SAVED else v  # noqa
+        return [get(a) for a in self.args], {k: get(v) for k, v in self.kwargs.items()}
+
     def run(self) -> Any:
         hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-        if self.opts.contexts is None:
-            with hooks:
-                out = self.fn(*self.args, **self.kwargs)
-        else:
-            with hooks, self.opts.contexts[0]:
-                out = self.fn(*self.args, **self.kwargs)
+        inside = _local.inside = _inside_region() + 1
+        try:
+            if self.opts.contexts is None:
+                with hooks:
+                    out = self.fn(*self.args, **self.kwargs)
+            else:
+                with hooks, self.opts.contexts[0]:
+                    out = self.fn(*self.args, **self.kwargs)
+        finally:
+            _local.inside = inside - 1
         self.in_forward = False
+        if self.saver is not None:
+            self.forget_saved_inputs()
         # A region whose output is the last tensor it saved (it ends in ReLU, sigmoid, ...) has
         # nothing left to skip after the last slot: its recompute runs to the end instead of
         # being stopped by an exception, which costs more than the op it would skip.
@@ -396,10 +459,10 @@ class _Region:
                     f"the region started (version {version} -> {tensor._version}), so the "
                     "recompute would see other values. Clone the input before changing it, or "
                     "keep in-place ops on a region's input out of the region.")
-        args = [_fresh_leaf(a) for a in self.args]
-        kwargs = {k: _fresh_leaf(v) for k, v in self.kwargs.items()}
+        args, kwargs = self.inputs()
         total, self.filled, self.call = len(self.slots), 0, call
         contexts = self.opts.contexts
+        inside = _local.inside = _inside_region() + 1
         try:
             with torch.enable_grad(), _RecomputeContext(self.forward), \
                     torch.autograd.graph.saved_tensors_hooks(self.fill, _same):
@@ -412,6 +475,8 @@ class _Region:
                         self.fn(*args, **kwargs)
         except _StopRecompute:
             pass
+        finally:
+            _local.inside = inside - 1
         if self.filled < total:
             self.fail("the recomputed region saved fewer tensors for backward than its forward "
                       f"did ({self.filled} < {total}), so it is not deterministic (does it branch "
@@ -509,8 +574,7 @@ def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | N
     updated once, not twice; the RNG is also replayed on the current CUDA device and on the
     region's parameters' device; ``use_reentrant=True`` still gives non-reentrant semantics and
     no call warns; recomputed tensors a backward call did not use are freed when that call ends
-    (torch keeps them until the graph is freed). Not yet as in torch: a region nested in another
-    keeps its own inputs alive instead of having the outer region recompute them.
+    (torch keeps them until the graph is freed).
     """
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
