@@ -34,6 +34,11 @@ matters on models made of many small layers), and adds:
 * errors that name the cause and the fix: an input changed in place before the recompute, a
   region that saves different tensors when recomputed.
 
+It is a drop-in for ``torch.utils.checkpoint.checkpoint``: it takes torch's keywords (their
+meaning for a zoo region: :mod:`zoo.checkpoint_keywords`) and passes PyTorch's own
+non-reentrant checkpoint tests (ported in tests/test_checkpoint_torch_*.py), except for the
+deliberate differences listed in :func:`checkpoint`.
+
 Under ``torch.no_grad()`` / ``inference_mode`` it simply calls ``fn``: nothing is saved and
 nothing is recomputed, so there is nothing to pay.
 """
