@@ -26,7 +26,6 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
