@@ -401,6 +401,22 @@ def test_input_changed_in_place_after_the_region_is_an_error():
         y.sum().backward()
 
 
+def test_nested_region_input_changed_in_place_is_an_error():
+    """The same for a region nested in another, whose input the outer region keeps: the outer
+    recompute replays the in-place change, and the inner recompute sees and refuses it."""
+    lin = nn.Linear(4, 4)
+
+    def outer(t):
+        h = t * 2
+        y = zoo.checkpoint(lambda u: lin(u).relu(), h)
+        h.mul_(3)
+        return y * h.sin()
+
+    out = zoo.checkpoint(outer, torch.randn(2, 4, requires_grad=True))
+    with pytest.raises(RuntimeError, match="modified in place"):
+        out.sum().backward()
+
+
 def test_region_that_saves_something_else_on_recompute_is_an_error():
     lin = nn.Linear(4, 4)
     calls = []

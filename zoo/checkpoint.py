@@ -392,6 +392,7 @@ class _Region:
         if not tensors:
             return
         self.saver = _SaveInputs.apply(*tensors).grad_fn
+        self.saver.metadata["versions"] = [t._version for t in tensors]
 
     def forget_saved_inputs(self) -> None:
         """After the forward: let go of the inputs the enclosing region keeps for us."""
@@ -405,7 +406,11 @@ class _Region:
         if self.saver is None:
             return ([_fresh_leaf(a) for a in self.args],
                     {k: _fresh_leaf(v) for k, v in self.kwargs.items()})
-        saved = iter(self.saver.saved_tensors)  # the outer region recomputes them if needed
+        tensors = self.saver.saved_tensors  # the outer region recomputes them if needed
+        for tensor, version in zip(tensors, self.saver.metadata["versions"]):
+            if tensor._version != version:
+                self.changed_in_place(version, tensor._version)
+        saved = iter(tensors)
         get = lambda v: next(saved).detach().requires_grad_() if v is _SAVED else v  # noqa
         return [get(a) for a in self.args], {k: get(v) for k, v in self.kwargs.items()}
 
@@ -459,11 +464,7 @@ class _Region:
     def recompute(self, call: Any) -> None:
         for tensor, version in self.versions:
             if tensor._version != version:
-                raise RuntimeError(
-                    "zoo.checkpoint: an input of a checkpointed region was modified in place after "
-                    f"the region started (version {version} -> {tensor._version}), so the "
-                    "recompute would see other values. Clone the input before changing it, or "
-                    "keep in-place ops on a region's input out of the region.")
+                self.changed_in_place(version, tensor._version)
         args, kwargs = self.inputs()
         total, self.filled, self.call = len(self.slots), 0, call
         contexts = self.opts.contexts
@@ -510,6 +511,13 @@ class _Region:
         if index + 1 == total and self.stop_early:
             raise _StopRecompute
         return tensor
+
+    def changed_in_place(self, before: int, after: int) -> None:
+        raise RuntimeError(
+            "zoo.checkpoint: an input of a checkpointed region was modified in place after "
+            f"the region started (version {before} -> {after}), so the recompute would see "
+            "other values. Clone the input before changing it, or keep in-place ops on a "
+            "region's input out of the region.")
 
     def fail(self, message: str) -> None:
         raise RuntimeError(f"zoo.checkpoint: {message}{self.opts.debug_report()}")
