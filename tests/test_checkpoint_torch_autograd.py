@@ -54,10 +54,15 @@ def test_checkpointing_without_reentrant(input_requires_grad):
         torch.testing.assert_close(p.grad, q.grad)
 
 
+CUDA_BF16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not CUDA_BF16, reason="needs a CUDA device with bfloat16"))])
 @pytest.mark.parametrize("enabled", [True, False])
-def test_checkpointing_non_reentrant_autocast_cpu(enabled):
-    """test_checkpointing_non_reentrant_autocast_cpu: the recompute runs in the forward's
-    autocast dtype (otherwise backward would fail on mismatched dtypes)."""
+def test_checkpointing_non_reentrant_autocast(device, enabled):
+    """test_checkpointing_non_reentrant_autocast_cpu and _gpu: the recompute runs in the
+    forward's autocast dtype (otherwise backward would fail on mismatched dtypes)."""
     dtypes = []
 
     def foo(x, y, z):
@@ -66,8 +71,8 @@ def test_checkpointing_non_reentrant_autocast_cpu(enabled):
         y = torch.mm(x, z)
         return torch.mm(z, z)
 
-    x, y, z = (torch.randn(3, 3, requires_grad=True) for _ in range(3))
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+    x, y, z = (torch.randn(3, 3, device=device, requires_grad=True) for _ in range(3))
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=enabled):
         loss = zoo_checkpoint(foo, x, y, z).sum()
     loss.backward()
     assert dtypes == [torch.bfloat16 if enabled else torch.float32] * 2
