@@ -226,8 +226,10 @@ def overhead_header(payload: dict[str, Any]) -> str:
 def run_overhead(device: str = "cpu", regions: int = 100, repeats: int = 31, warmup: int = 3,
                  threads: int | None = 1, compile: bool = True, backend: str = "inductor",
                  width: int = 8, batch_size: int = 1, size: int = 8,
-                 checkpoints: Sequence[str] = tuple(WRAPPERS)) -> dict[str, Any]:
-    """The whole benchmark (module docstring); a JSON-ready payload with machine and command."""
+                 checkpoints: Sequence[str] = tuple(WRAPPERS),
+                 modes: Sequence[str] | None = None) -> dict[str, Any]:
+    """The whole benchmark (module docstring); a JSON-ready payload with machine and command.
+    ``modes``: the ways to run (default :func:`run_modes`; ``eager`` is the ratios' base)."""
     from .report import command_line, machine_info
 
     if threads:
@@ -241,9 +243,12 @@ def run_overhead(device: str = "cpu", regions: int = 100, repeats: int = 31, war
 
     base = make_chain(regions, width).to(dev)
     x = torch.randn(batch_size, width, size, size, device=dev, requires_grad=True)
-    combos = build_combos(base, run_modes(dev, compile), x, checkpoints, backend, sync)
+    modes = list(modes or run_modes(dev, compile))
+    if "eager" not in modes:
+        modes.insert(0, "eager")
+    combos = build_combos(base, modes, x, checkpoints, backend, sync)
     time_combos(combos, x, repeats, warmup, sync)
     settings = {"regions": regions, "width": width, "batch_size": batch_size, "size": size,
-                "repeats": repeats, "warmup": warmup, "backend": backend, "compile": compile}
+                "repeats": repeats, "warmup": warmup, "backend": backend, "modes": modes}
     return {"kind": "overhead", "machine": machine_info(dev), "command": command_line(),
             "settings": settings, "rows": overhead_rows(combos, regions)}
