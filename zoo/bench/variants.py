@@ -30,17 +30,17 @@ from typing import Any
 
 import torch
 from torch import nn
-
-import zoo
 from torch.utils import checkpoint as torch_checkpoint
 
+import zoo
 from zoo.checkpoint import run_blocks
 from zoo.models import ZooModel
 from zoo.models.densenet import DenseBlock, DenseNet
 from zoo.nn import _RecomputeSafeNorm
 
-__all__ = ["PLAIN", "OFFICIAL", "Variant", "variant_names", "canonical_name", "build_variants",
-           "build_variant"]
+__all__ = ["PLAIN", "OFFICIAL", "COMPILED_PREFIX", "TIMM", "Variant", "create", "variant_names",
+           "extra_variant_names", "canonical_name", "build_variants", "build_variant",
+           "compiled_variant", "timm_densenet"]
 
 PLAIN = "plain"
 OFFICIAL = "official"
