@@ -259,3 +259,25 @@ def test_bench_gpu_without_cuda_is_one_line() -> None:
     assert done.returncode == 2
     assert done.stderr.startswith("error: --device cuda but torch sees no CUDA device")
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+def test_variant_failing_after_its_first_step_is_found_apart() -> None:
+    """A variant that breaks only later (as a compiled one can on recompiling) is found by
+    measuring each variant beside plain alone; the others keep their figures."""
+    torch.manual_seed(0)
+    model = zoo.create_model(MODEL)
+    calls = []
+
+    def second_call_breaks(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return model(x if len(calls) == 1 else x[:, :1])
+
+    variants = [build_variant(model, "plain"),
+                Variant("breaks later", model, False, "wrong input from its 2nd step on",
+                        forward=second_call_breaks),
+                build_variant(model, EFFICIENT)]
+    rows = measure_or_report(variants, model.example_input(2), repeats=2, warmup=0)
+    assert [r["status"] for r in rows] == ["ok", "failed", "ok"]
+    assert rows[1]["error"].startswith("RuntimeError: ") and "first_step_s" not in rows[1]
+    assert rows[2]["measured_apart"] and rows[2]["peak_bytes"] < rows[0]["peak_bytes"]
+    assert rows[0]["time_ratio"] == 1.0 and rows[2]["time_ratio"] > 0

@@ -222,8 +222,11 @@ def measure_or_report(variants: Sequence[Variant], x: torch.Tensor, repeats: int
     if not working or working[0] is not variants[0]:
         raise RuntimeError(f"the baseline {variants[0].name!r} fails: "
                            f"{first[variants[0].name]['error']}")
-    measured = {r["variant"]: r for r in measure_variants(working, x, repeats, warmup,
-                                                          seed=seed)}
+    try:
+        measured = {r["variant"]: r for r in measure_variants(working, x, repeats, warmup,
+                                                              seed=seed)}
+    except Exception:  # noqa: BLE001 - one variant broke after its first step: find it
+        measured = _measure_apart(working, x, repeats, warmup, seed, first)
     rows = []
     for v in variants:
         row = measured.get(v.name) or {"variant": v.name, "description": v.description,
@@ -231,3 +234,24 @@ def measure_or_report(variants: Sequence[Variant], x: torch.Tensor, repeats: int
         row.update(first[v.name], status="failed" if "error" in first[v.name] else "ok")
         rows.append(row)
     return rows
+
+
+def _measure_apart(variants: Sequence[Variant], x: torch.Tensor, repeats: int, warmup: int,
+                   seed: int, first: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each variant measured beside the first (plain) alone, after a joint run raised: the one
+    that raises gets its error in ``first``; the others' rows say ``measured_apart``."""
+    from .overhead import one_line
+
+    measured: dict[str, dict[str, Any]] = {}
+    for v in variants[1:]:
+        try:
+            base, row = measure_variants([variants[0], v], x, repeats, warmup, seed=seed)
+        except Exception as e:  # noqa: BLE001 - reported as the variant's result
+            first[v.name] = {"error": one_line(e)}
+            continue
+        measured.setdefault(base["variant"], base)
+        measured[v.name] = dict(row, measured_apart=True)
+    if variants[0].name not in measured:  # every other variant failed: plain alone
+        measured[variants[0].name] = measure_variants(variants[:1], x, repeats, warmup,
+                                                      seed=seed)[0]
+    return measured
