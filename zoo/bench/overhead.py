@@ -157,16 +157,20 @@ def build_combos(base: nn.Sequential, modes: Sequence[str], x: torch.Tensor,
 
 def time_combos(combos: Sequence[Combo], x: torch.Tensor, repeats: int, warmup: int,
                 sync: Callable[[], None] = lambda: None, seed: int = 0) -> None:
-    """Fill each working combination's ``times``: one step each per round, shuffled order."""
-    working = [c for c in combos if c.error is None]
+    """Fill each working combination's ``times``: one step each per round, shuffled order (a
+    combination whose step raises gets the error and no times)."""
     for i in range(warmup + repeats):
-        order = list(working)
+        order = [c for c in combos if c.error is None]
         random.Random(seed + i).shuffle(order)
         for combo in order:
             sync()
             start = time.perf_counter()
-            combo.step(x)
-            sync()
+            try:
+                combo.step(x)
+                sync()
+            except Exception as e:  # noqa: BLE001 - a later step broke: reported, not raised
+                combo.error, combo.times = f"step {i + 2}: {one_line(e)}", []
+                continue
             if i >= warmup:
                 combo.times.append(time.perf_counter() - start)
 
