@@ -2,13 +2,13 @@
 
     PYTHONPATH=. python scripts/bench_gpu.py                     # all parts, one process each
     PYTHONPATH=. python scripts/bench_gpu.py --part densenet_b64 # one part (each < 10 minutes)
-    PYTHONPATH=. python scripts/bench_gpu.py --smoke             # tiny sizes on the CPU, seconds
+    PYTHONPATH=. python scripts/bench_gpu.py --smoke             # tiny sizes on the CPU
 
-Parts (zoo.bench.suite): overhead, densenet_b64, densenet_b256, resnet50, bert, max_batch. Each
-writes ``<out_dir>/gpu_<part>_<device>.json`` (machine, torch version, command, settings, rows,
-goals) and ``<out_dir>/gpu_<part>_<device>.md`` (the Markdown table for docs/BENCHMARKS.md) and
-prints the table. Only argparse and the zoo (no fire): the GPU machine has torch, torchvision
-and timm, nothing to install.
+Parts (zoo.bench.suite): overhead, overhead_graphs, densenet_b64, densenet_b256, resnet50, bert,
+max_batch. Each writes ``<out_dir>/gpu_<part>_<device>.json`` (machine, torch version, command,
+settings, rows, goals) and ``<out_dir>/gpu_<part>_<device>.md`` (the Markdown table for
+docs/BENCHMARKS.md) and prints the table. Only argparse and the zoo (no fire): the GPU machine
+has torch, torchvision and timm, nothing to install.
 """
 from __future__ import annotations
 
