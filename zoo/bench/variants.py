@@ -239,11 +239,12 @@ def timm_densenet(model: DenseNet) -> nn.Module:
     if conv0.out_channels != 2 * growth:  # timm's stem width is always twice the growth rate
         raise ValueError(f"timm's DenseNet has 2 x growth = {2 * growth} stem channels, this model "
                          f"{conv0.out_channels}: no timm twin")
+    # dropout inside the layers only when the model has it (older timm may lack the keyword)
+    drop = {"proj_drop_rate": first.drop_rate} if first.drop_rate else {}
     with torch.device(conv0.weight.device):
         twin = TimmDenseNet(growth_rate=growth, block_config=tuple(len(b) for b in blocks),
                             num_classes=model.num_classes,
-                            bn_size=first.conv1.out_channels // growth,
-                            proj_drop_rate=first.drop_rate)
+                            bn_size=first.conv1.out_channels // growth, **drop)
         if model.stem == "cifar":
             twin.features.conv0 = nn.Conv2d(3, conv0.out_channels, 3, padding=1, bias=False)
             twin.features.norm0 = nn.Identity()
