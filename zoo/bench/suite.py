@@ -261,6 +261,10 @@ def markdown(payload: dict) -> str:
         table = benchmark_table(rows)
         acts = [f"{r['variant']} {format_bytes(r['activation_bytes'])}" for r in rows
                 if "activation_bytes" in r]
+        compiles = [f"{r['variant']} b{r['batch_size']} {r['first_step_s']:.0f} s" for r in rows
+                    if r["variant"].startswith("compiled") and "first_step_s" in r]
+        if compiles:
+            table += "\n\nFirst step, compiling included: " + "; ".join(compiles)
         if part == "bert" and acts:
             table += "\n\nActivation memory (peak less parameters, gradients, input): " + \
                      "; ".join(acts)
