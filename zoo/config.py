@@ -7,6 +7,7 @@ files as on the command line (nanoGPT's rule: configs are plain data, unknown ke
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
@@ -189,6 +190,9 @@ def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if from_cli and isinstance(value, str):  # Fire leaves "nan", "inf" as strings
+            with contextlib.suppress(ValueError):
+                return float(value)
     elif tp is str:
         if isinstance(value, str):
             return value

@@ -21,6 +21,7 @@ fault-injection tests kill or stop the real training process there.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import random
@@ -95,9 +96,17 @@ def atomic_write(path: str | Path, data: bytes | str) -> None:
     _atomic(Path(path), lambda f: f.write(payload))
 
 
+def _torch_save(obj: Any, f: Any) -> None:
+    """``torch.save`` through memory, so that a failed write (disk full) raises the OSError
+    itself, not the RuntimeError torch's zip writer makes of it."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    f.write(buffer.getbuffer())
+
+
 def atomic_save(obj: Any, path: str | Path) -> None:
     """``torch.save(obj, path)``, atomically."""
-    _atomic(Path(path), lambda f: torch.save(obj, f))
+    _atomic(Path(path), lambda f: _torch_save(obj, f))
 
 
 def _feed(h: Any, obj: Any) -> None:
@@ -291,7 +300,7 @@ class RunDir:
             if last.exists():
                 _atomic(self.path / "prev.pt", lambda f: _copy_into(last, f))
 
-        _atomic(last, lambda f: torch.save(state, f), keep_previous)
+        _atomic(last, lambda f: _torch_save(state, f), keep_previous)
         fault_point("renamed", epoch)
         if is_best:
             self.copy_to_best(last)
