@@ -55,9 +55,8 @@ def main(*args: Any, **flags: Any) -> None:
     except KeyboardInterrupt:
         if debug:
             raise
-        print("train.py: interrupted twice: stopped at once without saving this step; the run "
-              "directory keeps the last checkpoint it had (resume with --resume RUN_DIR)",
-              file=sys.stderr)
+        print("train.py: interrupted: stopped at once, without saving; the run directory keeps the "
+              "checkpoints it had (continue with --resume RUN_DIR)", file=sys.stderr)
         sys.exit(130)
 
 

@@ -38,9 +38,12 @@ def train(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
 
 
+def strip(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in TIMING_KEYS}
+
+
 def metrics(run: Path) -> list[dict]:
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
+    return [strip(json.loads(line)) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def assert_same_tree(a, b, where: str = "") -> None:
@@ -64,8 +67,7 @@ def assert_same_run(got: Path, want: Path) -> None:
     for key in ("model", "optimizer", "scheduler", "scaler", "rng", "epoch", "step", "best_acc",
                 "position"):
         assert_same_tree(a[key], b[key], key)
-    strip = lambda h: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in h]  # noqa: E731
-    assert strip(a["history"]) == strip(b["history"])
+    assert [strip(r) for r in a["history"]] == [strip(r) for r in b["history"]]
     assert metrics(got) == metrics(want)
     assert_same_tree(load_checkpoint(got / "best.pt")["model"],
                      load_checkpoint(want / "best.pt")["model"], "best.pt")

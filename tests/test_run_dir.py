@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def tiny(path: Path | None, **kw) -> TrainConfig:
     """A tiny run into ``path`` (None: no out_dir, as when resuming)."""
     base = dict(model="cifar_cnn", dataset="shapes", train_size=16, test_size=8, batch_size=8,
-                epochs=1, lr=0.05, seed=4, schedule="constant", out_dir=None if path is None else str(path))
+                epochs=1, lr=0.05, seed=4, schedule="constant",
+                out_dir=None if path is None else str(path))
     return TrainConfig(**{**base, **kw})
 
 

@@ -179,7 +179,7 @@ def _go_back_hint(path: Path) -> str:
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """A training checkpoint written by :class:`RunDir`, its checksum verified; ConfigError if not."""
+    """A checkpoint written by :class:`RunDir`, its checksum verified; a ConfigError if not."""
     path = find_checkpoint(path)
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
@@ -194,7 +194,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
                           f"model.load_state_dict, not resumed")
     missing = [k for k in CHECKPOINT_KEYS if k not in ckpt]
     if missing:
-        raise ConfigError(f"checkpoint {str(path)!r} lacks {', '.join(missing)}; it cannot be resumed")
+        raise ConfigError(f"checkpoint {str(path)!r} lacks {', '.join(missing)}; it cannot be "
+                          f"resumed")
     try:
         same = ckpt.get("sha256") == state_digest(ckpt)
     except TypeError:

@@ -1,5 +1,6 @@
 """Building blocks of a training run that do not train: the process group (torchrun), the device,
-the model, the optimizer, the learning-rate schedule, the memory plan and the memory meter.
+the model, the optimizer, the learning-rate schedule, the memory plan, the memory meter, and the
+few collectives the loop needs across ranks.
 
 ``zoo.training`` composes them into the loop; each is a plain function of the config.
 """
@@ -13,6 +14,7 @@ import resource
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,9 +23,11 @@ from torch import nn
 
 from .config import ConfigError, TrainConfig
 from .models import UnknownModelError, create_model
+from .run_dir import rng_state
 
 __all__ = ["Distributed", "setup_distributed", "resolve_device", "build_model", "lr_factor",
-           "plan_memory", "build_optimizer", "peak_memory"]
+           "plan_memory", "build_optimizer", "peak_memory", "all_sum", "gather_floats",
+           "gather_rng", "ranks_identical"]
 
 
 @dataclass
@@ -194,3 +198,48 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
         return torch.cuda.max_memory_allocated(device), "cuda_max_allocated"
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss * (1 if sys.platform == "darwin" else 1024), "cpu_peak_rss"
+
+
+# ---- across ranks (no-ops in one process) ----
+
+def all_sum(values: list[float], env: Distributed, device: torch.device) -> list[float]:
+    """``values`` summed over the ranks (float64)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if env.enabled:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def weights_checksum(model: nn.Module) -> torch.Tensor:
+    """Three sums over every floating-point tensor of the state_dict: cheap to all_gather."""
+    flat = torch.cat([t.detach().double().flatten() for t in model.state_dict().values()
+                      if t.is_floating_point()])
+    return torch.stack([flat.sum(), flat.square().sum(),
+                        (flat * torch.arange(len(flat), dtype=flat.dtype, device=flat.device)).sum()])
+
+
+def ranks_identical(model: nn.Module, env: Distributed) -> bool:
+    """Whether every rank ends with the same weights and buffers (a check DDP should never fail)."""
+    if not env.enabled:
+        return True
+    mine = weights_checksum(model)
+    every = [torch.empty_like(mine) for _ in range(env.world_size)]
+    dist.all_gather(every, mine)
+    return all(torch.equal(every[0], other) for other in every)
+
+
+def gather_floats(value: float, env: Distributed, device: torch.device) -> list[float]:
+    """Every rank's ``value``, in rank order."""
+    every = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(env.world_size)]
+    dist.all_gather(every, torch.tensor(value, dtype=torch.float64, device=device))
+    return [t.item() for t in every]
+
+
+def gather_rng(env: Distributed) -> list[dict[str, Any]]:
+    """Every rank's RNG states (rank order), so a resumed DDP run replays each rank's dropout."""
+    mine = rng_state()
+    if not env.enabled:
+        return [mine]
+    every: list[Any] = [None] * env.world_size
+    dist.all_gather_object(every, mine)
+    return every

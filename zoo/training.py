@@ -20,9 +20,7 @@ import dataclasses
 import math
 import os
 import random
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -40,52 +38,17 @@ from tqdm import tqdm
 from .config import SAFE_ON_RESUME, ConfigError, TrainConfig, config_drift, to_yaml
 from .data import build_datasets
 from .run_dir import (RunDir, check_run_dir, fault_point, find_checkpoint, load_checkpoint,
-                      rng_state, set_rng_state)
-from .train_setup import (Distributed, build_model, build_optimizer, lr_factor, peak_memory,
-                          plan_memory, resolve_device, setup_distributed)
+                      set_rng_state)
+from .stopping import RunStopped, StopSignal
+from .train_setup import (Distributed, all_sum, build_model, build_optimizer, gather_floats,
+                          gather_rng, lr_factor, peak_memory, plan_memory, ranks_identical,
+                          resolve_device, setup_distributed)
 
 __all__ = ["Distributed", "setup_distributed", "build_model", "lr_factor", "peak_memory", "fit",
            "RunStopped", "StopSignal", "Run", "locate_run", "build_run", "run_directory",
            "train_epoch", "finish_epoch", "evaluate", "save_epoch"]
 
 DDP_STOP_CHECK_EVERY = 10  # steps between the ranks' agreement on a stop request (one all_reduce)
-
-
-class RunStopped(Exception):
-    """The run stopped before its last epoch on purpose (signal, divergence); the message says
-    what is on disk, ``exit_code`` is what train.py exits with."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-class StopSignal:
-    """While entered, SIGINT and SIGTERM only set ``signum``: the loop stops at a safe point.
-    A second Ctrl-C raises KeyboardInterrupt at once (the atomic writes keep files whole)."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._old: dict[int, Any] = {}
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def __enter__(self) -> StopSignal:
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self._old[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for s, handler in self._old.items():
-            signal.signal(s, handler)
-
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.signum).name if self.signum else "a signal"
 
 
 @dataclass
@@ -253,7 +216,7 @@ def run_directory(run: Run, here: bool) -> Iterator[RunDir]:
             run.dir.close()
             error = e
     if run.env.enabled:
-        ok = _all_sum([0.0 if error else 1.0], run.env, run.device)[0] == run.env.world_size
+        ok = all_sum([0.0 if error else 1.0], run.env, run.device)[0] == run.env.world_size
         if error is None and not ok:
             raise ConfigError("rank 0 could not open the run directory (its message says why)")
     if error is not None:
@@ -360,12 +323,12 @@ def train_epoch(run: Run, stop: StopSignal) -> EpochStats:
 
 def _save_mid_epoch(run: Run, stop: StopSignal, batches_done: int, sums: list[float],
                     elapsed: float) -> None:
-    loss_sum, correct, seen = _all_sum(sums, run.env, run.device)
+    loss_sum, correct, seen = all_sum(sums, run.env, run.device)
     if not math.isfinite(loss_sum):
         raise _diverged(run, loss_sum / max(seen, 1))
     position = {"batches_done": batches_done, "loss_sum": loss_sum, "correct": correct,
                 "seen": seen, "elapsed": elapsed, "world_size": run.env.world_size}
-    run.dir.save_epoch(checkpoint_state(run, _gather_rng(run.env), position), False, None,
+    run.dir.save_epoch(checkpoint_state(run, gather_rng(run.env), position), False, None,
                        run.history)
     code = 128 + stop.signum if stop.signum else 130
     raise RunStopped(f"stopped by {stop.name} in epoch {run.epoch + 1} after step {run.step}: "
@@ -399,7 +362,7 @@ def evaluate(model: nn.Module, ds: Dataset, cfg: TrainConfig, env: Distributed,
         loss_sum += F.cross_entropy(logits.float(), y, reduction="sum").item()
         correct += (logits.argmax(1) == y).sum().item()
         count += len(y)
-    loss_sum, correct, count = _all_sum([loss_sum, correct, count], env, device)
+    loss_sum, correct, count = all_sum([loss_sum, correct, count], env, device)
     return loss_sum / max(count, 1), correct / max(count, 1)
 
 
@@ -407,7 +370,7 @@ def finish_epoch(run: Run, stats: EpochStats) -> dict[str, Any]:
     """The epoch's metrics record: summed over ranks, checked finite (else :class:`RunStopped`,
     nothing saved), BatchNorm statistics made rank 0's, the test set evaluated."""
     env, device = run.env, run.device
-    train_loss, train_correct, train_seen = _all_sum(
+    train_loss, train_correct, train_seen = all_sum(
         [stats.loss_sum, stats.correct, stats.seen], env, device)
     mean = train_loss / max(train_seen, 1)
     if not math.isfinite(mean) or not all(torch.isfinite(p).all() for p in run.model.parameters()):
@@ -416,7 +379,7 @@ def finish_epoch(run: Run, stats: EpochStats) -> dict[str, Any]:
     if env.enabled:
         for buf in run.model.buffers():  # BatchNorm statistics: rank 0's, as in the checkpoint
             dist.broadcast(buf, 0)
-        mem = int(max(_gather_floats(float(mem), env, device)))  # the largest rank's
+        mem = int(max(gather_floats(float(mem), env, device)))  # the largest rank's
     test_loss, test_acc = evaluate(run.model, run.test_ds, run.cfg, env, device, run.autocast)
     return {"epoch": run.epoch + 1, "step": run.step, "train_loss": mean,
             "train_acc": train_correct / max(train_seen, 1), "test_loss": test_loss,
@@ -448,7 +411,7 @@ def save_epoch(run: Run, record: dict[str, Any]) -> None:
     run.epoch += 1
     is_best = record["test_acc"] > run.best_acc
     run.best_acc = max(run.best_acc, record["test_acc"])
-    run.dir.save_epoch(checkpoint_state(run, _gather_rng(run.env), None), is_best, record,
+    run.dir.save_epoch(checkpoint_state(run, gather_rng(run.env), None), is_best, record,
                        run.history)
 
 
@@ -461,8 +424,8 @@ def fit(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     device = resolve_device(cfg, env)
     say = log if env.is_main else (lambda _msg: None)
     if cfg.batch_size != "auto" and cfg.batch_size % env.world_size:
-        raise ConfigError(f"batch_size {cfg.batch_size} (the global batch) must be divisible by the "
-                          f"{env.world_size} processes")
+        raise ConfigError(f"batch_size {cfg.batch_size} (the global batch) must be divisible by "
+                          f"the {env.world_size} processes")
     if cfg.data_parallel and device.type != "cuda":
         raise ConfigError("--data_parallel splits batches over CUDA GPUs; none is in use here")
     cfg, ckpt, here = locate_run(cfg, env)
@@ -511,7 +474,7 @@ def _say_epoch(run: Run, r: dict[str, Any]) -> None:
 
 
 def _summarize(run: Run, started: float, epochs_run: int) -> dict[str, Any]:
-    in_sync = _ranks_identical(run.model, run.env)
+    in_sync = ranks_identical(run.model, run.env)
     last = run.history[-1] if run.history else None
     summary = {"model": run.cfg.model, "dataset": run.cfg.dataset, "epochs": run.cfg.epochs,
                "best_test_acc": run.best_acc, "final": last,
@@ -526,45 +489,3 @@ def _summarize(run: Run, started: float, epochs_run: int) -> dict[str, Any]:
     if not in_sync:
         run.say("WARNING: the ranks' weights differ; the checkpoint holds rank 0's")
     return summary
-
-
-# ---- across ranks ----
-
-def _all_sum(values: list[float], env: Distributed, device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if env.enabled:
-        dist.all_reduce(t)
-    return t.tolist()
-
-
-def _weights_checksum(model: nn.Module) -> torch.Tensor:
-    flat = torch.cat([t.detach().double().flatten() for t in model.state_dict().values()
-                      if t.is_floating_point()])
-    return torch.stack([flat.sum(), flat.square().sum(),
-                        (flat * torch.arange(len(flat), dtype=flat.dtype, device=flat.device)).sum()])
-
-
-def _ranks_identical(model: nn.Module, env: Distributed) -> bool:
-    """Whether every rank ends with the same weights and buffers (a check DDP should never fail)."""
-    if not env.enabled:
-        return True
-    mine = _weights_checksum(model)
-    every = [torch.empty_like(mine) for _ in range(env.world_size)]
-    dist.all_gather(every, mine)
-    return all(torch.equal(every[0], other) for other in every)
-
-
-def _gather_floats(value: float, env: Distributed, device: torch.device) -> list[float]:
-    every = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(env.world_size)]
-    dist.all_gather(every, torch.tensor(value, dtype=torch.float64, device=device))
-    return [t.item() for t in every]
-
-
-def _gather_rng(env: Distributed) -> list[dict[str, Any]]:
-    """Every rank's RNG states (rank order), so a resumed DDP run replays each rank's dropout."""
-    mine = rng_state()
-    if not env.enabled:
-        return [mine]
-    every: list[Any] = [None] * env.world_size
-    dist.all_gather_object(every, mine)
-    return every
