@@ -324,7 +324,7 @@ def train_epoch(run: Run, stop: StopSignal) -> EpochStats:
 def _save_mid_epoch(run: Run, stop: StopSignal, batches_done: int, sums: list[float],
                     elapsed: float) -> None:
     loss_sum, correct, seen = all_sum(sums, run.env, run.device)
-    if not math.isfinite(loss_sum):
+    if not math.isfinite(loss_sum) or not _finite_weights(run.model):
         raise _diverged(run, loss_sum / max(seen, 1))
     position = {"batches_done": batches_done, "loss_sum": loss_sum, "correct": correct,
                 "seen": seen, "elapsed": elapsed, "world_size": run.env.world_size}
@@ -334,6 +334,10 @@ def _save_mid_epoch(run: Run, stop: StopSignal, batches_done: int, sums: list[fl
     raise RunStopped(f"stopped by {stop.name} in epoch {run.epoch + 1} after step {run.step}: "
                      f"saved {run.dir.path / 'last.pt'} at that step; continue from there with "
                      f"--resume {run.dir.path}", code)
+
+
+def _finite_weights(model: nn.Module) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 def _diverged(run: Run, value: float) -> RunStopped:
@@ -373,7 +377,7 @@ def finish_epoch(run: Run, stats: EpochStats) -> dict[str, Any]:
     train_loss, train_correct, train_seen = all_sum(
         [stats.loss_sum, stats.correct, stats.seen], env, device)
     mean = train_loss / max(train_seen, 1)
-    if not math.isfinite(mean) or not all(torch.isfinite(p).all() for p in run.model.parameters()):
+    if not math.isfinite(mean) or not _finite_weights(run.model):
         raise _diverged(run, mean)
     mem, mem_kind = peak_memory(device)
     if env.enabled:
