@@ -172,3 +172,13 @@ def test_a_full_disk_while_saving_is_one_line_and_leaves_no_temporary_file(tmp_p
         not in res.stderr
     assert "File too large" in last
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "metrics.jsonl"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="needs Linux sysfs")
+def test_an_unwritable_out_dir_is_one_line(capsys):
+    """sysfs refuses new folders even to root (where chmod-based tests would pass silently)."""
+    with pytest.raises(SystemExit) as exit_info:
+        load_main()(**TINY, out_dir="/sys/zoo-run-test/run")
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    assert err.startswith("train.py: error: cannot write into run directory '/sys/zoo-run-test")

@@ -188,6 +188,10 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise CorruptCheckpointError(
             f"{str(path)!r} is not a readable training checkpoint ({type(e).__name__}: "
             f"{reason[:160]}){_go_back_hint(path)}") from e
+    if isinstance(ckpt, dict) and ckpt.get("format") == "zoo-train-1":
+        raise ConfigError(f"{str(path)!r} was written by an older train.py (format zoo-train-1: "
+                          f"no checksum, no metrics): it cannot be resumed, but its weights load "
+                          f"with model.load_state_dict(torch.load(path)['model'])")
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"{str(path)!r} is not a train.py run checkpoint (no "
                           f"format={CHECKPOINT_FORMAT!r}); a bare state_dict can be loaded with "
@@ -248,9 +252,9 @@ class RunDir:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             self.lock.acquire()
-        except PermissionError as e:
-            raise ConfigError(f"cannot write into run directory {str(self.path)!r} ({e.strerror}); "
-                              f"choose a writable --out_dir") from None
+        except OSError as e:  # permissions, a read-only file system, a path too long, ...
+            raise ConfigError(f"cannot write into run directory {str(self.path)!r} "
+                              f"({e.strerror or e}); choose a writable --out_dir") from None
         try:
             check_run_dir(self.path, resuming_here, overwrite)  # again, now that we hold the lock
             for p in self.path.glob(".*.tmp"):
