@@ -1,6 +1,6 @@
 """Train any image model of the zoo, on one device, on several GPUs, or under torchrun.
 
-    python train.py --model densenet --efficient True --dataset shapes --epochs 3
+    python train.py --model densenet --efficient True --dataset shapes --image_size 16 --epochs 3
     python train.py --model densenet --efficient True --dataset cifar10 --data_dir data
     torchrun --nproc_per_node 2 train.py --model resnet --dataset cifar10
 
@@ -16,12 +16,11 @@ from typing import Any
 import fire
 
 RECIPES = Path(__file__).resolve().parent / "configs"
-
-
 EXIT_USAGE = 2  # bad input: flags, config files, run directories, checkpoints
 
 
 def _debug_flag(flags: dict[str, Any]) -> bool:
+    """--debug (not a config key: it changes how errors look, not what the run computes)."""
     value = flags.pop("debug", False)
     return value is True or str(value).lower() == "true"
 
