@@ -132,7 +132,7 @@ def _new_twin(cls: type, *args: Any) -> Any:
 
 def _reduce_twin(self: nn.Module, protocol: int) -> Any:
     """Pickle (``torch.save(model)``) a generated twin as its original class plus the swap."""
-    reduced = object.__reduce_ex__(self, protocol)
+    reduced = super(type(self), self).__reduce_ex__(protocol)
     if not isinstance(reduced, tuple) or reduced[0] is not copyreg.__newobj__:
         return reduced
     return (_new_twin, (_ORIGINALS[type(self)], *reduced[1][1:]), *reduced[2:])
