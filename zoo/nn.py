@@ -154,7 +154,8 @@ def recompute_safe_class(cls: type) -> type | None:
     """
     if cls in _TWINS or cls in _ORIGINALS:
         return _TWINS.get(cls, cls)
-    if not issubclass(cls, nn.modules.batchnorm._BatchNorm) or getattr(cls, "recompute_safe", False):
+    if not issubclass(cls, nn.modules.batchnorm._BatchNorm) or \
+            getattr(cls, "recompute_safe", False):
         return None
     mixin = _RecomputeSafeNorm if _forward_name(cls) in _MOMENTUM_FORWARDS else _SnapshotNorm
     twin = type(f"cp_{cls.__name__}", (mixin, cls), {
@@ -194,7 +195,7 @@ def convert_batchnorm(module: nn.Module) -> nn.Module:
 
 
 def restore_batchnorm(module: nn.Module) -> nn.Module:
-    """Undo :func:`convert_batchnorm`: every twin gets its original class back. Returns ``module``."""
+    """Undo :func:`convert_batchnorm`: every twin gets its original class back; returns it."""
     for m in module.modules():
         original = _ORIGINALS.get(type(m))
         if original is not None:
