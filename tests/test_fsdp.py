@@ -1,4 +1,6 @@
-"""FSDP2 (``fully_shard``) with zoo checkpointing on a zoo model: two real gloo processes, CPU.
+"""FSDP2 (``fully_shard``) with zoo checkpointing: two real gloo processes on the CPU; zoo's
+ResNet in each checkpoint mode; a user's network, timm's ResNet and ViT under
+zoo.set_grad_checkpointing.
 
 Each rank trains its half of the batch on a model whose blocks and root are sharded with
 ``fully_shard``; FSDP2 averages the gradients over the ranks. The reference is the plain,
@@ -12,7 +14,10 @@ from __future__ import annotations
 import os
 import tempfile
 
+from collections.abc import Callable
+
 import pytest
+import timm
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -57,6 +62,13 @@ def user_net(checkpointed: bool) -> nn.Module:
     return zoo.set_grad_checkpointing(net) if checkpointed else net
 
 
+def timm_model(name: str, **kwargs) -> Callable[[bool], nn.Module]:
+    def build_timm(checkpointed: bool) -> nn.Module:
+        model = timm.create_model(name, num_classes=5, **kwargs)
+        return zoo.set_grad_checkpointing(model) if checkpointed else model
+    return build_timm
+
+
 # (name, build(checkpointed), FSDP units besides the root). resnet20's "block" mode runs each
 # segment's last block through ``block.residual``, not ``block(...)``, so FSDP2's pre-forward
 # hook on that block never unshards it: that mode is sharded at the root only.
@@ -65,6 +77,10 @@ CASES = [
     ("resnet20-bn_relu", lambda on: resnet20("bn_relu" if on else False), lambda m: m.blocks()),
     ("resnet20-block", lambda on: resnet20("block" if on else False), lambda m: []),
     ("user-net", user_net, lambda m: list(m.blocks)),
+    ("timm-resnet10t", timm_model("resnet10t"),
+     lambda m: [b for stage in (m.layer1, m.layer2, m.layer3, m.layer4) for b in stage]),
+    ("timm-vit", timm_model("vit_tiny_patch16_224", img_size=16, patch_size=4, depth=2,
+                            embed_dim=32, num_heads=2), lambda m: list(m.blocks)),
 ]
 
 
