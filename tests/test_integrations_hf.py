@@ -110,3 +110,19 @@ def test_hf_unsupported_checkpoint_keyword_is_one_line_error():
 def test_zoo_imports_without_transformers():
     code = "import sys, zoo; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_hf_other_checkpoint_function_is_kept_with_a_warning():
+    """A function that is not torch's checkpoint (HF's offload=True wraps it) is the user's
+    choice: kept, and the warning says zoo's checkpoint is no longer the one in use."""
+    model = zoo.set_grad_checkpointing(gpt2())
+    calls = []
+
+    def custom(function, *args, **kwargs):
+        calls.append(1)
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+
+    with pytest.warns(UserWarning, match="not zoo.checkpoint; BatchNorm stays exact"):
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=custom)
+    assert not recomputes_with_zoo(lambda t: gpt2_hidden(model, t), token_ids())
+    assert len(calls) == model.config.n_layer

@@ -288,7 +288,7 @@ def _disable(model: nn.Module) -> None:
         if is_checkpointed(m):
             checkpoint_module(m, enable=False)
     for name in state.get("batchnorm", ()):
-        restore_batchnorm(model.get_submodule(name))
+        restore_batchnorm(model.get_submodule(name), recurse=False)
 
 
 def set_grad_checkpointing(model: nn.Module, enable: bool | str = True,

@@ -194,9 +194,10 @@ def convert_batchnorm(module: nn.Module) -> nn.Module:
     return module
 
 
-def restore_batchnorm(module: nn.Module) -> nn.Module:
-    """Undo :func:`convert_batchnorm`: every twin gets its original class back; returns it."""
-    for m in module.modules():
+def restore_batchnorm(module: nn.Module, recurse: bool = True) -> nn.Module:
+    """Undo :func:`convert_batchnorm`: every twin gets its original class back (``module``
+    alone with ``recurse=False``); returns ``module``."""
+    for m in (module.modules() if recurse else [module]):
         original = _ORIGINALS.get(type(m))
         if original is not None:
             m.__class__ = original
