@@ -54,11 +54,12 @@ def bn_counts(model: nn.Module, x: torch.Tensor) -> int:
 def measure(rows: list[dict], workload: str, variants: dict[str, nn.Module],
             x: torch.Tensor) -> None:
     """One row per variant: peak, FLOPs (ratios to plain) and BatchNorm counts per step."""
+    counts = [bn_counts(model, x) for model in variants.values()]  # before any step is taken
     results = {name: step_cost(model, x) for name, model in variants.items()}
     first = len(rows)
     add_rows(rows, workload, results, results["plain"])
-    for row, model in zip(rows[first:], variants.values()):
-        row["bn_counts"] = bn_counts(model, x)
+    for row, count in zip(rows[first:], counts):
+        row["bn_counts"] = count
 
 
 def own_and_zoo(build: Callable[[], nn.Module], own: Callable[[nn.Module], object] | None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import subprocess
 import sys
 import warnings
@@ -96,13 +97,17 @@ def test_hf_deepcopy_keeps_zoo_on_the_copy():
     assert recomputes_with_zoo(lambda t: bert_hidden(twin, t), token_ids())
 
 
-def test_hf_unsupported_checkpoint_keyword_is_one_line_error():
-    """A context_fn that torch takes but zoo cannot honour is refused, not silently dropped."""
+def test_hf_context_fn_is_honoured_or_refused_never_dropped():
+    """A context_fn changes what is recomputed: passed on where zoo.checkpoint takes it (its
+    torch-keyword support), otherwise refused with a one-line error, never silently dropped."""
     model = zoo.set_grad_checkpointing(bert())
     both = lambda: (contextlib.nullcontext(), contextlib.nullcontext())  # noqa: E731
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"context_fn": both})
+    if "context_fn" in inspect.signature(zoo.checkpoint).parameters:
+        assert recomputes_with_zoo(lambda t: bert_hidden(model, t), token_ids())
+        return
     with pytest.raises(ValueError, match="zoo.checkpoint does not take torch's context_fn"):
         bert_hidden(model, token_ids())
 
