@@ -29,8 +29,13 @@ matters on models made of many small layers), and adds:
 * optional selective recompute (``save_ops``): the outputs of the named ops are kept and only the
   cheap rest is recomputed (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
   Transformer Models", Megatron-LM). This path runs on ``torch.utils.checkpoint`` with the
-  guard and RNG contexts passed as its ``context_fn``; regions traced by ``torch.compile`` are
-  left to torch's checkpoint and AOTAutograd;
+  guard and RNG contexts passed as its ``context_fn``;
+* ``torch.compile`` support with no graph break (``fullgraph=True``): while Dynamo traces, each
+  region becomes torch's ``tag_activation_checkpoint`` subgraph and AOTAutograd's partitioner
+  does the recompute inside the backward graph, where the contract holds by construction
+  (BatchNorm statistics are written once, by the forward graph; dropout masks are kept, not
+  redrawn; ``save_ops`` become torch's selective-checkpoint policy). tests/test_compile.py
+  checks it against the eager plain model;
 * errors that name the cause and the fix: an input changed in place before the recompute, a
   region that saves different tensors when recomputed.
 
@@ -69,8 +74,12 @@ def is_recomputing() -> bool:
     """True only while a :func:`checkpoint` region is being recomputed for backward, on this thread.
 
     Layers with side effects (running statistics, counters, logging) use it to act once per
-    training step instead of once per forward *and* once per recompute.
+    training step instead of once per forward *and* once per recompute. While ``torch.compile``
+    traces it is False: a compiled graph never reruns a forward in Python (AOTAutograd recomputes
+    inside the backward graph and applies buffer updates once, in the forward graph).
     """
+    if torch.compiler.is_compiling():
+        return False
     return _depth() > 0
 
 
@@ -416,6 +425,27 @@ def _recomputed_graph_used(_: None) -> torch.Tensor:
                        "(was torch.autograd.grad called inside the checkpointed function?)")
 
 
+def _traced_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
+                       save_ops: Collection[Any] | None) -> Any:
+    """The region as ``torch.compile`` sees it: torch's checkpoint, which Dynamo turns into one
+    ``tag_activation_checkpoint`` subgraph of the model's graph (no graph break).
+
+    AOTAutograd's partitioner then decides what the backward recomputes: the region's outputs
+    are tagged "recompute" (or, for ``save_ops``, "save" for the named ops, through torch's
+    selective-checkpoint policy), random ops are never recomputed but their masks kept (so
+    dropout's backward uses the forward's mask), and buffer mutations such as BatchNorm's
+    running statistics are applied once, in the forward graph. That is the whole contract, so
+    none of the eager region's guards (recompute flag, BatchNorm guard, RNG replay) is traced.
+    ``context_fn`` must reach Dynamo as a function or ``functools.partial``, never a lambda.
+    """
+    if save_ops:
+        policy = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts,
+                                   list(save_ops))
+        return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=policy,
+                                           **kwargs)
+    return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
 def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | None = None,
                **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)`` keeping only its inputs; recompute the rest during backward.
@@ -441,10 +471,7 @@ def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | N
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     if torch.compiler.is_compiling():
-        # Inside a compiled graph AOTAutograd owns recompute; buffer mutations are applied once.
-        sac = (lambda: torch_checkpoint.create_selective_checkpoint_contexts(list(save_ops))) \
-            if save_ops else torch_checkpoint.noop_context_fn
-        return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=sac, **kwargs)
+        return _traced_checkpoint(fn, args, kwargs, save_ops)
 
     if not save_ops:
         with _ForwardContext(_cuda_devices(fn, (*args, *kwargs.values()))) as forward:

@@ -35,8 +35,12 @@ def in_recompute() -> bool:
     """True while a checkpointed region is being recomputed, by the zoo's checkpoint or torch's.
 
     A train-mode forward that runs inside an autograd backward pass is a recompute: that is where
-    ``torch.utils.checkpoint`` (reentrant and not) replays the region.
+    ``torch.utils.checkpoint`` (reentrant and not) replays the region. While ``torch.compile``
+    traces, it is False and reads no autograd state (which would break the graph): the compiled
+    forward applies the statistics update once, and AOTAutograd's recompute never replays it.
     """
+    if torch.compiler.is_compiling():
+        return False
     return is_recomputing() or torch._C._current_graph_task_id() != -1
 
 
