@@ -211,3 +211,15 @@ def test_checkpointed_models_save_and_deepcopy_as_checkpointed():
             assert recomputes_with_zoo(other, x)
             zoo.set_grad_checkpointing(other, enable=False)
             assert not recomputes_with_zoo(other, x)
+
+
+def test_checkpointed_blocks_compile_in_one_graph():
+    """torch.compile(fullgraph=True) of a network checkpointed by zoo.set_grad_checkpointing:
+    outputs, gradients and BatchNorm buffers as the eager plain network's."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), *[nn.Sequential(
+        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()) for _ in range(3)])
+    ckpt = zoo.set_grad_checkpointing(copy.deepcopy(plain))
+    compiled = torch.compile(ckpt, backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 3, 8, 8)
+    assert_same_training(plain, plain, ckpt, compiled, x, steps=2)
