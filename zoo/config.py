@@ -70,7 +70,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"                 # auto (cuda if available), cpu, cuda, cuda:1, ...
     amp: bool = False                    # autocast: bfloat16 (CPU, or GPUs with bf16), float16 + GradScaler
-    compile: bool = False                # torch.compile the model
+    compile: bool | str = False          # torch.compile: True (inductor) or a backend name
     data_parallel: bool = False          # nn.DataParallel over the visible GPUs
     out_dir: str | None = None           # run directory; None: runs/<model>-<dataset>-<time>
     resume: str | None = None            # a run directory or its last.pt/prev.pt/best.pt: continue it
@@ -114,6 +114,14 @@ class TrainConfig:
                               f"got {self.milestones}")
         if self.warmup_iters < 0:
             raise ConfigError(f"warmup_iters must be >= 0, got {self.warmup_iters}")
+        if isinstance(self.compile, str):
+            from torch._dynamo import list_backends
+            backends = list_backends(exclude_tags=())
+            if self.compile not in backends:
+                close = difflib.get_close_matches(self.compile, list_backends(), n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                raise ConfigError(f"compile must be True, False or a torch.compile backend name "
+                                  f"({', '.join(list_backends())}), got {self.compile!r}{hint}")
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise ConfigError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
 
@@ -214,8 +222,9 @@ def merge(base: TrainConfig, overrides: dict[str, Any], source: str,
             raise ConfigError(f"unknown key {raw_key!r} in {source}{hint}; valid keys: "
                               f"{', '.join(config_keys())}")
         values[key] = _coerce(key, value, hints[key], from_cli)
-    if isinstance(values["efficient"], str) and values["efficient"].lower() in ("true", "false"):
-        values["efficient"] = values["efficient"].lower() == "true"
+    for key in ("efficient", "compile"):  # True/False however they were spelled
+        if isinstance(values[key], str) and values[key].lower() in ("true", "false"):
+            values[key] = values[key].lower() == "true"
     cfg = TrainConfig(**values)
     cfg.model = resolve_model_name(cfg.model)
     return cfg

@@ -155,8 +155,8 @@ def build_run(cfg: TrainConfig, env: Distributed, device: torch.device,
             model, device_ids=[device.index] if device.type == "cuda" else None)
     elif cfg.data_parallel:
         net = nn.DataParallel(model)
-    if cfg.compile:
-        net = torch.compile(net)
+    if cfg.compile:  # True: the default backend (inductor); a string names another
+        net = torch.compile(net, backend="inductor" if cfg.compile is True else cfg.compile)
     run = Run(cfg, env, device, say, model, net, optimizer, scheduler, scaler, amp_dtype,
               train_ds, test_ds, num_classes, sampler, RunDir(cfg.out_dir, enabled=env.is_main))
     if ckpt is not None:
