@@ -289,3 +289,22 @@ def test_inductor_recompute_uses_the_forwards_dropout_mask():
     mask = (out != 0).double()
     assert 0.3 < mask.mean() < 0.7
     torch.testing.assert_close(x.grad, torch.cos(mask) * mask * 2)
+
+
+def test_torch_keywords_and_a_users_selective_policy_compile():
+    """A library handing zoo.checkpoint torch's keywords (and its own SAC context_fn) compiles."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    policy = functools.partial(create_selective_checkpoint_contexts,
+                               [torch.ops.aten.addmm.default, torch.ops.aten.mm.default])
+    torch.manual_seed(0)
+    plain = MLP(None, checkpointed=False).double()
+
+    class Keyworded(MLP):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return zoo.checkpoint(self.body, x, use_reentrant=False, preserve_rng_state=True,
+                                  context_fn=policy, determinism_check="default")
+
+    rec = GraphRecorder()
+    x = torch.randn(8, 16, dtype=torch.float64)
+    assert_compiled_matches_eager_plain(plain, Keyworded(None).double(), x, backend=rec)
+    assert rec.count("backward", torch.ops.aten.addmm.default) == 0  # the policy was honoured

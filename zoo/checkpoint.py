@@ -561,7 +561,8 @@ def _same(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _traced_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
-                       save_ops: Collection[Any] | None) -> Any:
+                       save_ops: Collection[Any] | None,
+                       context_fn: Callable[[], tuple[Any, Any]] | None = None) -> Any:
     """The region as ``torch.compile`` sees it: torch's checkpoint, which Dynamo turns into one
     ``tag_activation_checkpoint`` subgraph of the model's graph (no graph break).
 
@@ -571,8 +572,18 @@ def _traced_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict[str, An
     dropout's backward uses the forward's mask), and buffer mutations such as BatchNorm's
     running statistics are applied once, in the forward graph. That is the whole contract, so
     none of the eager region's guards (recompute flag, BatchNorm guard, RNG replay) is traced.
-    ``context_fn`` must reach Dynamo as a function or ``functools.partial``, never a lambda.
+    ``context_fn`` must reach Dynamo as a function or ``functools.partial``, never a lambda; a
+    user's own ``context_fn`` is handed to torch as it is (torch's compiled checkpoint takes one,
+    so it cannot be combined with ``save_ops`` there). The other keywords concern the eager
+    recompute only.
     """
+    if context_fn is not None and context_fn is not torch_checkpoint.noop_context_fn:
+        if save_ops:
+            raise ValueError("zoo.checkpoint: under torch.compile, save_ops and context_fn cannot "
+                             "be combined (torch's compiled checkpoint takes one context_fn); "
+                             "pass one of them, or run the region eagerly")
+        return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn,
+                                           **kwargs)
     if save_ops:
         policy = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts,
                                    list(save_ops))
@@ -621,9 +632,9 @@ def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | N
     """
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    opts = keywords.options(preserve_rng_state, context_fn, determinism_check, debug, early_stop)
     if torch.compiler.is_compiling():
-        return _traced_checkpoint(fn, args, kwargs, save_ops)
+        return _traced_checkpoint(fn, args, kwargs, save_ops, context_fn)
+    opts = keywords.options(preserve_rng_state, context_fn, determinism_check, debug, early_stop)
 
     if not save_ops:
         devices = _cuda_devices(fn, (*args, *kwargs.values())) if opts.preserve_rng else []
