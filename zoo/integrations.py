@@ -11,11 +11,11 @@ each family on *through its own hook* with ``zoo.checkpoint`` in place of torch'
   names are replaced, once per timm module, by dispatchers that send the calls of modules marked
   by this call to ``zoo.checkpoint`` and every other call to timm's own helper unchanged. Models
   whose ``set_grad_checkpointing`` refuses (timm's CSPNets) get the repeated-block rule below.
-* Hugging Face ``PreTrainedModel``: ``_set_gradient_checkpointing`` with a function that runs
-  ``zoo.checkpoint`` (HF's ``_gradient_checkpointing_func`` hook). A later
-  ``gradient_checkpointing_enable()``/``activation_checkpointing_enable()`` keeps zoo's
-  function: the model's ``_set_gradient_checkpointing`` is intercepted to swap torch's
-  checkpoint for zoo's (with ``offload=True`` HF's own function is kept, with a warning).
+* Hugging Face ``PreTrainedModel``: ``_set_gradient_checkpointing`` with ``zoo.checkpoint`` as
+  HF's ``_gradient_checkpointing_func``. A later ``gradient_checkpointing_enable()`` /
+  ``activation_checkpointing_enable()`` keeps zoo's: the model's ``_set_gradient_checkpointing``
+  is intercepted to swap torch's checkpoint for zoo's, torch's keywords kept (with
+  ``offload=True`` HF's own function is kept, with a warning).
 * anything else (torchvision, a user's network): the members of its largest containers of
   same-type blocks (:func:`zoo.blocks.find_blocks`) run through ``zoo.checkpoint`` on every call
   (:func:`zoo.blocks.checkpoint_module`), so a block called twice is two regions.
@@ -34,7 +34,6 @@ from collections.abc import Callable, Iterable
 from itertools import chain
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
@@ -43,59 +42,21 @@ from .checkpoint import checkpoint, run_blocks
 from .models import ZooModel
 from .nn import convert_batchnorm, recompute_safe_class, restore_batchnorm
 
-__all__ = ["set_grad_checkpointing", "torch_compatible_checkpoint"]
+__all__ = ["set_grad_checkpointing"]
 
 _STATE = "_zoo_grad_checkpointing"  # on the model: how this call switched it on
 _ROUTED = "_zoo_routed"  # on each module of a timm model: its checkpoint calls go to zoo
 
 
 # --------------------------------------------------------------------------------------------
-# torch.utils.checkpoint's keywords, as libraries pass them (use_reentrant=False, ...).
+# zoo.checkpoint takes torch.utils.checkpoint's keywords (use_reentrant=False, ...) and hands
+# every other keyword to the function, so it is called exactly where torch's would be.
 # --------------------------------------------------------------------------------------------
-_TORCH_KEYWORDS = ("use_reentrant", "preserve_rng_state", "context_fn", "determinism_check",
-                   "debug")
-
-
-@functools.cache
-def _zoo_keywords() -> frozenset[str]:
-    """torch's keywords that zoo.checkpoint names in its own signature (and so understands)."""
-    params = inspect.signature(checkpoint).parameters
-    return frozenset(n for n in _TORCH_KEYWORDS if n in params)
-
-
-def _split_torch_keywords(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(keywords for zoo.checkpoint, keywords for the function) from a torch-style call.
-
-    zoo.checkpoint is always non-reentrant and always replays RNG, so ``use_reentrant`` and
-    ``preserve_rng_state`` change nothing; ``determinism_check`` and ``debug`` only add checks and
-    logs. A ``context_fn`` changes what is recomputed, so one that zoo cannot honour is an error.
-    """
-    zoo_kw = {k: kwargs.pop(k) for k in _TORCH_KEYWORDS if k in kwargs and k in _zoo_keywords()}
-    context_fn = kwargs.pop("context_fn", torch_checkpoint.noop_context_fn)
-    for name in ("use_reentrant", "preserve_rng_state", "determinism_check", "debug"):
-        kwargs.pop(name, None)
-    if context_fn is not torch_checkpoint.noop_context_fn:
-        raise ValueError("zoo.checkpoint does not take torch's context_fn yet: leave "
-                         "context_fn out of the checkpoint keywords, or pass save_ops for "
-                         "selective recompute")
-    return zoo_kw, kwargs
-
-
-def torch_compatible_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``zoo.checkpoint`` called the way ``torch.utils.checkpoint.checkpoint`` is called.
-
-    torch's own keywords (``use_reentrant=False``, ...) are taken out (see
-    :func:`_split_torch_keywords`); the remaining keywords go to ``function``. This is the
-    function handed to Hugging Face as ``_gradient_checkpointing_func``.
-    """
-    zoo_kw, fn_kw = _split_torch_keywords(kwargs)
-    return checkpoint(function, *args, **zoo_kw, **fn_kw)
-
-
-def _is_torch_checkpoint(fn: Any) -> bool:
+def _is_checkpoint(fn: Any, target: Callable) -> bool:
+    """Whether ``fn`` is ``target`` or a ``functools.partial`` of it (HF passes partials)."""
     while isinstance(fn, functools.partial):
         fn = fn.func
-    return fn is torch_checkpoint.checkpoint
+    return fn is target
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,7 +92,7 @@ def _timm_checkpoint(timm_checkpoint: Callable, function: Callable, *args: Any,
     """timm's ``checkpoint(function, *args, use_reentrant=None, **kwargs)``, zoo's when routed."""
     if not _routed(function):
         return timm_checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
-    return torch_compatible_checkpoint(function, *args, **kwargs)
+    return checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
 
 
 def _timm_checkpoint_seq(timm_checkpoint_seq: Callable, functions: Any, x: Any, every: int = 1,
@@ -220,12 +181,10 @@ class _KeepZooCheckpoint:
                  **kwargs: Any) -> None:
         func = gradient_checkpointing_func
         if enable and func is not None:
-            if _is_torch_checkpoint(func):
+            if _is_checkpoint(func, torch_checkpoint.checkpoint):
                 keywords = func.keywords if isinstance(func, functools.partial) else {}
-                func = functools.partial(torch_compatible_checkpoint, **keywords)
-            elif func is not torch_compatible_checkpoint and not (
-                    isinstance(func, functools.partial)
-                    and func.func is torch_compatible_checkpoint):
+                func = functools.partial(checkpoint, **keywords)
+            elif not _is_checkpoint(func, checkpoint):
                 warnings.warn(f"zoo.set_grad_checkpointing: {type(self.model).__name__} now "
                               f"checkpoints with {getattr(func, '__name__', func)!r} (e.g. "
                               "offload=True), not zoo.checkpoint; BatchNorm stays exact",
@@ -243,7 +202,7 @@ def _enable_hf(model: nn.Module) -> bool:
     if "gradient_checkpointing_func" not in params:  # HF's format before 4.35
         return False
     type(model)._set_gradient_checkpointing(model, enable=True,
-                                            gradient_checkpointing_func=torch_compatible_checkpoint)
+                                            gradient_checkpointing_func=checkpoint)
     model.__dict__["_set_gradient_checkpointing"] = _KeepZooCheckpoint(model)
     return True
 
