@@ -7,15 +7,25 @@ every BatchNorm; most of it is cheap to rebuild.
 
 Checkpoint modes (``checkpoint_modes``, the recommended first; all give exactly the plain model's
 outputs, gradients and BatchNorm statistics, and the same state_dict). Figures: one training step,
-exact CPU peak (MemTracker, parameters and gradients included) and FLOPs, scripts/bench_resnet.py:
+exact CPU peak (MemTracker, parameters and gradients included) and FLOPs, 2-core CPU, torch 2.15.0,
+``python scripts/bench_resnet.py --fake --cifar_batch 16`` (and the default batch 64):
 
-* ``"halves"`` (recommended): each block is checkpointed in two halves that meet at conv2's
-  output, so per block only its input and conv2's output are kept. Backward reruns conv1 (and, in
-  a Bottleneck, conv3 and the downsample convolution) but never conv2, the 3x3 convolution that
-  holds most of a Bottleneck's FLOPs: zoo.checkpoint (like torch's non-reentrant one) stops once
-  it has rebuilt every tensor backward needs, and a convolution saves its input before it
-  runs. ResNet-50, batch 8 at 224 px: 797 -> 386 MiB at +18% FLOPs, where timm's
-  ``set_grad_checkpointing(True)`` gives 433 MiB at +33%. ResNet-110, batch 64: 0.51x at +17%.
+* ``"tapered"`` (recommended for the CIFAR ResNets, which have no other first choice): the three
+  stages cost the same FLOPs but stage 1's maps are 2x stage 2's and 4x stage 3's, so recompute
+  is spent where the bytes are: stage 1 is checkpointed in regions of two whole blocks (only
+  every other block's input kept), stage 2 in ``bn_relu`` (no convolution reruns), stage 3 runs
+  plainly. ResNet-110, batch 16: 0.460x the plain peak at +11.3% FLOPs, where ``halves`` keeps
+  0.529x at +16.5%; batch 64: 0.439x at +11.3%; ResNet-20, batch 16: 0.491x at +12.0%. (The
+  planner, ``zoo.plan``, finds similar points for a given budget: 0.456x at +11.7%.)
+* ``"halves"`` (recommended for the ImageNet ResNets): each block is checkpointed in two halves
+  that meet at conv2's output, so per block only its input and conv2's output are kept. Backward
+  reruns conv1 (and, in a Bottleneck, conv3 and the downsample convolution) but never conv2, the
+  3x3 convolution that holds most of a Bottleneck's FLOPs: zoo.checkpoint (like torch's
+  non-reentrant one) stops once it has rebuilt every tensor backward needs, and a convolution
+  saves its input before it runs. ResNet-50, batch 8 at 224 px: 797 -> 386 MiB at +18% FLOPs,
+  where timm's ``set_grad_checkpointing(True)`` gives 433 MiB at +33%. A BasicBlock has two
+  equal 3x3 convolutions, so there it keeps about half the activations for +16.5%: ResNet-110,
+  batch 64: 0.51x; batch 16: 0.529x (parameters and gradients weigh more): hence ``tapered``.
 * ``"block"``: each block's residual branch and shortcut are checkpointed whole (timm's
   granularity): only block inputs are kept and the whole forward runs again in backward (+33%).
   ResNet-50: 365 MiB; ResNet-110: 0.27x. ``checkpoint_every=n`` checkpoints ``n`` consecutive
@@ -338,7 +348,8 @@ class _ResNetBase(FeatureStages, ZooModel):
         pool = self._stem_modules()[3:]
         for i, name in enumerate(names):
             first = getattr(self, name)[0]
-            reduction *= first.conv1.stride[0] * first.conv2.stride[0] * (2 if pool and not i else 1)
+            pooled = 2 if pool and not i else 1
+            reduction *= first.conv1.stride[0] * first.conv2.stride[0] * pooled
             channels = getattr(self, name)[-1]._norms[-1].num_features
 
             def stage(x: torch.Tensor, i: int = i) -> torch.Tensor:
@@ -364,6 +375,9 @@ class ResNet(_ResNetBase):
         num_classes: classifier outputs.
         checkpoint_every: with the ``block`` mode, blocks per checkpointed region.
         efficient: checkpointing: ``False``, ``True`` (``"halves"``) or a mode name.
+        in_chans: input channels (3 for RGB).
+        drop_rate: dropout on the pooled features before the classifier (timm's ResNet).
+        global_pool: ``"avg"`` or ``""`` (no pooling: with ``num_classes=0``, feature maps out).
     """
 
     def __init__(self, block: type[BasicBlock] | type[Bottleneck], layers: Sequence[int],
@@ -423,6 +437,7 @@ class CifarResNet(_ResNetBase):
         num_classes: classifier outputs.
         checkpoint_every: with the ``block`` mode, blocks per checkpointed region.
         efficient: checkpointing: ``False``, ``True`` (``"tapered"``) or a mode name.
+        in_chans, drop_rate, global_pool: as :class:`ResNet`'s.
     """
 
     checkpoint_modes = CIFAR_MODES
@@ -457,7 +472,7 @@ class CifarResNet(_ResNetBase):
         return ["layer1", "layer2", "layer3"]
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Images -> the last stage's feature maps; ``tapered`` here, the other modes in the base."""
+        """Images -> the last stage's feature maps (``tapered`` here, other modes in the base)."""
         if self.grad_checkpointing != "tapered" or self.checkpoint_plan is not None:
             return super().forward_features(x)
         return self._tapered(checkpoint(self._stem, x))
