@@ -69,13 +69,11 @@ def timm_model(name: str, **kwargs) -> Callable[[bool], nn.Module]:
     return build_timm
 
 
-# (name, build(checkpointed), FSDP units besides the root). resnet20's "block" mode runs each
-# segment's last block through ``block.residual``, not ``block(...)``, so FSDP2's pre-forward
-# hook on that block never unshards it: that mode is sharded at the root only.
+# (name, build(checkpointed), FSDP units besides the root): every block of a zoo ResNet is its
+# own unit in every mode (each block runs through its module call, so FSDP2's hooks unshard it).
 CASES = [
-    ("resnet20-halves", lambda on: resnet20("halves" if on else False), lambda m: m.blocks()),
-    ("resnet20-bn_relu", lambda on: resnet20("bn_relu" if on else False), lambda m: m.blocks()),
-    ("resnet20-block", lambda on: resnet20("block" if on else False), lambda m: []),
+    *[(f"resnet20-{mode}", lambda on, mode=mode: resnet20(mode if on else False),
+       lambda m: m.blocks()) for mode in ("tapered", "halves", "bn_relu", "block")],
     ("user-net", user_net, lambda m: list(m.blocks)),
     ("timm-resnet10t", timm_model("resnet10t"),
      lambda m: [b for stage in (m.layer1, m.layer2, m.layer3, m.layer4) for b in stage]),

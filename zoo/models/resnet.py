@@ -122,7 +122,11 @@ class _ResidualBlock(nn.Module):
         return self._tail(x, x, 0)
 
     def forward(self, x: torch.Tensor, mode: str | None = None) -> torch.Tensor:
-        """The block on ``x``; ``mode`` is ``None`` (plain) or a checkpoint mode (module doc)."""
+        """The block on ``x``; ``mode`` is ``None`` (plain) or a checkpoint mode (module doc).
+        ``"pre_relu"`` is the plain block without its final ReLU (the end of a ``block``-mode
+        region, called through the module so that its hooks, FSDP2's among them, still run)."""
+        if mode == "pre_relu":
+            return self.residual(x)
         if mode is None:
             out = self.residual(x)
         elif mode == "block":
@@ -208,7 +212,7 @@ def _segment(blocks: Sequence[_ResidualBlock], x: torch.Tensor) -> torch.Tensor:
     """Blocks in order, the last one stopping before its final ReLU (``block`` mode's region)."""
     for block in blocks[:-1]:
         x = block(x)
-    return blocks[-1].residual(x)
+    return blocks[-1](x, "pre_relu")
 
 
 class _ResNetBase(FeatureStages, ZooModel):
