@@ -36,7 +36,7 @@ import zoo
 from zoo.checkpoint import run_blocks
 from zoo.models import ZooModel
 from zoo.models.densenet import DenseBlock, DenseNet
-from zoo.nn import _RecomputeSafeNorm
+from zoo.nn import restore_batchnorm
 
 __all__ = ["PLAIN", "OFFICIAL", "COMPILED_PREFIX", "TIMM", "Variant", "create", "variant_names",
            "extra_variant_names", "canonical_name", "build_variants", "build_variant",
@@ -191,12 +191,9 @@ def _torch_run_chain(self: ZooModel, blocks: Sequence[nn.Module], x: torch.Tenso
 
 
 def _to_plain_batchnorm(module: nn.Module) -> None:
-    """Turn the zoo's cp_BatchNorm layers back into torch's (same state): what torchvision and
-    timm models have, and what torch's checkpoint updates twice."""
-    for m in module.modules():
-        if isinstance(m, _RecomputeSafeNorm):
-            m.__class__ = next(c for c in type(m).__mro__
-                               if c.__module__.startswith("torch.nn") and issubclass(c, nn.Module))
+    """Turn the zoo's recompute-safe BatchNorm layers back into their plain classes (same state):
+    what torchvision and timm models have, and what torch's checkpoint updates twice."""
+    restore_batchnorm(module)
 
 
 # -- official for DenseNet-B: torchvision's memory_efficient DenseNet ----------------------------
