@@ -112,7 +112,7 @@ def _benchmark(w: Workload, dev: torch.device, repeats: int, warmup: int,
             # activations: the peak less parameters, their gradients and the input batch
             row.update(model=_label(w.model), size=w.size, state_bytes=2 * state
                        + x.numel() * x.element_size())
-            if "peak_bytes" in row:
+            if row.get("peak_bytes") is not None:
                 row["activation_bytes"] = row["peak_bytes"] - row["state_bytes"]
             rows.append(row)
         del model, variants, x
