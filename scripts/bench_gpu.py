@@ -38,6 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 20; smoke 2)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up rounds (default 3; smoke 1)")
     p.add_argument("--budget", default=None, help="max_batch's memory budget (default 11GB)")
+    p.add_argument("--checkpoints", default=None, help="overhead parts: a comma-separated "
+                   "subset of 'torch non-reentrant,torch reentrant,zoo.checkpoint' (each compiles "
+                   "the 100-region chain afresh; default all)")
     p.add_argument("--backend", default=None, help="torch.compile backend (default inductor; "
                    "smoke aot_eager)")
     return p.parse_args(argv)
@@ -58,8 +61,10 @@ def _check(args: argparse.Namespace) -> None:
 def run_one(args: argparse.Namespace, part: str) -> Path:
     """Run ``part``, print its Markdown, write its JSON and Markdown; the JSON's path."""
     start = time.perf_counter()
+    checkpoints = tuple(c.strip() for c in args.checkpoints.split(",")) if args.checkpoints \
+        else None
     payload = run_part(part, args.device, args.smoke, args.repeats, args.warmup, args.budget,
-                       args.backend)
+                       args.backend, checkpoints)
     payload["wall_s"] = time.perf_counter() - start
     text = markdown(payload)
     stem = Path(args.out_dir) / f"gpu_{part}_{device_tag(payload['machine'], args.smoke)}"

@@ -235,8 +235,10 @@ def test_bench_gpu_smoke_writes_every_part(tmp_path: Path) -> None:
     for name, r in dense.items():
         if r["status"] == "failed":  # compiled ones, until zoo models compile
             assert name.startswith("compiled") and "\n" not in r["error"]
-        else:
-            assert r["median_s"] > 0 and r["peak_bytes"] > 0 and len(r["times_s"]) == 2
+        else:  # on the CPU a compiled step has no exact peak: MemTracker keeps compile out
+            assert r["median_s"] > 0 and len(r["times_s"]) == 2
+            assert (r["peak_bytes"] is None) == name.startswith("compiled")
+            assert name.startswith("compiled") or r["peak_bytes"] > 0
     assert dense["zoo bottleneck"]["bn_count_error"] == 0
     assert dense["official"]["bn_count_error"] == dense["timm"]["bn_count_error"] == 1
     assert dense["zoo bottleneck"]["peak_bytes"] < dense["timm"]["peak_bytes"]

@@ -61,6 +61,8 @@ def measure_memory(variant: Variant, x: torch.Tensor, others: Sequence[nn.Module
     """Peak bytes of one step. On CUDA the ``others`` models are moved to the CPU meanwhile, so
     the peak holds only this variant's model, as it would in a run of its own."""
     step = training_step(variant, x)
+    if x.device.type != "cuda" and variant.forward is not None:
+        return {"peak_bytes": None}  # MemTracker's dispatch mode keeps torch.compile out
     if x.device.type != "cuda":
         peak = cpu_peak_bytes(step, track=(variant.model, x))
         variant.model.zero_grad(set_to_none=True)
@@ -172,7 +174,8 @@ def measure_variants(variants: Sequence[Variant], x: torch.Tensor, repeats: int 
             row["images_per_s"] = row["batch_size"] / row["median_s"]
     base = rows[0]
     for row in rows:
-        row["peak_ratio"] = row["peak_bytes"] / base["peak_bytes"]
+        row["peak_ratio"] = (None if row["peak_bytes"] is None
+                             else row["peak_bytes"] / base["peak_bytes"])
         row["flops_ratio"] = (row["flops"] / base["flops"] if base["flops"]
                               and row["flops"] is not None else None)
         row["recompute_overhead"] = row["flops_ratio"] - 1 if row["flops_ratio"] else None

@@ -38,7 +38,7 @@ from zoo.models import ZooModel
 from zoo.models.densenet import DenseNet
 
 from .measure import measure_or_report
-from .overhead import overhead_header, overhead_table, run_overhead
+from .overhead import WRAPPERS, overhead_header, overhead_table, run_overhead
 from .report import benchmark_table, command_line, machine_info, max_batch_table
 from .runs import run_max_batch
 from .variants import build_variants, create
@@ -112,7 +112,7 @@ def _benchmark(w: Workload, dev: torch.device, repeats: int, warmup: int,
             # activations: the peak less parameters, their gradients and the input batch
             row.update(model=_label(w.model), size=w.size, state_bytes=2 * state
                        + x.numel() * x.element_size())
-            if "peak_bytes" in row:
+            if row.get("peak_bytes") is not None:
                 row["activation_bytes"] = row["peak_bytes"] - row["state_bytes"]
             rows.append(row)
         del model, variants, x
@@ -129,8 +129,10 @@ def _max_batch(w: Workload, dev: torch.device, budget: int) -> list[dict]:
 
 
 def run_part(part: str, device: str = "cuda", smoke: bool = False, repeats: int = 20,
-             warmup: int = 3, budget: int = 11 * 10**9, backend: str = "inductor") -> dict:
-    """One part (see the module docstring): a JSON-ready payload with its goals."""
+             warmup: int = 3, budget: int = 11 * 10**9, backend: str = "inductor",
+             checkpoints: tuple[str, ...] | None = None) -> dict:
+    """One part (see the module docstring): a JSON-ready payload with its goals.
+    ``checkpoints``: the overhead parts' checkpoints (default all; ``none`` is always timed)."""
     if part not in PARTS:
         raise ValueError(f"unknown part {part!r}; expected one of {', '.join(PARTS)}")
     dev = torch.device(device)
@@ -141,9 +143,14 @@ def run_part(part: str, device: str = "cuda", smoke: bool = False, repeats: int 
             modes = ["eager", "compiled"]
         else:  # CUDA graphs need CUDA: elsewhere this part times the eager runs only
             modes = ["eager", "reduce-overhead"] if dev.type == "cuda" else ["eager"]
+        chosen = ["none", *(c for c in checkpoints or WRAPPERS if c != "none")]
+        unknown = [c for c in chosen if c not in WRAPPERS]
+        if unknown:
+            raise ValueError(f"unknown checkpoint(s) {', '.join(unknown)}; expected some of "
+                             f"{', '.join(WRAPPERS)}")
         payload = run_overhead(device, 4 if smoke else 100, repeats, warmup,
                                threads=1 if dev.type == "cpu" else None, backend=backend,
-                               modes=modes)
+                               checkpoints=chosen, modes=modes)
         settings.update(payload["settings"])
         rows = payload["rows"]
     elif part == "max_batch":
@@ -235,8 +242,8 @@ def device_tag(machine: dict[str, Any], smoke: bool) -> str:
 def _goal_lines(goal_rows: list[dict]) -> str:
     lines = []
     for g in goal_rows:
-        state = "n/a (a variant failed)" if g["met"] is None else ("met" if g["met"] else
-                                                                   "MISSED")
+        state = ("n/a (a variant failed or was not run)" if g["met"] is None
+                 else "met" if g["met"] else "MISSED")
         value = "-" if g["value"] is None else f"{g['value']:.3f}"
         lines.append(f"- {g['goal']}: {value} (limit {g['limit']:g}) **{state}**")
     return "\n".join(lines)
