@@ -601,3 +601,22 @@ def test_nested_regions_inputs_are_kept_by_the_outer_region():
     zoo_peak = zoo.memory.cpu_peak_bytes(zoo_step, track=(chain,))
     assert zoo_peak == zoo.memory.cpu_peak_bytes(torch_step, track=(chain,))
     assert zoo_peak < zoo.memory.cpu_peak_bytes(plain, track=(chain,))
+
+
+def test_selective_recompute_takes_torch_keywords():
+    """save_ops regions run on torch's checkpoint: the keywords still reach it (the user's
+    contexts wrap forward and recompute) and gradients stay the plain ones."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    net(x).square().sum().backward()
+    ref = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    mode = Recomputed()
+    out = zoo.checkpoint(net, x, save_ops={torch.ops.aten.mm.default}, use_reentrant=False,
+                         context_fn=lambda: (contextlib.nullcontext(), mode),
+                         determinism_check="none", early_stop=False, preserve_rng_state=True)
+    out.square().sum().backward()
+    assert mode.refs  # the recompute ran under the user's context
+    for p, g in zip(net.parameters(), ref):
+        torch.testing.assert_close(p.grad, g)
