@@ -3,7 +3,7 @@
 #   make test    -> creates .venv, installs zoo with its test extras, runs the test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
-TRAIN_ARGS ?= --model densenet --efficient True --dataset shapes --epochs 3
+TRAIN_ARGS ?= --model densenet --efficient True --dataset shapes --image_size 16 --epochs 3
 
 .PHONY: train test install
 install: $(VENV)/.installed

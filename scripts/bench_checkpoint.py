@@ -4,6 +4,8 @@
     python scripts/bench_checkpoint.py --device cuda         # CUDA max_memory_allocated
     python scripts/bench_checkpoint.py --small               # 100 tiny blocks, 1 thread: the
                                                              # per-region cost of each checkpoint
+    python scripts/bench_checkpoint.py --overhead            # the same 100 tiny regions, eager
+                                                             # and compiled: time per region only
 
 Modes, each checkpointing every block on its own: no checkpoint; torch.utils.checkpoint reentrant
 and non-reentrant; zoo.checkpoint with plain nn.BatchNorm2d; zoo.checkpoint with cp_BatchNorm2d.
@@ -11,6 +13,12 @@ For each: peak memory, FLOPs (FlopCounterMode, forward + backward), median step 
 no checkpoint (modes interleaved step by step in shuffled order, so machine noise hits all
 alike), and the BatchNorm
 statistics error against the plain run after the same steps.
+
+``--overhead`` times the 100 tiny regions of ``--small`` only (zoo.bench.overhead): no checkpoint,
+torch's non-reentrant and reentrant checkpoint and zoo.checkpoint, each eager and compiled
+(``torch.compile`` of the whole chain, ``fullgraph=True``; on CUDA also
+``mode="reduce-overhead"``, CUDA graphs), as ratios to eager no checkpoint and as extra
+microseconds per region. A combination that fails is reported failed with its one-line reason.
 """
 from __future__ import annotations
 
@@ -29,18 +37,11 @@ from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
 import zoo
+from zoo.bench.overhead import make_chain, overhead_header, overhead_table, run_overhead
+from zoo.bench.report import write_json
 from zoo.memory import count_flops, cpu_peak_bytes, cuda_peak_bytes, format_bytes
 
 Runner = Callable[[nn.Module, torch.Tensor], torch.Tensor]
-
-
-def make_chain(blocks: int, width: int, seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(*[
-        nn.Sequential(nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width),
-                      nn.ReLU(), nn.Dropout(0.1), nn.Conv2d(width, width, 3, padding=1, bias=False),
-                      nn.BatchNorm2d(width), nn.ReLU())
-        for _ in range(blocks)])
 
 
 def per_block(wrap: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> Runner:
@@ -78,14 +79,23 @@ def markdown_table(rows: list[dict]) -> str:
 
 def main(device: str = "cpu", blocks: int = 12, width: int = 32, batch_size: int = 32,
          size: int = 32, steps: int = 3, repeats: int = 15, warmup: int = 2,
-         threads: int | None = None, small: bool = False,
+         threads: int | None = None, small: bool = False, overhead: bool = False,
+         regions: int = 100, compile: bool = True, backend: str = "inductor",
          json_out: str | None = None) -> list[dict]:
     """Run every mode and print a Markdown table (and JSON to ``json_out`` if given).
 
     ``small`` sets 100 blocks of width 8 on one 8x8 image and one CPU thread: the kernels take
     microseconds, so the step time is mostly the checkpoint's own per-region work (what a GPU
     run of a model with many small layers pays on the host). ``threads`` sets torch's CPU threads.
+    ``overhead``: time ``regions`` such regions only, eager and (``compile``) compiled with
+    ``backend`` (see zoo.bench.overhead).
     """
+    if overhead:
+        payload = run_overhead(device, regions, repeats, warmup, threads or 1, compile, backend)
+        print(f"\n{overhead_header(payload)}\n\n{overhead_table(payload['rows'])}")
+        if json_out:
+            print(f"\nwrote {write_json(json_out, payload)}")
+        return payload["rows"]
     if small:
         blocks, width, batch_size, size, threads = 100, 8, 1, 8, threads or 1
     if threads:

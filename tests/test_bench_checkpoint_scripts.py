@@ -59,3 +59,30 @@ def test_bench_primitive_swaps_and_restores(tmp_path: Path, keep_threads) -> Non
     assert [r["num_batches_tracked_after_one_step"] for r in rows] == [1, 1, 1]
     assert json.loads(out.read_text())["rows"] == rows
     assert sys.modules["zoo.models.resnet"].checkpoint is zoo.checkpoint
+
+
+def test_bench_checkpoint_overhead_reports_every_combination(tmp_path: Path,
+                                                            keep_threads) -> None:
+    """--overhead: every checkpoint eager and compiled; a combination that cannot compile today
+    is a failed row with a one-line reason, not a crash; BatchNorm counted once where exact."""
+    out = tmp_path / "overhead.json"
+    rows = _script("bench_checkpoint").main(overhead=True, regions=3, repeats=2, warmup=0,
+                                            backend="aot_eager", json_out=str(out))
+    assert json.loads(out.read_text())["rows"] == rows
+    got = {(r["checkpoint"], r["run_as"]): r for r in rows}
+    assert set(got) == {(c, m) for c in ("none", "torch non-reentrant", "torch reentrant",
+                                         "zoo.checkpoint") for m in ("eager", "compiled")}
+    eager_none = got[("none", "eager")]
+    assert eager_none["ratio_to_eager_none"] == 1.0 and eager_none["extra_us_per_region"] == 0
+    # eager: the zoo counts BatchNorm once, torch's checkpoint twice (pytorch/pytorch#96136)
+    assert got[("zoo.checkpoint", "eager")]["bn_count_after_one_step"] == 1
+    assert got[("torch non-reentrant", "eager")]["bn_count_after_one_step"] == 2
+    assert got[("none", "compiled")]["status"] == "ok"  # torch.compile itself works here
+    for r in rows:
+        if r["status"] == "failed":
+            assert r["run_as"] == "compiled" and "\n" not in r["error"] and r["error"]
+            assert "median_s" not in r
+        else:
+            assert r["error"] is None and len(r["times_s"]) == 2
+            none = got[("none", r["run_as"])]["median_s"]
+            assert r["extra_us_per_region"] == pytest.approx((r["median_s"] - none) / 3 * 1e6)

@@ -4,12 +4,15 @@ so MemTracker and FakeTensorMode stay fast) at tiny batches.
 Not timed tests: they check that every figure is there and consistent (JSON fields, ratios against
 plain, exact BatchNorm statistics for the zoo and not for torch's checkpoint), that the CPU's
 max-batch answer is right against real measurements, that the segments sweep shows seed 000's
-effect, and that plot.py draws.
+effect, that plot.py draws, and that scripts/bench_gpu.py's smoke run writes every part.
 """
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,10 +20,11 @@ import torch
 
 import zoo
 from zoo.bench.max_batch import PeakPredictor, largest_batch
-from zoo.bench.measure import training_step
+from zoo.bench.measure import measure_or_report, training_step
 from zoo.bench.plots import plot_all
+from zoo.bench.report import benchmark_table
 from zoo.bench.runs import parse_budgets, run_benchmark, run_max_batch, run_segments
-from zoo.bench.variants import build_variant
+from zoo.bench.variants import Variant, build_variant, canonical_name
 from zoo.memory import cpu_peak_bytes
 from zoo.models.densenet import DenseNet
 
@@ -173,3 +177,109 @@ def test_cuda_max_batch_is_a_real_out_of_memory_safe_search() -> None:
     assert data["rows"][1]["largest_batch"] >= data["rows"][0]["largest_batch"]
     torch.ones(2**20, device="cuda").sum().item()  # the cap is lifted, the device still works
     assert torch.cuda.memory_allocated() < budget
+
+
+def test_timm_twin_is_the_same_network() -> None:
+    """The ``timm`` variant is timm's DenseNet with the zoo model's architecture and weights."""
+    torch.manual_seed(0)
+    model = DenseNet(growth_rate=4, block_config=(2, 2), num_init_features=8, stem="cifar",
+                     num_classes=10).eval()
+    twin = build_variant(model, "timm").model.eval()
+    assert type(twin).__module__.startswith("timm")
+    x = model.example_input(2)
+    with torch.no_grad():
+        assert torch.allclose(model(x), twin(x), atol=1e-6)
+    assert canonical_name(model, "compiled_layer") == "compiled zoo layer"
+    assert canonical_name(model, "compiled_zoo_layer") == "compiled zoo layer"
+
+
+def test_failing_variant_is_a_row_not_a_crash() -> None:
+    """measure_or_report: a variant whose step raises gets ``status: failed`` and a one-line
+    error; the others are measured as without it."""
+    torch.manual_seed(0)
+    model = zoo.create_model(MODEL)
+    plain, efficient = build_variant(model, "plain"), build_variant(model, EFFICIENT)
+    broken = Variant("wrong input", model, False, "three channels cut to one",
+                     forward=lambda x: model(x[:, :1]))
+    rows = measure_or_report([plain, broken, efficient], model.example_input(2), repeats=2,
+                             warmup=0)
+    assert [r["variant"] for r in rows] == ["plain", "wrong input", EFFICIENT]
+    assert rows[1]["status"] == "failed" and rows[1]["error"].startswith("RuntimeError: ")
+    assert "\n" not in rows[1]["error"] and "peak_bytes" not in rows[1]
+    assert rows[2]["status"] == "ok" and rows[2]["peak_bytes"] < rows[0]["peak_bytes"]
+    assert rows[2]["bn_count_error"] == 0 and rows[0]["time_ratio"] == 1.0
+    assert "| 2 | wrong input | failed: RuntimeError: " in benchmark_table(rows)
+
+
+def test_bench_gpu_smoke_writes_every_part(tmp_path: Path) -> None:
+    """scripts/bench_gpu.py --smoke: every part of issue 11's GPU command runs on the CPU with
+    tiny sizes and writes its JSON (machine, command, rows, goals) and Markdown."""
+    threads = torch.get_num_threads()
+    try:
+        paths = _script("bench_gpu").main(["--smoke", "--out_dir", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    parts = ("overhead", "overhead_graphs", "densenet_b64", "densenet_b256", "resnet50", "bert",
+             "max_batch")
+    assert [p.name for p in paths] == [f"gpu_{p}_smoke_cpu.json" for p in parts]
+    data = {p: json.loads((tmp_path / f"gpu_{p}_smoke_cpu.json").read_text()) for p in parts}
+    for part, d in data.items():
+        assert d["part"] == part and d["settings"]["smoke"] and d["rows"] and d["goals"]
+        assert d["machine"]["torch"] == torch.__version__ and d["command"].startswith("python ")
+        assert all({"goal", "value", "limit", "met"} <= set(g) for g in d["goals"])
+        md = (tmp_path / f"gpu_{part}_smoke_cpu.md").read_text()
+        assert f"torch {torch.__version__}" in md and d["command"] in md
+    dense = {r["variant"]: r for r in data["densenet_b64"]["rows"]}
+    assert list(dense) == ["plain", "zoo bottleneck", "compiled plain",
+                           "compiled zoo bottleneck", "official", "timm"]
+    for name, r in dense.items():
+        if r["status"] == "failed":  # compiled ones, until zoo models compile
+            assert name.startswith("compiled") and "\n" not in r["error"]
+        else:  # on the CPU a compiled step has no exact peak: MemTracker keeps compile out
+            assert r["median_s"] > 0 and len(r["times_s"]) == 2
+            assert (r["peak_bytes"] is None) == name.startswith("compiled")
+            assert name.startswith("compiled") or r["peak_bytes"] > 0
+    assert dense["zoo bottleneck"]["bn_count_error"] == 0
+    assert dense["official"]["bn_count_error"] == dense["timm"]["bn_count_error"] == 1
+    assert dense["zoo bottleneck"]["peak_bytes"] < dense["timm"]["peak_bytes"]
+    bert = {r["variant"]: r for r in data["bert"]["rows"]}
+    assert bert["zoo block"]["activation_bytes"] < bert["plain"]["activation_bytes"]
+    assert {r["variant"] for r in data["resnet50"]["rows"]} >= {"plain", "official"}
+    biggest = data["max_batch"]["rows"]
+    assert [r["variant"] for r in biggest] == ["plain", "zoo bottleneck", "plain", "zoo block"]
+    assert all(r["largest_batch"] >= 1 and r["batch_ratio"] >= 1 for r in biggest)
+    runs = {(r["checkpoint"], r["run_as"]) for r in data["overhead"]["rows"]}
+    assert ("zoo.checkpoint", "compiled") in runs and ("none", "eager") in runs
+
+
+def test_bench_gpu_without_cuda_is_one_line() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the error is for machines without")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"),
+                           "--part", "bert"], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: --device cuda but torch sees no CUDA device")
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+def test_variant_failing_after_its_first_step_is_found_apart() -> None:
+    """A variant that breaks only later (as a compiled one can on recompiling) is found by
+    measuring each variant beside plain alone; the others keep their figures."""
+    torch.manual_seed(0)
+    model = zoo.create_model(MODEL)
+    calls = []
+
+    def second_call_breaks(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return model(x if len(calls) == 1 else x[:, :1])
+
+    variants = [build_variant(model, "plain"),
+                Variant("breaks later", model, False, "wrong input from its 2nd step on",
+                        forward=second_call_breaks),
+                build_variant(model, EFFICIENT)]
+    rows = measure_or_report(variants, model.example_input(2), repeats=2, warmup=0)
+    assert [r["status"] for r in rows] == ["ok", "failed", "ok"]
+    assert rows[1]["error"].startswith("RuntimeError: ") and "first_step_s" not in rows[1]
+    assert rows[2]["measured_apart"] and rows[2]["peak_bytes"] < rows[0]["peak_bytes"]
+    assert rows[0]["time_ratio"] == 1.0 and rows[2]["time_ratio"] > 0

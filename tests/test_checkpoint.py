@@ -1,14 +1,17 @@
 """zoo.checkpoint against the plain, uncheckpointed run: the checkpoint contract of DESIGN.md."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import zoo
 from zoo.checkpoint import split_segments
@@ -398,6 +401,22 @@ def test_input_changed_in_place_after_the_region_is_an_error():
         y.sum().backward()
 
 
+def test_nested_region_input_changed_in_place_is_an_error():
+    """The same for a region nested in another, whose input the outer region keeps: the outer
+    recompute replays the in-place change, and the inner recompute sees and refuses it."""
+    lin = nn.Linear(4, 4)
+
+    def outer(t):
+        h = t * 2
+        y = zoo.checkpoint(lambda u: lin(u).relu(), h)
+        h.mul_(3)
+        return y * h.sin()
+
+    out = zoo.checkpoint(outer, torch.randn(2, 4, requires_grad=True))
+    with pytest.raises(RuntimeError, match="modified in place"):
+        out.sum().backward()
+
+
 def test_region_that_saves_something_else_on_recompute_is_an_error():
     lin = nn.Linear(4, 4)
     calls = []
@@ -478,3 +497,126 @@ def test_cuda_batchnorm_and_autocast_match_plain():
             return zoo.checkpoint(ckpt, t)
 
     assert_same_training(plain, amp(plain), ckpt, amp_ckpt, x)
+
+
+# ---- torch's keywords and backward calls (the drop-in; more in test_checkpoint_torch_*.py) ------
+class Recomputed(TorchDispatchMode):
+    """Weak references to every tensor created under it (the recompute, via context_fn)."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self.refs.append(weakref.ref(out))
+        return out
+
+    def alive(self) -> int:
+        return sum(r() is not None for r in self.refs)
+
+
+def test_partial_backward_keeps_no_recomputed_tensor():
+    """autograd.grad of an intermediate recomputes the region; the recomputed tensors that call
+    did not use are freed when it ends (torch keeps them while the graph lives), and the next
+    backward call recomputes, with the plain gradient."""
+    calls, mode = [0], Recomputed()
+
+    def fn(x):
+        calls[0] += 1
+        y = x.sin().cos()
+        return y, y.sin().cos()
+
+    x = torch.randn(3, 3, requires_grad=True)
+    y, z = zoo.checkpoint(fn, x, context_fn=lambda: (contextlib.nullcontext(), mode))
+    grad_y, = torch.autograd.grad(z, y, torch.ones(3, 3))
+    assert calls[0] == 2 and mode.refs and mode.alive() == 0
+    grad_x, = torch.autograd.grad(y, x, grad_y)
+    assert calls[0] == 3 and mode.alive() == 0
+    x2 = x.detach().requires_grad_()
+    y2 = x2.sin().cos()
+    ref, = torch.autograd.grad(y2.sin().cos(), x2, torch.ones(3, 3))
+    torch.testing.assert_close(grad_x, ref)
+
+
+def test_context_fn_composes_with_batchnorm_guard_and_rng(images):
+    """A user's context_fn wraps forward and recompute while the zoo's BatchNorm guard and RNG
+    replay still apply: buffers and gradients as in the plain run."""
+    entered = []
+
+    @contextlib.contextmanager
+    def tag(name):
+        entered.append((name, zoo.is_recomputing()))
+        yield
+
+    plain, ckpt = conv_bn_net(), conv_bn_net()
+    assert_same_training(plain, plain, ckpt, lambda x: zoo.checkpoint(
+        ckpt, x, use_reentrant=False, context_fn=lambda: (tag("forward"), tag("recompute"))),
+        images, steps=2)
+    assert entered == [("forward", False), ("recompute", True)] * 2
+
+
+def test_torch_keywords_reach_every_segment_and_others_reach_fn():
+    """checkpoint_sequential passes torch's keywords to each segment; a keyword torch does not
+    have goes to fn as before."""
+    seen = []
+    blocks = [nn.Linear(4, 4) for _ in range(4)]
+    x = torch.randn(2, 4, requires_grad=True)
+    zoo.checkpoint_sequential(blocks, x, 2, context_fn=lambda: (
+        seen.append("segment") or contextlib.nullcontext(), contextlib.nullcontext()))
+    assert seen == ["segment"] * 2
+    out = zoo.checkpoint(lambda t, scale: t * scale, x, scale=3.0, use_reentrant=False)
+    torch.testing.assert_close(out, x * 3.0)
+
+
+def test_nested_regions_inputs_are_kept_by_the_outer_region():
+    """A region nested in another hands its inputs to the outer region (torch's nestable
+    checkpoint, rule 2): they are not held through the step, so the peak of a checkpointed stage
+    of checkpointed blocks followed by plain layers is torch's nested peak, byte for byte."""
+    torch.manual_seed(0)
+    chain = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(8)])
+    x = torch.randn(256, 128, requires_grad=True)
+
+    def step(wrap):
+        def run():
+            chain.zero_grad(set_to_none=True)
+            x.grad = None
+
+            def stage(t):
+                for block in chain[:4]:
+                    t = wrap(block, t)
+                return t
+            chain[4:](wrap(stage, x)).sum().backward()
+        return run
+
+    plain = step(lambda f, t: f(t))
+    plain()
+    ref = [p.grad.clone() for p in chain.parameters()]
+    zoo_step = step(zoo.checkpoint)
+    zoo_step()
+    for p, g in zip(chain.parameters(), ref):
+        torch.testing.assert_close(p.grad, g)
+    torch_step = step(lambda f, t: torch_checkpoint.checkpoint(f, t, use_reentrant=False))
+    zoo_peak = zoo.memory.cpu_peak_bytes(zoo_step, track=(chain,))
+    assert zoo_peak == zoo.memory.cpu_peak_bytes(torch_step, track=(chain,))
+    assert zoo_peak < zoo.memory.cpu_peak_bytes(plain, track=(chain,))
+
+
+def test_selective_recompute_takes_torch_keywords():
+    """save_ops regions run on torch's checkpoint: the keywords still reach it (the user's
+    contexts wrap forward and recompute) and gradients stay the plain ones."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    net(x).square().sum().backward()
+    ref = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    mode = Recomputed()
+    out = zoo.checkpoint(net, x, save_ops={torch.ops.aten.mm.default}, use_reentrant=False,
+                         context_fn=lambda: (contextlib.nullcontext(), mode),
+                         determinism_check="none", early_stop=False, preserve_rng_state=True)
+    out.square().sum().backward()
+    assert mode.refs  # the recompute ran under the user's context
+    for p, g in zip(net.parameters(), ref):
+        torch.testing.assert_close(p.grad, g)

@@ -76,3 +76,39 @@ def test_torchrun_two_gloo_processes_match_one_process(tmp_path):
     torch.manual_seed(init.seed)
     fresh = zoo.create_model("cifar_cnn", num_classes=10, **init.model_kwargs).state_dict()
     assert not torch.equal(fresh["out.weight"], single["model"]["out.weight"])
+
+
+def test_torchrun_sigterm_saves_mid_epoch_on_every_rank_and_resumes(tmp_path):
+    """ZOO_FAULT signals both ranks after step 2; they agree at step 10 (DDP_STOP_CHECK_EVERY),
+    save that step and exit 143; torchrun --resume ends bit for bit where an uninterrupted
+    torchrun run ends."""
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(RECIPE.replace("train_size: 32", "train_size: 192"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def torchrun(logs: str, *args: str, fault: str | None = None) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               "2", "--log_dir", str(tmp_path / logs), "--redirects", "3", str(ROOT / "train.py"),
+               "--device", "cpu", *args]
+        extra = {"ZOO_FAULT": fault} if fault else {}
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path,
+                              env={**env, **extra})
+
+    run = tmp_path / "ddp"
+    torchrun("logs1", "--config", str(recipe), "--out_dir", str(run), fault="step:2:SIGTERM")
+    err = {int(p.parent.name): p.read_text() for p in (tmp_path / "logs1").rglob("stderr.log")}
+    assert "stopped by SIGTERM in epoch 1 after step 10: saved" in err[0], err
+    ckpt = load_checkpoint(run)
+    assert ckpt["step"] == 10 and ckpt["position"]["batches_done"] == 10 and len(ckpt["rng"]) == 2
+    res = torchrun("logs2", "--resume", str(run))
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    straight = tmp_path / "straight"
+    res = torchrun("logs3", "--config", str(recipe), "--out_dir", str(straight))
+    assert res.returncode == 0, res.stderr[-3000:]
+    want, got = load_checkpoint(straight), load_checkpoint(run)
+    assert got["step"] == want["step"] == 12
+    for k in want["model"]:  # gloo's all_reduce is deterministic: bit for bit
+        assert torch.equal(got["model"][k], want["model"][k]), k
+    for a, b in zip(got["rng"], want["rng"]):
+        assert torch.equal(a["torch"], b["torch"])

@@ -80,3 +80,149 @@ def test_cp_batchnorm_rejects_bad_input_without_touching_state():
     with pytest.raises(ValueError, match="expected 4D input"):
         bn(torch.randn(2, 3))
     assert bn.num_batches_tracked.item() == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Every BatchNorm flavour (issue 12, item 1): timm's own set_grad_checkpointing, which recomputes
+# with torch's checkpoint, double counts each flavour until convert_batchnorm gives it its twin.
+# --------------------------------------------------------------------------------------------
+def _bn_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def _timm_pair(name: str, convert=None, **kwargs):
+    """(plain, checkpointed) timm models with equal weights; ``convert`` is applied to both."""
+    torch.manual_seed(0)
+    plain = timm.create_model(name, pretrained=False, num_classes=5, **kwargs)
+    if convert is not None:
+        plain = convert(plain)
+    ckpt = copy.deepcopy(plain)
+    ckpt.set_grad_checkpointing(True)
+    return plain, ckpt
+
+
+def _assert_double_counted(plain: nn.Module, ckpt: nn.Module, x: torch.Tensor) -> None:
+    """The unconverted model's statistics drift from the plain model's: the test can fail."""
+    ref, broken = copy.deepcopy(plain), copy.deepcopy(ckpt)
+    run_steps(ref, ref, x, steps=3)
+    run_steps(broken, broken, x, steps=3)
+    assert any(not torch.equal(a.num_batches_tracked, b.num_batches_tracked)
+               for a, b in zip(_bn_layers(ref), _bn_layers(broken))), \
+        "timm no longer double counts: this test cannot fail, update it"
+
+
+TIMM_FLAVOURS = [  # (model, BatchNorm class names it holds, image side)
+    ("resnet10t", {"BatchNorm2d"}, 32),
+    ("densenet121", {"BatchNormAct2d"}, 32),
+    ("efficientnet_b0", {"BatchNormAct2d"}, 32),
+    ("mobilenetv3_large_100", {"BatchNormAct2d"}, 32),
+    ("regnety_002", {"BatchNormAct2d"}, 32),
+    ("rexnet_100", {"BatchNorm2d", "BatchNormAct2d"}, 32),  # timm's CSPNets refuse checkpointing
+]
+
+
+@pytest.mark.parametrize("name,flavours,side", TIMM_FLAVOURS, ids=[f[0] for f in TIMM_FLAVOURS])
+def test_convert_batchnorm_every_timm_flavour_is_exact(name, flavours, side):
+    """After three steps under timm's set_grad_checkpointing(True), BN buffers equal plain's."""
+    plain, ckpt = _timm_pair(name)
+    assert {type(m).__name__ for m in _bn_layers(ckpt)} == flavours
+    x = torch.randn(2, 3, side, side)
+    _assert_double_counted(plain, ckpt, x)
+    params, keys = [id(p) for p in ckpt.parameters()], list(ckpt.state_dict())
+    zoo.nn.convert_batchnorm(ckpt)
+    assert {type(m).__name__ for m in _bn_layers(ckpt)} == {f"cp_{f}" for f in flavours}
+    assert [id(p) for p in ckpt.parameters()] == params and list(ckpt.state_dict()) == keys
+    assert_same_training(plain, plain, ckpt, ckpt, x, steps=3)
+
+
+def test_convert_batchnorm_timm_sync_and_split_batchnorm():
+    """timm's SyncBatchNormAct (momentum forward) and SplitBatchNorm2d (its own forward, so the
+    twin snapshots its buffers) in one model, single process."""
+    from timm.layers import convert_splitbn_model, convert_sync_batchnorm
+
+    def sync_then_split(model: nn.Module) -> nn.Module:
+        model = convert_sync_batchnorm(model)
+        block = model.layer1[0]  # inside a checkpointed stage
+        block.bn1 = convert_splitbn_model(nn.Sequential(block.bn1), num_splits=2)[0]
+        return model
+
+    plain, ckpt = _timm_pair("resnet10t", convert=sync_then_split)
+    x = torch.randn(4, 3, 64, 64)
+    names = {type(m).__name__ for m in _bn_layers(ckpt)}
+    assert names == {"SyncBatchNorm", "SplitBatchNorm2d", "BatchNorm2d"}, names
+    _assert_double_counted(plain, ckpt, x)
+    zoo.nn.convert_batchnorm(ckpt)
+    assert {type(m).__name__ for m in _bn_layers(ckpt)} == {
+        "cp_SyncBatchNorm", "cp_SplitBatchNorm2d", "cp_BatchNorm2d"}
+    assert_same_training(plain, plain, ckpt, ckpt, x, steps=3)
+
+
+def test_convert_batchnorm_timm_sync_batchnorm_act_keeps_act_and_drop():
+    from timm.layers import convert_sync_batchnorm
+
+    plain, ckpt = _timm_pair("efficientnet_b0", convert=convert_sync_batchnorm)
+    assert {type(m).__name__ for m in _bn_layers(ckpt)} == {"SyncBatchNormAct"}
+    acts = [(type(m.act), type(m.drop)) for m in _bn_layers(ckpt)]
+    zoo.nn.convert_batchnorm(ckpt)
+    assert {type(m).__name__ for m in _bn_layers(ckpt)} == {"cp_SyncBatchNormAct"}
+    assert [(type(m.act), type(m.drop)) for m in _bn_layers(ckpt)] == acts
+    assert_same_training(plain, plain, ckpt, ckpt, torch.randn(2, 3, 32, 32), steps=3)
+
+
+class HandWrittenBN(nn.BatchNorm1d):
+    """A user's BatchNorm that updates its statistics itself (not through ``momentum``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.running_mean.lerp_(x.mean(0), 0.5)
+                self.num_batches_tracked += 1
+            return (x - x.mean(0)) / (x.var(0, unbiased=False) + self.eps).sqrt()
+        return (x - self.running_mean) / (self.running_var + self.eps).sqrt()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_convert_batchnorm_any_subclass_under_torch_checkpoint(reentrant):
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(3, 4), HandWrittenBN(4), nn.Linear(4, 2))
+    ckpt = copy.deepcopy(plain)
+    x = torch.randn(6, 3, requires_grad=True)
+    forward = lambda t: torch_checkpoint.checkpoint(ckpt, t, use_reentrant=reentrant)  # noqa: E731
+    broken = copy.deepcopy(plain)
+    run_steps(broken, lambda t: torch_checkpoint.checkpoint(broken, t, use_reentrant=reentrant),
+              x, steps=1)
+    assert broken[1].num_batches_tracked.item() == 2  # without conversion: counted twice
+    zoo.nn.convert_batchnorm(ckpt)
+    assert type(ckpt[1]).__name__ == "cp_HandWrittenBN" and isinstance(ckpt[1], HandWrittenBN)
+    assert_same_training(plain, plain, ckpt, forward, x, steps=3)
+
+
+def test_convert_batchnorm_leaves_layers_without_statistics_alone():
+    from timm.layers import FrozenBatchNormAct2d
+
+    net = nn.Sequential(nn.BatchNorm2d(3, track_running_stats=False), FrozenBatchNormAct2d(3),
+                        nn.InstanceNorm2d(3), nn.BatchNorm2d(3))
+    kinds = [type(m) for m in net]
+    zoo.nn.convert_batchnorm(net)
+    assert [type(m) for m in net][:3] == kinds[:3]
+    assert type(net[3]) is zoo.cp_BatchNorm2d
+
+
+def test_converted_timm_model_pickles_deepcopies_and_restores():
+    """torch.save(model) of a converted model loads as converted; restore_batchnorm undoes it."""
+    import io
+
+    torch.manual_seed(0)
+    model = zoo.nn.convert_batchnorm(timm.create_model("efficientnet_b0", num_classes=3))
+    x = torch.randn(2, 3, 32, 32)
+    model.eval()
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    for other in (loaded, copy.deepcopy(model)):
+        assert [type(m) for m in other.modules()] == [type(m) for m in model.modules()]
+        torch.testing.assert_close(other(x), model(x))
+    out = model(x)
+    zoo.nn.restore_batchnorm(model)
+    assert {type(m).__name__ for m in _bn_layers(model)} == {"BatchNormAct2d"}
+    torch.testing.assert_close(model(x), out)

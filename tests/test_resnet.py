@@ -197,3 +197,32 @@ def test_bad_arguments_say_what_to_do():
     block = model.layer1[0]
     with pytest.raises(ValueError, match="unknown ResNet checkpoint mode"):
         block(torch.randn(1, 16, 4, 4, requires_grad=True), mode="whole")
+
+
+# -- the CIFAR nets' recommended mode (issue 11) ---------------------------------------------------
+def test_resnet110_efficient_keeps_at_most_half_the_plain_peak_for_fewer_flops_than_halves():
+    """``efficient=True`` (``tapered``) at batch 16: exact peak <= 0.5x the plain step's, and it
+    recomputes fewer FLOPs than ``halves`` (FlopCounterMode)."""
+    from zoo.bench.peers import step_cost
+
+    torch.manual_seed(0)
+    model = zoo.create_model("resnet110")
+    x = model.example_input(16)
+    plain = step_cost(model, x)
+    model.set_grad_checkpointing(True)
+    assert model.grad_checkpointing == "tapered"
+    tapered = step_cost(model, x)
+    model.set_grad_checkpointing("halves")
+    halves = step_cost(model, x)
+    assert tapered[0] <= 0.5 * plain[0], f"{tapered[0] / plain[0]:.3f}x the plain peak"
+    assert plain[1] < tapered[1] < halves[1]
+
+
+def test_tapered_reruns_stage_one_only():
+    """``tapered`` reruns the stem conv and stage 1's convolutions (whole blocks), none after."""
+    torch.manual_seed(0)
+    model = CifarResNet(depth=14, efficient="tapered")
+    runs = _conv_runs(model, model.example_input(2))
+    rerun = {name for name, count in runs.items() if count == 2}
+    assert rerun == {n for n in runs if n == "conv1" or n.startswith("layer1.")}
+    assert set(runs.values()) == {1, 2}

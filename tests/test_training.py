@@ -53,7 +53,8 @@ def test_run_directory_holds_config_metrics_and_checkpoints(tmp_path):
     summary = fit(cfg, log=quiet)
     run = tmp_path / "run"
     assert sorted(p.name for p in run.iterdir()) == ["best.pt", "config.yaml", "last.pt",
-                                                     "metrics.jsonl"]
+                                                     "metrics.jsonl", "prev.pt"]
+    assert load_checkpoint(run / "prev.pt")["epoch"] == 1  # the epoch before last.pt's
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2]
     for r in records:
@@ -75,7 +76,8 @@ def test_run_directory_holds_config_metrics_and_checkpoints(tmp_path):
     # The saved weights are a plain state_dict of the registry model.
     model = zoo.create_model("cifar_cnn", **ckpt["model_args"])
     model.load_state_dict(ckpt["model"])
-    with pytest.raises(ConfigError, match="already holds a run"):
+    assert [r["epoch"] for r in ckpt["history"]] == [1, 2]  # the metrics live in the checkpoint
+    with pytest.raises(ConfigError, match="already holds files"):
         fit(cfg, log=quiet)
 
 

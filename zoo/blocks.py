@@ -20,6 +20,7 @@ another block. ``modules`` overrides the rule with types, type names or dotted s
 """
 from __future__ import annotations
 
+import copyreg
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
@@ -128,15 +129,43 @@ def find_blocks(model: nn.Module, modules: Iterable[type | str] | type | str | N
 _CHECKPOINTED: dict[type, type] = {}
 
 
+def _frozen(value: Any) -> Any:
+    """A list or dict argument as a shallow copy: the caller may append to it after the call
+    (torchvision's ``_DenseBlock`` appends each layer's output to the list it passed), and the
+    recompute must see the arguments the forward saw."""
+    if isinstance(value, list):
+        return list(value)
+    if isinstance(value, dict):
+        return dict(value)
+    return value
+
+
+def _new_checkpointed(cls: type, *args: Any) -> Any:
+    """Unpickling a checkpointed module: built from its original class, which pickles by name."""
+    sub = _checkpointed_class(cls)
+    return sub.__new__(sub, *args)
+
+
 def _checkpointed_class(cls: type) -> type:
     if cls not in _CHECKPOINTED:
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             plain = super(sub, self).forward  # the original class's forward, bound
+            args = tuple(_frozen(a) for a in args)
+            kwargs = {k: _frozen(v) for k, v in kwargs.items()}
             return checkpoint(plain, *args, **self._zoo_checkpoint_options, **kwargs)
+
+        def __reduce_ex__(self: nn.Module, protocol: int) -> Any:  # noqa: N807
+            # torch.save(model): the subclass shares its original's name, so pickle it as the
+            # original class plus the swap
+            reduced = super(sub, self).__reduce_ex__(protocol)
+            if not isinstance(reduced, tuple) or reduced[0] is not copyreg.__newobj__:
+                return reduced
+            return (_new_checkpointed, (cls, *reduced[1][1:]), *reduced[2:])
 
         sub = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
                                           "_zoo_checkpointed_from": cls,
-                                          "__qualname__": cls.__qualname__})
+                                          "__qualname__": cls.__qualname__,
+                                          "__reduce_ex__": __reduce_ex__})
         _CHECKPOINTED[cls] = sub
     return _CHECKPOINTED[cls]
 

@@ -7,8 +7,11 @@ files as on the command line (nanoGPT's rule: configs are plain data, unknown ke
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,12 +19,17 @@ from typing import Any
 
 import yaml
 
-__all__ = ["ConfigError", "TrainConfig", "MODEL_ALIASES", "resolve_model_name", "load_yaml",
-           "merge", "config_keys", "to_yaml", "resolve_config"]
+__all__ = ["ConfigError", "TrainConfig", "MODEL_ALIASES", "SAFE_ON_RESUME", "resolve_model_name",
+           "load_yaml", "merge", "config_keys", "to_yaml", "resolve_config", "config_drift"]
 
 # Family aliases accepted by ``--model``: the family's flagship CIFAR model.
 MODEL_ALIASES = {"densenet": "densenet_bc_100", "resnet": "resnet110", "vit": "vit_cifar",
                  "cnn": "cifar_cnn"}
+# Keys a resumed run may change: they change where and how fast it runs, not what it computes
+# (efficient: checkpointing gives the same gradients; epochs: how far it goes).
+SAFE_ON_RESUME = ("epochs", "device", "workers", "efficient", "compile", "data_dir")
+# Keys that say where the run lives, not what it is: never compared.
+RUN_PLACE_KEYS = ("out_dir", "resume", "overwrite")
 
 
 class ConfigError(ValueError):
@@ -62,10 +70,11 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"                 # auto (cuda if available), cpu, cuda, cuda:1, ...
     amp: bool = False                    # autocast: bfloat16 (CPU, or GPUs with bf16), float16 + GradScaler
-    compile: bool = False                # torch.compile the model
+    compile: bool | str = False          # torch.compile: True (inductor) or a backend name
     data_parallel: bool = False          # nn.DataParallel over the visible GPUs
     out_dir: str | None = None           # run directory; None: runs/<model>-<dataset>-<time>
-    resume: str | None = None            # a run directory or its last.pt/best.pt: continue it
+    resume: str | None = None            # a run directory or its last.pt/prev.pt/best.pt: continue it
+    overwrite: bool = False              # a new run may replace the run files already in out_dir
 
     def validate(self) -> None:
         """Check values that have the right type but an impossible value."""
@@ -94,8 +103,7 @@ class TrainConfig:
             raise ConfigError(f"image_size must be at least 8 (or null for 32), got {self.image_size}")
         if self.workers is not None and self.workers < 0:
             raise ConfigError(f"workers must be >= 0, got {self.workers}")
-        if self.lr <= 0:
-            raise ConfigError(f"lr must be positive, got {self.lr}")
+        self._validate_numbers()
         if self.optimizer not in ("sgd", "adamw"):
             raise ConfigError(f"optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}")
         if self.schedule not in ("step", "cosine", "constant"):
@@ -106,8 +114,38 @@ class TrainConfig:
                               f"got {self.milestones}")
         if self.warmup_iters < 0:
             raise ConfigError(f"warmup_iters must be >= 0, got {self.warmup_iters}")
-        if not 0 <= self.label_smoothing < 1:
-            raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if isinstance(self.compile, str):
+            from torch._dynamo import list_backends
+            backends = list_backends(exclude_tags=())
+            if self.compile not in backends:
+                close = difflib.get_close_matches(self.compile, list_backends(), n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                raise ConfigError(f"compile must be True, False or a torch.compile backend name "
+                                  f"({', '.join(list_backends())}), got {self.compile!r}{hint}")
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
+            raise ConfigError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+
+    def _validate_numbers(self) -> None:
+        """Finite numbers in their ranges: ``--lr nan`` or ``--momentum 1.5`` never start a run."""
+        floats = {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay,
+                  "gamma": self.gamma, "label_smoothing": self.label_smoothing,
+                  "warmup_lr": self.warmup_lr, **{f"milestones[{i}]": m
+                                                  for i, m in enumerate(self.milestones)}}
+        for key, value in floats.items():
+            if value is not None and not math.isfinite(value):
+                raise ConfigError(f"{key} must be a finite number, got {value}")
+        ranges = [("lr", self.lr, 0, None, "> 0"), ("momentum", self.momentum, 0, 1, "in [0, 1)"),
+                  ("weight_decay", self.weight_decay, 0, None, ">= 0"),
+                  ("gamma", self.gamma, 0, None, "> 0"),
+                  ("label_smoothing", self.label_smoothing, 0, 1, "in [0, 1)"),
+                  ("seed", self.seed, 0, 2**32, "in [0, 2**32)")]
+        for key, value, low, high, text in ranges:
+            strict_low = key in ("lr", "gamma")
+            if (value <= low if strict_low else value < low) or (high is not None and value >= high):
+                raise ConfigError(f"{key} must be {text}, got {value}")
+        if self.warmup_lr is not None and self.warmup_lr <= 0:
+            raise ConfigError(f"warmup_lr must be > 0 (or null: linear warm-up), "
+                              f"got {self.warmup_lr}")
 
 
 def config_keys() -> list[str]:
@@ -160,6 +198,9 @@ def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if from_cli and isinstance(value, str):  # Fire leaves "nan", "inf" as strings
+            with contextlib.suppress(ValueError):
+                return float(value)
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -181,8 +222,9 @@ def merge(base: TrainConfig, overrides: dict[str, Any], source: str,
             raise ConfigError(f"unknown key {raw_key!r} in {source}{hint}; valid keys: "
                               f"{', '.join(config_keys())}")
         values[key] = _coerce(key, value, hints[key], from_cli)
-    if isinstance(values["efficient"], str) and values["efficient"].lower() in ("true", "false"):
-        values["efficient"] = values["efficient"].lower() == "true"
+    for key in ("efficient", "compile"):  # True/False however they were spelled
+        if isinstance(values[key], str) and values[key].lower() in ("true", "false"):
+            values[key] = values[key].lower() == "true"
     cfg = TrainConfig(**values)
     cfg.model = resolve_model_name(cfg.model)
     return cfg
@@ -192,14 +234,21 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     """A recipe file as a dict; a missing, unreadable or non-mapping file is a ConfigError."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror or e}; "
                           f"the recipes are in configs/ (e.g. configs/densenet_bc_100.yaml)") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {e.start}: "
+                          f"{e.reason}); save it as UTF-8 YAML") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}: {what}; "
+                          f"fix the file (keys and values, one 'key: value' a line)") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -224,6 +273,7 @@ def resolve_config(flags: dict[str, Any], recipes_dir: str | Path | None = None,
     config_path = flags.pop("config", None)
     cfg, sources = TrainConfig(), ["defaults"]
     if saved is not None:
+        saved = {k: v for k, v in saved.items() if k not in RUN_PLACE_KEYS}
         cfg = merge(cfg, saved, "the resumed run's config")
         sources.append("the resumed run's config")
     elif config_path is None and recipes_dir is not None:
@@ -239,3 +289,13 @@ def resolve_config(flags: dict[str, Any], recipes_dir: str | Path | None = None,
         sources.append("command line")
     cfg.validate()
     return cfg, sources
+
+
+def config_drift(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """{key: (saved value, new value)} for every key, other than :data:`SAFE_ON_RESUME` and where
+    the run lives, on which a resumed run's ``cfg`` differs from the ``saved`` config."""
+    kept = {k: v for k, v in saved.items() if k not in RUN_PLACE_KEYS}
+    old = dataclasses.asdict(merge(TrainConfig(), kept, "the resumed run's config"))
+    new = dataclasses.asdict(cfg)
+    return {k: (old[k], new[k]) for k in old
+            if k not in SAFE_ON_RESUME + RUN_PLACE_KEYS and old[k] != new[k]}

@@ -13,9 +13,13 @@ BatchNorm (one in-place kernel per layer and recompute; see docs/BENCHMARKS.md).
 
 The idea and the name come from the multi-GPU checkpoint of seed 003 (``cp_BatchNorm2d``); the
 state_dict is exactly ``nn.BatchNorm2d``'s, so checkpoints load either way.
+
+:func:`convert_batchnorm` gives every BatchNorm flavour in a model such a twin, timm's
+``BatchNormAct2d`` and any other ``_BatchNorm`` subclass included (:func:`recompute_safe_class`).
 """
 from __future__ import annotations
 
+import copyreg
 from typing import Any
 
 import torch
@@ -24,15 +28,19 @@ from torch import nn
 from .checkpoint import is_recomputing, state_bookkeeping
 
 __all__ = ["cp_BatchNorm1d", "cp_BatchNorm2d", "cp_BatchNorm3d", "cp_SyncBatchNorm",
-           "convert_batchnorm", "in_recompute"]
+           "convert_batchnorm", "restore_batchnorm", "recompute_safe_class", "in_recompute"]
 
 
 def in_recompute() -> bool:
     """True while a checkpointed region is being recomputed, by the zoo's checkpoint or torch's.
 
     A train-mode forward that runs inside an autograd backward pass is a recompute: that is where
-    ``torch.utils.checkpoint`` (reentrant and not) replays the region.
+    ``torch.utils.checkpoint`` (reentrant and not) replays the region. While ``torch.compile``
+    traces, it is False and reads no autograd state (which would break the graph): the compiled
+    forward applies the statistics update once, and AOTAutograd's recompute never replays it.
     """
+    if torch.compiler.is_compiling():
+        return False
     return is_recomputing() or torch._C._current_graph_task_id() != -1
 
 
@@ -78,24 +86,123 @@ class cp_SyncBatchNorm(_RecomputeSafeNorm, nn.SyncBatchNorm):
     """Drop-in ``nn.SyncBatchNorm`` whose statistics update once per step under any checkpoint."""
 
 
-_SWAPS: dict[type, type] = {
+class _SnapshotNorm:
+    """Mixin for ``_BatchNorm`` subclasses whose forward updates the statistics its own way.
+
+    Such a forward may not take its update factor from ``momentum`` (timm's ``SplitBatchNorm2d``,
+    a user's BatchNorm with a hand-written update), so the momentum-0 trick cannot be trusted:
+    during a recompute the layer's own buffers are copied before its forward and written back
+    after, which leaves them exactly as the first forward did whatever the forward does.
+    """
+
+    recompute_safe = True  # tells zoo.checkpoint's guard that this layer needs no snapshot
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not (self.training and in_recompute()):
+            return super().forward(*args, **kwargs)
+        with torch.no_grad(), state_bookkeeping():
+            saved = [b.clone() for b in self.buffers(recurse=False)]
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            with torch.no_grad(), state_bookkeeping():
+                for live, old in zip(self.buffers(recurse=False), saved):
+                    live.copy_(old)
+
+
+# Forwards that take the running-statistics update factor from ``momentum`` and count
+# ``num_batches_tracked`` once per call, so that the momentum-0 trick is exact for them. timm's are
+# named rather than imported: importing zoo must not import timm.
+_MOMENTUM_FORWARDS = {
+    "torch.nn.modules.batchnorm._BatchNorm.forward",
+    "torch.nn.modules.batchnorm.SyncBatchNorm.forward",
+    "timm.layers.norm_act.BatchNormAct2d.forward",
+    "timm.layers.norm_act.SyncBatchNormAct.forward",
+}
+_TWINS: dict[type, type] = {
     nn.BatchNorm1d: cp_BatchNorm1d,
     nn.BatchNorm2d: cp_BatchNorm2d,
     nn.BatchNorm3d: cp_BatchNorm3d,
     nn.SyncBatchNorm: cp_SyncBatchNorm,
 }
+_ORIGINALS: dict[type, type] = {twin: cls for cls, twin in _TWINS.items()}
+
+
+def _new_twin(cls: type, *args: Any) -> Any:
+    """Unpickling a generated twin: build it from its original class, which pickles by name."""
+    twin = recompute_safe_class(cls)
+    return twin.__new__(twin, *args)
+
+
+def _reduce_twin(self: nn.Module, protocol: int) -> Any:
+    """Pickle (``torch.save(model)``) a generated twin as its original class plus the swap."""
+    reduced = super(type(self), self).__reduce_ex__(protocol)
+    if not isinstance(reduced, tuple) or reduced[0] is not copyreg.__newobj__:
+        return reduced
+    return (_new_twin, (_ORIGINALS[type(self)], *reduced[1][1:]), *reduced[2:])
+
+
+def _forward_name(cls: type) -> str:
+    forward = cls.forward
+    return f"{forward.__module__}.{forward.__qualname__}"
+
+
+def recompute_safe_class(cls: type) -> type | None:
+    """The recompute-safe twin of BatchNorm class ``cls``, or None if ``cls`` is none.
+
+    torch's four classes map to the ``cp_`` layers above; any other ``_BatchNorm`` subclass gets a
+    subclass made once and cached, named ``cp_<name>``: with the momentum-0 trick when its forward
+    is known to take the update factor from ``momentum`` (timm's ``BatchNormAct2d`` and
+    ``SyncBatchNormAct``, subclasses that keep torch's forward), with a buffer snapshot otherwise.
+    The twin adds no parameter or buffer, so the state_dict is the original's.
+    """
+    if cls in _TWINS or cls in _ORIGINALS:
+        return _TWINS.get(cls, cls)
+    if not issubclass(cls, nn.modules.batchnorm._BatchNorm) or \
+            getattr(cls, "recompute_safe", False):
+        return None
+    mixin = _RecomputeSafeNorm if _forward_name(cls) in _MOMENTUM_FORWARDS else _SnapshotNorm
+    twin = type(f"cp_{cls.__name__}", (mixin, cls), {
+        "__module__": __name__, "__qualname__": f"cp_{cls.__qualname__}",
+        "__doc__": f"``{cls.__qualname__}`` whose statistics update once per step under any "
+                   "checkpoint (made by zoo.nn.convert_batchnorm).",
+        "__reduce_ex__": _reduce_twin})
+    _TWINS[cls], _ORIGINALS[twin] = twin, cls
+    return twin
+
+
+def _tracks_statistics(module: nn.Module) -> bool:
+    """Whether a train-mode forward of this BatchNorm can update running statistics at all."""
+    return bool(module.track_running_stats) and module.running_mean is not None
 
 
 def convert_batchnorm(module: nn.Module) -> nn.Module:
-    """Turn every ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` in ``module`` into its ``cp_`` twin.
+    """Make every BatchNorm in ``module`` update its running statistics once per step under any
+    checkpoint, by giving it its recompute-safe twin class (:func:`recompute_safe_class`).
 
-    The swap is in place and changes only the class: parameters, buffers, hooks and object identity
-    are kept, so an optimizer built before the call still holds the right tensors and the
-    state_dict is unchanged. Subclasses of BatchNorm other than these four are left alone (their
-    forward may differ). Returns ``module`` (converted itself if it is a BatchNorm).
+    Every flavour is converted, keeping its behaviour: ``nn.BatchNorm1d/2d/3d`` and
+    ``nn.SyncBatchNorm`` become ``cp_BatchNorm*``/``cp_SyncBatchNorm``; timm's ``BatchNormAct2d``
+    and ``SyncBatchNormAct`` keep their activation, drop and forward (their twin subclasses them);
+    any other ``_BatchNorm`` subclass gets a twin too. Layers that never update running statistics
+    (``track_running_stats=False``, no running buffers, frozen BatchNorms that are not
+    ``_BatchNorm``) are left alone. The swap is in place and changes only the class: parameters,
+    buffers, hooks and object identity are kept, so an optimizer built before the call still
+    holds the right tensors and the state_dict is unchanged. Returns ``module`` (converted itself
+    if it is a BatchNorm).
     """
     for m in module.modules():
-        swap: Any = _SWAPS.get(type(m))
-        if swap is not None:
-            m.__class__ = swap
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and _tracks_statistics(m):
+            twin = recompute_safe_class(type(m))
+            if twin is not None:
+                m.__class__ = twin
+    return module
+
+
+def restore_batchnorm(module: nn.Module, recurse: bool = True) -> nn.Module:
+    """Undo :func:`convert_batchnorm`: every twin gets its original class back (``module``
+    alone with ``recurse=False``); returns ``module``."""
+    for m in (module.modules() if recurse else [module]):
+        original = _ORIGINALS.get(type(m))
+        if original is not None:
+            m.__class__ = original
     return module

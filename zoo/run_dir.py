@@ -1,18 +1,34 @@
-"""A training run on disk: config.yaml, metrics.jsonl, last.pt and best.pt, every write atomic.
+"""A training run on disk: config.yaml, metrics.jsonl, last.pt, prev.pt and best.pt.
 
-Each file is written to a temporary file in the same folder and moved over the old one with
-``os.replace`` (atomic on POSIX and Windows), so a crash leaves either the old file or the new one,
-never half of one: a run killed mid-epoch loses at most that epoch. The checkpoint holds what
-``--resume`` needs to continue bitwise: model name and constructor arguments, weights, optimizer,
-scheduler and grad-scaler states, the epoch, every rank's RNG states and the resolved config.
+The contract (DESIGN.md, *Run directories*):
+
+- One run per directory: a lock (:mod:`zoo.run_lock`) for the run's life; a new run refuses a
+  directory that holds files unless told ``overwrite``.
+- Every file is written to a temporary file in the same folder, fsynced, and moved over the old
+  one with ``os.replace`` (atomic on POSIX and Windows): a crash leaves the old file or the new one.
+  Files get the mode the umask allows, as ``open()`` would; stale temporary files of a dead run
+  are removed when the next run takes the lock.
+- A checkpoint carries a SHA-256 of its contents (tensors' bytes, numbers, strings), verified on
+  load, so flipped bytes are refused by name instead of resumed. Before ``last.pt`` is replaced,
+  the one it replaces becomes ``prev.pt``: a corrupt ``last.pt`` costs one epoch, not the run.
+- The checkpoint holds the metrics of every epoch so far; resuming rewrites ``metrics.jsonl`` from
+  them, so no crash point loses or duplicates a line.
+
+``ZOO_FAULT=<point>:<epoch>`` SIGKILLs the process at a named point of the save path (points in
+:data:`FAULT_POINTS`), ``ZOO_FAULT=step:<n>:SIGTERM`` signals it after optimizer step n: the
+fault-injection tests kill or stop the real training process there.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import random
 import shutil
+import signal
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,23 +36,53 @@ import numpy as np
 import torch
 
 from .config import ConfigError
+from .run_lock import LOCK_NAME, RunLock
 
-__all__ = ["CHECKPOINT_FORMAT", "atomic_write", "atomic_save", "RunDir", "find_checkpoint",
-           "load_checkpoint", "rng_state", "set_rng_state"]
+__all__ = ["CHECKPOINT_FORMAT", "RUN_FILES", "FAULT_POINTS", "CorruptCheckpointError",
+           "atomic_write", "atomic_save", "state_digest", "RunDir", "find_checkpoint",
+           "load_checkpoint", "check_run_dir", "rng_state", "set_rng_state"]
 
-CHECKPOINT_FORMAT = "zoo-train-1"
+CHECKPOINT_FORMAT = "zoo-train-2"
 CHECKPOINT_KEYS = ("format", "model_name", "model_args", "model", "optimizer", "scheduler",
-                   "scaler", "epoch", "step", "best_acc", "rng", "config")
+                   "scaler", "epoch", "step", "best_acc", "rng", "config", "history", "position")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "last.pt", "prev.pt", "best.pt")
+FAULT_POINTS = ("tmp_written", "renamed", "metrics_appended", "step")
 
 
-def _atomic(path: Path, write: Any) -> None:
+class CorruptCheckpointError(ConfigError):
+    """A checkpoint whose contents do not match the checksum saved with it."""
+
+
+def fault_point(point: str, at: int) -> None:
+    """Signal this process when ``ZOO_FAULT`` is ``<point>:<at>[:<SIGNAL>]`` (default SIGKILL):
+    the fault-injection tests' way to die, or be asked to stop, at one named point of a run."""
+    spec = os.environ.get("ZOO_FAULT")
+    if not spec:
+        return
+    name, number, sig = (spec.split(":") + ["", ""])[:3]
+    if name == point and (not number or int(number) == at):
+        os.kill(os.getpid(), getattr(signal, sig or "SIGKILL", signal.SIGTERM))
+
+
+def _file_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _atomic(path: Path, write: Callable[[Any], None],
+            before_replace: Callable[[], None] | None = None) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, _file_mode())  # mkstemp makes 0600; honour the umask like open() does
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -50,9 +96,46 @@ def atomic_write(path: str | Path, data: bytes | str) -> None:
     _atomic(Path(path), lambda f: f.write(payload))
 
 
+def _torch_save(obj: Any, f: Any) -> None:
+    """``torch.save`` through memory, so that a failed write (disk full) raises the OSError
+    itself, not the RuntimeError torch's zip writer makes of it."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    f.write(buffer.getbuffer())
+
+
 def atomic_save(obj: Any, path: str | Path) -> None:
     """``torch.save(obj, path)``, atomically."""
-    _atomic(Path(path), lambda f: torch.save(obj, f))
+    _atomic(Path(path), lambda f: _torch_save(obj, f))
+
+
+def _feed(h: Any, obj: Any) -> None:
+    """Hash ``obj`` canonically: type tags, lengths, sorted dict keys, tensors by dtype, shape and
+    raw bytes, scalars by ``repr`` (exact for floats)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(obj, dict):
+        h.update(f"D{len(obj)}".encode())
+        for key in sorted(obj, key=repr):
+            _feed(h, key)
+            _feed(h, obj[key])
+    elif isinstance(obj, (list, tuple)):
+        h.update(f"{type(obj).__name__[0]}{len(obj)}".encode())
+        for item in obj:
+            _feed(h, item)
+    elif obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        h.update(f"{type(obj).__name__}:{obj!r};".encode())
+    else:
+        raise TypeError(f"cannot checksum a {type(obj).__name__} in a checkpoint")
+
+
+def state_digest(state: dict[str, Any]) -> str:
+    """SHA-256 of a checkpoint's contents, ``sha256`` key excluded."""
+    h = hashlib.sha256()
+    _feed(h, {k: v for k, v in state.items() if k != "sha256"})
+    return h.hexdigest()
 
 
 def rng_state() -> dict[str, Any]:
@@ -88,36 +171,109 @@ def find_checkpoint(path: str | Path) -> Path:
     return path
 
 
+def _go_back_hint(path: Path) -> str:
+    prev = path.parent / "prev.pt"
+    if path.name == "last.pt" and prev.is_file():
+        return f"; go back one epoch with --resume {prev}"
+    return "; resume from another checkpoint of the run (prev.pt, best.pt) or start a new run"
+
+
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """A training checkpoint written by :class:`RunDir`, checked to be one; ConfigError if not."""
+    """A checkpoint written by :class:`RunDir`, its checksum verified; a ConfigError if not."""
     path = find_checkpoint(path)
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # not a torch file, truncated, foreign pickle
-        raise ConfigError(f"{str(path)!r} is not a readable training checkpoint ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); pass a run directory or the "
-                          f"last.pt/best.pt that train.py wrote") from e
+    except Exception as e:  # not a torch file, truncated, foreign pickle, flipped zip bytes
+        reason = str(e).splitlines()[0] if str(e) else ""
+        raise CorruptCheckpointError(
+            f"{str(path)!r} is not a readable training checkpoint ({type(e).__name__}: "
+            f"{reason[:160]}){_go_back_hint(path)}") from e
+    if isinstance(ckpt, dict) and ckpt.get("format") == "zoo-train-1":
+        raise ConfigError(f"{str(path)!r} was written by an older train.py (format zoo-train-1: "
+                          f"no checksum, no metrics): it cannot be resumed, but its weights load "
+                          f"with model.load_state_dict(torch.load(path)['model'])")
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"{str(path)!r} is not a train.py run checkpoint (no "
                           f"format={CHECKPOINT_FORMAT!r}); a bare state_dict can be loaded with "
                           f"model.load_state_dict, not resumed")
     missing = [k for k in CHECKPOINT_KEYS if k not in ckpt]
     if missing:
-        raise ConfigError(f"checkpoint {str(path)!r} lacks {', '.join(missing)}; it cannot be resumed")
+        raise ConfigError(f"checkpoint {str(path)!r} lacks {', '.join(missing)}; it cannot be "
+                          f"resumed")
+    try:
+        same = ckpt.get("sha256") == state_digest(ckpt)
+    except TypeError:
+        same = False
+    if not same:
+        raise CorruptCheckpointError(f"{str(path)!r} is corrupt: its contents do not match the "
+                                     f"SHA-256 saved with it{_go_back_hint(path)}")
     return ckpt
 
 
+def check_run_dir(path: str | Path, resuming_here: bool, overwrite: bool) -> None:
+    """Refuse, without changing anything, a run directory this run may not write into: a path
+    that is a file, or (for a new run) a directory holding files, unless ``overwrite``."""
+    path = Path(path)
+    for part in (path, *path.parents):
+        if part.exists() and not part.is_dir():
+            raise ConfigError(f"out_dir {str(path)!r} cannot be a run directory: {str(part)!r} is "
+                              f"a file; choose another --out_dir")
+        if part.exists():
+            break
+    if resuming_here or overwrite or not path.is_dir():
+        return
+    held = sorted(p.name for p in path.iterdir() if p.name != LOCK_NAME
+                  and not (p.name.startswith(".") and p.name.endswith(".tmp")))
+    if held:
+        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise ConfigError(f"{str(path)!r} already holds files ({shown}) and a new run never "
+                          f"writes into another run's: continue it with --resume {path}, choose "
+                          f"another --out_dir, or pass --overwrite True to replace it")
+
+
 class RunDir:
-    """The run's folder. Only rank 0 writes (``enabled=False`` elsewhere makes every method a no-op)."""
+    """The run's folder, locked while open. Only rank 0 writes (``enabled=False`` elsewhere makes
+    every method a no-op). Use as a context manager: ``open`` on entry, ``close`` on exit."""
 
     def __init__(self, path: str | Path, enabled: bool = True) -> None:
         self.path, self.enabled = Path(path), enabled
-        if enabled:
-            self.path.mkdir(parents=True, exist_ok=True)
+        self.lock = RunLock(self.path)
 
     @property
     def metrics_path(self) -> Path:
         return self.path / "metrics.jsonl"
+
+    def open(self, resuming_here: bool, overwrite: bool) -> None:
+        """Create and lock the folder, check that this run may write into it, clear what a dead
+        run left (temporary files) and, with ``overwrite``, the previous run's files."""
+        if not self.enabled:
+            return
+        check_run_dir(self.path, resuming_here, overwrite)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self.lock.acquire()
+        except OSError as e:  # permissions, a read-only file system, a path too long, ...
+            raise ConfigError(f"cannot write into run directory {str(self.path)!r} "
+                              f"({e.strerror or e}); choose a writable --out_dir") from None
+        try:
+            check_run_dir(self.path, resuming_here, overwrite)  # again, now that we hold the lock
+            for p in self.path.glob(".*.tmp"):
+                p.unlink()
+            if overwrite and not resuming_here:
+                for name in RUN_FILES:
+                    (self.path / name).unlink(missing_ok=True)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def close(self) -> None:
+        self.lock.release()
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def write_config(self, text: str) -> None:
         if self.enabled:
@@ -128,26 +284,41 @@ class RunDir:
             return []
         return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line]
 
-    def keep_metrics_until(self, epoch: int) -> None:
-        """Drop metric lines after ``epoch`` (epochs a crash lost after logging, before saving)."""
-        if self.enabled and self.metrics_path.exists():
-            kept = [r for r in self.read_metrics() if r.get("epoch", 0) <= epoch]
-            atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
-
-    def log_metrics(self, record: dict[str, Any]) -> None:
-        """Add one epoch's record (the file is rewritten whole, atomically: it is small)."""
+    def write_metrics(self, history: list[dict[str, Any]]) -> None:
+        """metrics.jsonl := one line per record of ``history`` (resume: the checkpoint's)."""
         if self.enabled:
-            lines = self.metrics_path.read_text() if self.metrics_path.exists() else ""
-            atomic_write(self.metrics_path, lines + json.dumps(record) + "\n")
+            atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in history))
 
-    def save_checkpoint(self, state: dict[str, Any], is_best: bool) -> None:
-        """last.pt, and best.pt as its copy when ``is_best``."""
+    def save_epoch(self, state: dict[str, Any], is_best: bool, record: dict[str, Any] | None,
+                   history: list[dict[str, Any]]) -> None:
+        """Save ``state`` as last.pt (the old last.pt becomes prev.pt), copy it to best.pt when
+        ``is_best``, then write metrics.jsonl with ``record`` last (None: a mid-epoch save)."""
         if not self.enabled:
             return
+        epoch = state["epoch"]
         state = {"format": CHECKPOINT_FORMAT, **state}
-        atomic_save(state, self.path / "last.pt")
+        state["sha256"] = state_digest(state)
+        last = self.path / "last.pt"
+
+        def keep_previous() -> None:
+            fault_point("tmp_written", epoch)
+            if last.exists():
+                _atomic(self.path / "prev.pt", lambda f: _copy_into(last, f))
+
+        _atomic(last, lambda f: _torch_save(state, f), keep_previous)
+        fault_point("renamed", epoch)
         if is_best:
-            def copy(f: Any) -> None:
-                with open(self.path / "last.pt", "rb") as src:
-                    shutil.copyfileobj(src, f)
-            _atomic(self.path / "best.pt", copy)
+            self.copy_to_best(last)
+        if record is not None:
+            self.write_metrics(history)
+            fault_point("metrics_appended", epoch)
+
+    def copy_to_best(self, checkpoint: Path) -> None:
+        """best.pt := a copy of ``checkpoint`` (atomically)."""
+        if self.enabled:
+            _atomic(self.path / "best.pt", lambda f: _copy_into(checkpoint, f))
+
+
+def _copy_into(src: Path, f: Any) -> None:
+    with open(src, "rb") as s:
+        shutil.copyfileobj(s, f)

@@ -27,11 +27,10 @@ from typing import Any
 
 import torch
 
-import zoo
 from zoo.memory import cpu_peak_bytes
 
 from .measure import training_step
-from .variants import build_variant
+from .variants import build_variant, create
 
 __all__ = ["CUDA_BLOCK", "cuda_allocator_rounding", "PeakPredictor", "cuda_peak",
            "largest_batch"]
@@ -63,14 +62,15 @@ class PeakPredictor:
     computed under ``FakeTensorMode`` (nothing is allocated; results are cached).
 
     Args:
-        model_name: a name from ``zoo.list_models()``.
+        model_name: a name from ``zoo.list_models()`` (or a model constructor).
         size: image side or sequence length (the model's ``example_input`` default if None).
         allocator: ``"cuda"`` rounds allocations to 512-byte blocks (predicts
             ``torch.cuda.max_memory_allocated``); ``"cpu"`` gives MemTracker's CPU bytes.
-        model_kwargs: passed to ``zoo.create_model``.
+        model_kwargs: passed to ``zoo.create_model`` (or to the constructor).
     """
 
-    def __init__(self, model_name: str, size: int | None = None, allocator: str = "cuda",
+    def __init__(self, model_name: str | Callable[..., Any], size: int | None = None,
+                 allocator: str = "cuda",
                  **model_kwargs: Any) -> None:
         if allocator not in ("cuda", "cpu"):
             raise ValueError(f"allocator must be 'cuda' (512-byte blocks) or 'cpu', "
@@ -87,7 +87,7 @@ class PeakPredictor:
         if name not in self._variants:
             with self._mode:
                 torch.manual_seed(0)
-                model = zoo.create_model(self.model_name, **self.model_kwargs)
+                model = create(self.model_name, **self.model_kwargs)
                 self._variants[name] = build_variant(model, name, reuse=True)
         return self._variants[name]
 
@@ -109,8 +109,7 @@ class PeakPredictor:
         """The zoo model's example input, for variants whose model is not a zoo model."""
         if "input_model" not in self._variants:
             with self._mode:
-                self._variants["input_model"] = zoo.create_model(self.model_name,
-                                                                 **self.model_kwargs)
+                self._variants["input_model"] = create(self.model_name, **self.model_kwargs)
         return self._variants["input_model"].example_input(int(batch_size), self.size)
 
 

@@ -31,7 +31,7 @@ from zoo.memory import count_flops, cpu_peak_bytes, cuda_peak_bytes
 from .variants import PLAIN, Variant
 
 __all__ = ["training_step", "measure_memory", "measure_flops", "measure_times",
-           "measure_exactness", "measure_variants"]
+           "measure_exactness", "measure_variants", "first_steps", "measure_or_report"]
 
 _STATS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -39,12 +39,13 @@ _STATS = ("running_mean", "running_var", "num_batches_tracked")
 def training_step(variant: Variant, x: torch.Tensor) -> Callable[[], None]:
     """One training step of ``variant`` on ``x`` (gradients reset to None first)."""
     model = variant.model
+    forward = model if variant.forward is None else variant.forward
 
     def step() -> None:
         variant.prepare()
         model.train()
         model.zero_grad(set_to_none=True)
-        model(x).float().square().mean().backward()
+        forward(x).float().square().mean().backward()
 
     return step
 
@@ -60,6 +61,8 @@ def measure_memory(variant: Variant, x: torch.Tensor, others: Sequence[nn.Module
     """Peak bytes of one step. On CUDA the ``others`` models are moved to the CPU meanwhile, so
     the peak holds only this variant's model, as it would in a run of its own."""
     step = training_step(variant, x)
+    if x.device.type != "cuda" and variant.forward is not None:
+        return {"peak_bytes": None}  # MemTracker's dispatch mode keeps torch.compile out
     if x.device.type != "cuda":
         peak = cpu_peak_bytes(step, track=(variant.model, x))
         variant.model.zero_grad(set_to_none=True)
@@ -160,7 +163,8 @@ def measure_variants(variants: Sequence[Variant], x: torch.Tensor, repeats: int 
             row.update(errors[row["variant"]])
     for row, v in zip(rows, variants):
         row.update(measure_memory(v, x, models))
-        row["flops"] = measure_flops(v, x)
+        # a compiled step runs outside FlopCounterMode's view (and would recompile under it)
+        row["flops"] = measure_flops(v, x) if v.forward is None else None
     if timed:
         times = measure_times(variants, x, repeats, warmup, seed)
         for row in rows:
@@ -170,8 +174,10 @@ def measure_variants(variants: Sequence[Variant], x: torch.Tensor, repeats: int 
             row["images_per_s"] = row["batch_size"] / row["median_s"]
     base = rows[0]
     for row in rows:
-        row["peak_ratio"] = row["peak_bytes"] / base["peak_bytes"]
-        row["flops_ratio"] = row["flops"] / base["flops"] if base["flops"] else None
+        row["peak_ratio"] = (None if row["peak_bytes"] is None
+                             else row["peak_bytes"] / base["peak_bytes"])
+        row["flops_ratio"] = (row["flops"] / base["flops"] if base["flops"]
+                              and row["flops"] is not None else None)
         row["recompute_overhead"] = row["flops_ratio"] - 1 if row["flops_ratio"] else None
         if timed:
             row["time_ratio"] = row["median_s"] / base["median_s"]
@@ -179,3 +185,76 @@ def measure_variants(variants: Sequence[Variant], x: torch.Tensor, repeats: int 
             quartiles = statistics.quantiles(ts, n=4)[::2] if len(ts) > 1 else [ts[0], ts[0]]
             row["time_iqr_ratio"] = [q / base["median_s"] for q in quartiles]
     return rows
+
+
+def first_steps(variants: Sequence[Variant], x: torch.Tensor) -> dict[str, dict[str, Any]]:
+    """One step of each variant from its current state (put back afterwards): the seconds it
+    took (a compiled variant compiles in it) or, where it raised, the error as one line.
+
+    Returns ``{name: {"first_step_s": float} or {"error": str}}``.
+    """
+    from .overhead import one_line
+
+    out: dict[str, dict[str, Any]] = {}
+    for v in variants:
+        state = _state(v.model)
+        cuda = x.device.type == "cuda"
+        start = time.perf_counter()
+        try:
+            training_step(v, x)()
+            if cuda:
+                torch.cuda.synchronize(x.device)
+            out[v.name] = {"first_step_s": time.perf_counter() - start}
+        except Exception as e:  # noqa: BLE001 - reported as the variant's result, not raised
+            out[v.name] = {"error": one_line(e)}
+            if cuda:
+                torch.cuda.empty_cache()
+        v.model.zero_grad(set_to_none=True)
+        v.model.load_state_dict(state)
+    return out
+
+
+def measure_or_report(variants: Sequence[Variant], x: torch.Tensor, repeats: int = 5,
+                      warmup: int = 1, seed: int = 0) -> list[dict[str, Any]]:
+    """:func:`measure_variants` on the variants whose first step works; a variant that fails
+    (a compiled one that cannot compile today, say) gets a row with ``status: failed`` and its
+    one-line ``error``, so one failure neither stops the run nor hides the others' figures.
+    Rows keep the variants' order; the first variant (plain) must work."""
+    first = first_steps(variants, x)
+    working = [v for v in variants if "error" not in first[v.name]]
+    if not working or working[0] is not variants[0]:
+        raise RuntimeError(f"the baseline {variants[0].name!r} fails: "
+                           f"{first[variants[0].name]['error']}")
+    try:
+        measured = {r["variant"]: r for r in measure_variants(working, x, repeats, warmup,
+                                                              seed=seed)}
+    except Exception:  # noqa: BLE001 - one variant broke after its first step: find it
+        measured = _measure_apart(working, x, repeats, warmup, seed, first)
+    rows = []
+    for v in variants:
+        row = measured.get(v.name) or {"variant": v.name, "description": v.description,
+                                       "batch_size": int(x.shape[0])}
+        row.update(first[v.name], status="failed" if "error" in first[v.name] else "ok")
+        rows.append(row)
+    return rows
+
+
+def _measure_apart(variants: Sequence[Variant], x: torch.Tensor, repeats: int, warmup: int,
+                   seed: int, first: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each variant measured beside the first (plain) alone, after a joint run raised: the one
+    that raises gets its error in ``first``; the others' rows say ``measured_apart``."""
+    from .overhead import one_line
+
+    measured: dict[str, dict[str, Any]] = {}
+    for v in variants[1:]:
+        try:
+            base, row = measure_variants([variants[0], v], x, repeats, warmup, seed=seed)
+        except Exception as e:  # noqa: BLE001 - reported as the variant's result
+            first[v.name] = {"error": one_line(e)}
+            continue
+        measured.setdefault(base["variant"], base)
+        measured[v.name] = dict(row, measured_apart=True)
+    if variants[0].name not in measured:  # every other variant failed: plain alone
+        measured[variants[0].name] = measure_variants(variants[:1], x, repeats, warmup,
+                                                      seed=seed)[0]
+    return measured

@@ -69,10 +69,15 @@ def benchmark_table(rows: Sequence[dict]) -> str:
             "| BN stats err | BN count err | grad err |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
+        if r.get("status") == "failed":
+            lines.append(f"| {r['batch_size']} | {r['variant']} | failed: {r['error']} |")
+            continue
         reserved = f"{format_bytes(r['peak_reserved_bytes'])} | " if cuda else ""
         lines.append(
-            f"| {r['batch_size']} | {r['variant']} | {format_bytes(r['peak_bytes'])} | "
-            f"{r['peak_ratio']:.3f} | {reserved}{r['flops'] / 1e9:.1f} | "
+            f"| {r['batch_size']} | {r['variant']} | "
+            f"{'-' if r['peak_bytes'] is None else format_bytes(r['peak_bytes'])} | "
+            f"{_fmt(r['peak_ratio'], '.3f', '-')} | {reserved}"
+            f"{_fmt(r['flops'] and r['flops'] / 1e9, '.1f', '-')} | "
             f"{_fmt(r['recompute_overhead'], '+.1%')} | {_time_cells(r)} "
             f"{_fmt(r.get('bn_stats_error'), '.3g')} | {_fmt(r.get('bn_count_error'), 'd')} | "
             f"{_fmt(r.get('grad_error'), '.2g', '-')} |")

@@ -9,12 +9,11 @@ A payload holds ``kind``, ``model``, the ``machine``, the ``command`` and the ``
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-import zoo
 from zoo.memory import parse_bytes
 from zoo.models import ZooModel
 
@@ -22,7 +21,7 @@ from .max_batch import PeakPredictor, cuda_peak, largest_batch
 from .measure import measure_variants, training_step
 from .report import command_line, machine_info
 from .segments import sweep_segments
-from .variants import (PLAIN, Variant, build_variant, build_variants, canonical_name,
+from .variants import (PLAIN, Variant, build_variant, build_variants, canonical_name, create,
                        variant_names)
 
 __all__ = ["fake_mode", "parse_budgets", "run_benchmark", "run_max_batch", "run_segments"]
@@ -59,14 +58,16 @@ def _device(device: str) -> torch.device:
     return dev
 
 
-def _model(name: str, dev: torch.device, seed: int, **kwargs: Any) -> ZooModel:
+def _model(name: str | Callable[..., ZooModel], dev: torch.device, seed: int,
+           **kwargs: Any) -> ZooModel:
     torch.manual_seed(seed)
     with torch.device(dev):  # built in place: also under FakeTensorMode, where .to() fails
-        return zoo.create_model(name, **kwargs)
+        return create(name, **kwargs)
 
 
-def _payload(kind: str, model: str, dev: torch.device, rows: list[dict], **settings: Any) -> dict:
-    return {"kind": kind, "model": model, "machine": machine_info(dev), "command": command_line(),
+def _payload(kind: str, model: Any, dev: torch.device, rows: list[dict], **settings: Any) -> dict:
+    return {"kind": kind, "model": model if isinstance(model, str) else repr(model),
+            "machine": machine_info(dev), "command": command_line(),
             "settings": settings, "rows": rows}
 
 
@@ -102,7 +103,7 @@ def run_benchmark(model: str, batch_sizes: Sequence[int], device: str = "cpu",
                     fake=fake, repeats=repeats, warmup=warmup, seed=seed, model_kwargs=model_kwargs)
 
 
-def run_max_batch(model: str, budgets: Sequence[int], device: str = "cpu",
+def run_max_batch(model: str | Callable[..., ZooModel], budgets: Sequence[int], device: str = "cpu",
                   size: int | None = None, variants: Sequence[str] | None = None,
                   allocator: str = "cuda", check_prediction: bool = True,
                   probes: tuple[int, int] = (8, 16), max_batch: int = 1 << 16, seed: int = 0,

@@ -10,30 +10,43 @@
   its own, as timm's ``checkpoint_seq`` does, the stem and the head left alone.
 * ``zoo <mode>``: the zoo model with ``set_grad_checkpointing(mode)``, for each of its
   ``checkpoint_modes`` (the first is what ``efficient=True`` picks).
+
+Asked for by name only (not in the defaults, see :func:`extra_variant_names`):
+
+* ``compiled plain`` and ``compiled zoo <mode>``: a copy of the model in that mode under
+  ``torch.compile(fullgraph=True, dynamic=False)``: one graph for forward and backward.
+* ``timm`` (DenseNet-B models): timm's ``DenseNet`` with the model's architecture and state and
+  ``set_grad_checkpointing(True)``, which checkpoints each layer's concat-BN-ReLU-conv1x1 with
+  torch's checkpoint, as torchvision's ``memory_efficient=True`` does.
 """
 from __future__ import annotations
 
 import copy
 import types
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
+import zoo
 from zoo.checkpoint import run_blocks
 from zoo.models import ZooModel
 from zoo.models.densenet import DenseBlock, DenseNet
-from zoo.nn import _RecomputeSafeNorm
+from zoo.nn import restore_batchnorm
 
-__all__ = ["PLAIN", "OFFICIAL", "Variant", "variant_names", "canonical_name", "build_variants",
-           "build_variant"]
+__all__ = ["PLAIN", "OFFICIAL", "COMPILED_PREFIX", "TIMM", "Variant", "create", "variant_names",
+           "extra_variant_names", "canonical_name", "build_variants", "build_variant",
+           "compiled_variant", "timm_densenet"]
 
 PLAIN = "plain"
 OFFICIAL = "official"
 ZOO_PREFIX = "zoo "
+COMPILED_PREFIX = "compiled "
+TIMM = "timm"
 
 
 @dataclass
@@ -44,11 +57,20 @@ class Variant:
     model: nn.Module
     mode: bool | str  # what set_grad_checkpointing gets before each step (zoo models only)
     description: str
+    forward: Callable[[torch.Tensor], torch.Tensor] | None = None  # None: ``model`` itself
 
     def prepare(self) -> None:
         """Put ``model`` in this variant's checkpoint mode (variants may share one model)."""
+        if self.forward is not None:  # a compiled copy: its mode is fixed, a change would
+            return                    # invalidate the compiled graph
         if isinstance(self.model, ZooModel) and self.model.checkpoint_plan is None:
             self.model.set_grad_checkpointing(self.mode)
+
+
+def create(model: str | Callable[..., ZooModel], **kwargs: Any) -> ZooModel:
+    """``zoo.create_model(model, **kwargs)``, or ``model(**kwargs)`` for a constructor (a model
+    built to measure that is not in the registry, e.g. a shrunk DenseNet-BC for a smoke run)."""
+    return model(**kwargs) if callable(model) else zoo.create_model(model, **kwargs)
 
 
 def variant_names(model: ZooModel) -> list[str]:
@@ -56,9 +78,21 @@ def variant_names(model: ZooModel) -> list[str]:
     return [PLAIN, OFFICIAL, *(ZOO_PREFIX + m for m in model.checkpoint_modes)]
 
 
+def extra_variant_names(model: ZooModel) -> list[str]:
+    """The variants built only when named: compiled ones, and ``timm`` for DenseNet-B models."""
+    names = [COMPILED_PREFIX + PLAIN, *(COMPILED_PREFIX + ZOO_PREFIX + m
+                                        for m in model.checkpoint_modes)]
+    if isinstance(model, DenseNet) and _is_densenet_b(model):
+        names.append(TIMM)
+    return names
+
+
 def canonical_name(model: ZooModel, name: str) -> str:
-    """Accept command-line spellings: ``zoo_layer`` or a bare mode ``layer`` -> ``zoo layer``."""
+    """Accept command-line spellings: ``zoo_layer`` or a bare mode ``layer`` -> ``zoo layer``;
+    ``compiled_plain``, ``compiled_layer`` or ``compiled_zoo_layer`` -> ``compiled zoo layer``."""
     name = name.strip()
+    if name.startswith(("compiled_", COMPILED_PREFIX)):
+        return COMPILED_PREFIX + canonical_name(model, name[len(COMPILED_PREFIX):])
     if name.startswith("zoo_"):
         name = ZOO_PREFIX + name[4:]
     return ZOO_PREFIX + name if name in model.checkpoint_modes else name
@@ -66,14 +100,15 @@ def canonical_name(model: ZooModel, name: str) -> str:
 
 def _check_names(model: ZooModel, names: Sequence[str]) -> None:
     names = [canonical_name(model, n) for n in names]
-    known = variant_names(model)
+    known = variant_names(model) + extra_variant_names(model)
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"unknown variant(s) {', '.join(map(repr, unknown))} for "
                          f"{type(model).__name__}; expected some of {', '.join(known)}")
 
 
-def build_variants(model: ZooModel, names: Sequence[str] | None = None) -> list[Variant]:
+def build_variants(model: ZooModel, names: Sequence[str] | None = None,
+                   compile_backend: str = "inductor") -> list[Variant]:
     """The variants ``names`` (default: all) of ``model``, which must not be checkpointed.
 
     The zoo variants share ``model`` itself (``prepare`` switches the mode); ``official`` is a
@@ -83,15 +118,22 @@ def build_variants(model: ZooModel, names: Sequence[str] | None = None) -> list[
     names = [canonical_name(model, n) for n in names] if names is not None \
         else variant_names(model)
     _check_names(model, names)
-    return [build_variant(model, name) for name in names]
+    return [build_variant(model, name, compile_backend=compile_backend) for name in names]
 
 
-def build_variant(model: ZooModel, name: str, reuse: bool = False) -> Variant:
+def build_variant(model: ZooModel, name: str, reuse: bool = False,
+                  compile_backend: str = "inductor") -> Variant:
     """One variant of ``model`` (see the module docstring). ``official`` builds a second model
     with the same state, or with ``reuse=True`` turns ``model`` itself into it (under
-    ``FakeTensorMode``, where models cannot be deep-copied)."""
+    ``FakeTensorMode``, where models cannot be deep-copied). Compiled variants compile with
+    ``compile_backend`` on their first call."""
     name = canonical_name(model, name)
     _check_names(model, [name])
+    if name.startswith(COMPILED_PREFIX):
+        return compiled_variant(model, name[len(COMPILED_PREFIX):], compile_backend)
+    if name == TIMM:
+        return Variant(TIMM, timm_densenet(model), False, "timm DenseNet, set_grad_checkpointing"
+                       "(True) (torch's checkpoint per layer's bottleneck), same weights")
     if name == PLAIN:
         return Variant(PLAIN, model, False, "no checkpointing")
     if name.startswith(ZOO_PREFIX):
@@ -111,6 +153,19 @@ def build_variant(model: ZooModel, name: str, reuse: bool = False) -> Variant:
     return Variant(OFFICIAL, twin, False, f"torch.utils.checkpoint(use_reentrant=False) on each of "
                    f"{len(blocks)} repeated chain blocks (timm's checkpoint_seq)"
                    + (", torch's BatchNorm" if has_bn else ""))
+
+
+def compiled_variant(model: ZooModel, name: str, backend: str = "inductor") -> Variant:
+    """A copy of ``model`` in the mode of the variant ``name`` (``plain`` or ``zoo <mode>``),
+    compiled whole: ``torch.compile(fullgraph=True, dynamic=False)``, so a graph break is an
+    error (reported by the benchmark as the variant's failure) rather than a silent eager run."""
+    twin = copy.deepcopy(model)
+    mode = False if name == PLAIN else name[len(ZOO_PREFIX):]
+    twin.set_grad_checkpointing(mode)
+    forward = torch.compile(twin, fullgraph=True, dynamic=False, backend=backend)
+    return Variant(COMPILED_PREFIX + name, twin, mode, f"torch.compile(fullgraph=True, backend="
+                   f"{backend!r}) of the model, {'no checkpointing' if not mode else repr(mode)}",
+                   forward=forward)
 
 
 # -- official: torch's checkpoint on the repeated blocks of the chain ---------------------------
@@ -136,12 +191,9 @@ def _torch_run_chain(self: ZooModel, blocks: Sequence[nn.Module], x: torch.Tenso
 
 
 def _to_plain_batchnorm(module: nn.Module) -> None:
-    """Turn the zoo's cp_BatchNorm layers back into torch's (same state): what torchvision and
-    timm models have, and what torch's checkpoint updates twice."""
-    for m in module.modules():
-        if isinstance(m, _RecomputeSafeNorm):
-            m.__class__ = next(c for c in type(m).__mro__
-                               if c.__module__.startswith("torch.nn") and issubclass(c, nn.Module))
+    """Turn the zoo's recompute-safe BatchNorm layers back into their plain classes (same state):
+    what torchvision and timm models have, and what torch's checkpoint updates twice."""
+    restore_batchnorm(module)
 
 
 # -- official for DenseNet-B: torchvision's memory_efficient DenseNet ----------------------------
@@ -169,4 +221,31 @@ def torchvision_densenet(model: DenseNet) -> nn.Module:
             for name in ("norm0", "relu0", "pool0"):
                 setattr(twin.features, name, nn.Identity())
     twin.load_state_dict(model.state_dict(), strict=True)
+    return twin.train(model.training)
+
+
+def timm_densenet(model: DenseNet) -> nn.Module:
+    """timm's ``DenseNet`` with ``model``'s architecture and state, ``set_grad_checkpointing(True)``
+    (the CIFAR stem, one 3x3 convolution, replaces timm's ImageNet stem)."""
+    from timm.models.densenet import DenseNet as TimmDenseNet
+
+    blocks = [b for b in model.features.children() if isinstance(b, DenseBlock)]
+    first = blocks[0]["denselayer1"]
+    growth = first.conv2.out_channels
+    conv0 = model.features.conv0
+    if conv0.out_channels != 2 * growth:  # timm's stem width is always twice the growth rate
+        raise ValueError(f"timm's DenseNet has 2 x growth = {2 * growth} stem channels, this model "
+                         f"{conv0.out_channels}: no timm twin")
+    # dropout inside the layers only when the model has it (older timm may lack the keyword)
+    drop = {"proj_drop_rate": first.drop_rate} if first.drop_rate else {}
+    with torch.device(conv0.weight.device):
+        twin = TimmDenseNet(growth_rate=growth, block_config=tuple(len(b) for b in blocks),
+                            num_classes=model.num_classes,
+                            bn_size=first.conv1.out_channels // growth, **drop)
+        if model.stem == "cifar":
+            twin.features.conv0 = nn.Conv2d(3, conv0.out_channels, 3, padding=1, bias=False)
+            twin.features.norm0 = nn.Identity()
+            twin.features.pool0 = nn.Identity()
+    twin.load_state_dict(model.state_dict(), strict=True)
+    twin.set_grad_checkpointing(True)
     return twin.train(model.training)

@@ -13,7 +13,32 @@ from ..checkpoint import checkpoint, run_blocks
 
 Plan = Sequence[tuple[int, int, bool]]  # (start, stop, checkpointed) segments covering the chain
 
-__all__ = ["ZooModel", "chain_of"]
+__all__ = ["ZooModel", "chain_of", "classifier", "take_indices"]
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+
+def classifier(num_features: int, num_classes: int) -> nn.Module:
+    """A linear classifier, or ``nn.Identity`` for ``num_classes=0`` (timm: pooled features)."""
+    return nn.Linear(num_features, num_classes) if num_classes else nn.Identity()
+
+
+def take_indices(n: int, indices: int | Sequence[int] | None) -> list[int]:
+    """timm's ``feature_take_indices``: ``None`` all ``n`` levels, an int the last ``indices``,
+    a sequence those levels (negative counts from the end); sorted, each within ``0..n-1``."""
+    if indices is None:
+        return list(range(n))
+    if isinstance(indices, int) and not isinstance(indices, bool):
+        if not 0 < indices <= n:
+            raise ValueError(f"indices={indices} asks for the last {indices} of {n} feature "
+                             f"levels; expected 1..{n}")
+        return list(range(n - indices, n))
+    taken = sorted({i + n if isinstance(i, int) and i < 0 else i for i in indices})
+    if not taken or any(not isinstance(i, int) or not 0 <= i < n for i in taken):
+        raise ValueError(f"indices {list(indices)} out of range: this model has {n} feature "
+                         f"levels (0..{n - 1}, or -{n}..-1)")
+    return taken
 
 
 def chain_of(modules: Iterable[nn.Module]) -> list[nn.Module]:
@@ -55,6 +80,61 @@ class ZooModel(nn.Module):
     grad_checkpointing: str | None = None
     checkpoint_plan: Plan | None = None
     checkpoint_block_modes: Sequence[str | None] | None = None
+
+    # -- timm's model interface ------------------------------------------------------------------
+    classifier_name: ClassVar[str] = "head"  # the classifier's attribute (timm's cfg 'classifier')
+    first_conv: ClassVar[str | None] = None  # the first layer's name (timm's cfg 'first_conv')
+    pool_types: ClassVar[tuple[str, ...]] = ()  # global_pool values reset_classifier accepts
+    global_pool: str = ""
+    in_chans: int = 3
+
+    @property
+    def head_hidden_size(self) -> int:
+        """Width of ``forward_head(x, pre_logits=True)`` (timm's name)."""
+        return self.num_features
+
+    def get_classifier(self) -> nn.Module:
+        """The final classifier (``nn.Identity`` after ``reset_classifier(0)``)."""
+        return getattr(self, self.classifier_name)
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """A new, freshly initialised classifier for ``num_classes`` outputs; ``0`` removes it,
+        so ``forward`` returns pooled features of width ``num_features`` (timm's semantics).
+        ``global_pool``: ``None`` keeps the pooling; on the CNNs ``"avg"`` or ``""`` (no pooling:
+        ``forward`` returns the feature maps, only with ``num_classes=0``)."""
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
+            raise ValueError(f"num_classes must be an int >= 0 (0 removes the classifier), "
+                             f"got {num_classes!r}")
+        pool = self.global_pool if global_pool is None else global_pool
+        if pool != self.global_pool and pool not in self.pool_types:
+            raise ValueError(f"{type(self).__name__} has no global_pool {global_pool!r}; expected "
+                             f"None or one of {list(self.pool_types) or [self.global_pool]}")
+        if pool == "" and self.pool_types and num_classes:
+            raise ValueError("global_pool='' (no pooling) leaves feature maps, which a linear "
+                             "classifier cannot take: pass num_classes=0 with it")
+        old = self.get_classifier()
+        new = classifier(self.num_features, num_classes)
+        ref = next(iter(old.parameters()), None)
+        ref = next(self.parameters()) if ref is None else ref
+        setattr(self, self.classifier_name, new.to(device=ref.device, dtype=ref.dtype))
+        self.num_classes, self.global_pool = num_classes, pool
+
+    def data_cfg(self) -> dict:
+        """The family's data settings for ``pretrained_cfg``: input_size, mean, std, ..."""
+        return {}
+
+    @property
+    def pretrained_cfg(self) -> dict:
+        """timm's ``pretrained_cfg``: input size, normalisation, classifier and first layer names,
+        ``num_classes``; ``weights``: the torchvision weights ``pretrained=True`` loads, if any."""
+        cfg = {"num_classes": self.num_classes, "classifier": self.classifier_name,
+               "first_conv": self.first_conv, "weights": getattr(self, "weights_name", None)}
+        return {**cfg, **self.data_cfg()}
+
+    @property
+    def default_cfg(self) -> dict:
+        """timm's older name for :attr:`pretrained_cfg`."""
+        return self.pretrained_cfg
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -31,8 +31,24 @@ def list_models(pattern: str = "*") -> list[str]:
     return sorted(n for n in _MODELS if fnmatch.fnmatchcase(n, pattern))
 
 
-def create_model(name: str, num_classes: int | None = None, efficient: bool = False,
-                 **kwargs) -> nn.Module:
+def _check_arguments(name: object, num_classes: object) -> None:
+    """One-line errors for a name that is not a string and a class count that is not an int >= 0
+    (``0``: no classifier, the model returns pooled features, as in timm)."""
+    if not isinstance(name, str):
+        raise TypeError(f"model name must be a string such as 'resnet50', got "
+                        f"{type(name).__name__} {name!r}; zoo.list_models() lists the names")
+    if num_classes is None:
+        return
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int):
+        raise TypeError(f"num_classes must be an int >= 0 (0: pooled features, no classifier), "
+                        f"got {type(num_classes).__name__} {num_classes!r}")
+    if num_classes < 0:
+        raise ValueError(f"num_classes must be an int >= 0 (0: pooled features, no classifier), "
+                         f"got {num_classes}")
+
+
+def create_model(name: str, num_classes: int | None = None, efficient: bool | str = False,
+                 pretrained: bool = False, **kwargs) -> nn.Module:
     """Build a registered model.
 
     Args:
@@ -40,13 +56,23 @@ def create_model(name: str, num_classes: int | None = None, efficient: bool = Fa
         num_classes: classifier outputs; ``None`` keeps the model's default (10 for CIFAR models,
             1000 for ImageNet ones, 2 for ``bert_base``, the vocabulary for ``gpt2_small``).
         efficient: turn on the family's recommended checkpointing (same results, less memory).
+        pretrained: load torchvision's ImageNet weights (ImageNet DenseNets and ResNets) from
+            torch's hub cache; offline without the file: an error naming it and where it goes.
         **kwargs: architecture or checkpointing options of the family's model class.
     """
+    _check_arguments(name, num_classes)
     if name not in _MODELS:
         close = difflib.get_close_matches(name, _MODELS, n=5, cutoff=0.5)
         hint = f"did you mean {', '.join(close)}?" if close else "no registered name is close"
         raise UnknownModelError(f"unknown model {name!r}: {hint} "
                                 f"(zoo.list_models() lists all {len(_MODELS)})")
+    if not isinstance(pretrained, bool):
+        raise TypeError(f"pretrained must be True or False, got {pretrained!r}")
+    if pretrained:
+        from ._pretrained import load_pretrained, weights_file
+
+        weights_file(name)  # a model without weights is refused before it is built
     if num_classes is not None:
         kwargs["num_classes"] = num_classes
-    return _MODELS[name](efficient=efficient, **kwargs)
+    model = _MODELS[name](efficient=efficient, **kwargs)
+    return load_pretrained(model, name) if pretrained else model

@@ -195,6 +195,7 @@ class TransformerModel(ZooModel):
 
     checkpoint_modes: ClassVar[tuple[str, ...]] = ("block", "sublayer", "selective")
     blocks: nn.Sequential
+    global_pool = "token"  # the head reads the first token (ViT's class token, BERT's [CLS])
 
     def forward_blocks(self, x: torch.Tensor,
                        attn_mask: torch.Tensor | None = None) -> torch.Tensor:

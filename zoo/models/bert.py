@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ._registry import register_model
+from ._base import classifier
 from ._transformer import Block, TransformerModel, init_linear_and_embedding
 
 __all__ = ["BertEmbeddings", "Bert"]
@@ -89,7 +90,7 @@ class Bert(TransformerModel):
             for _ in range(depth)])
         self.pooler = nn.Linear(embed_dim, embed_dim)
         self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(embed_dim, num_classes)
+        self.head = classifier(embed_dim, num_classes)
         self.apply(init_linear_and_embedding)  # N(0, 0.02), as the paper's released code
         self.set_grad_checkpointing(efficient)
 
@@ -141,7 +142,7 @@ class Bert(TransformerModel):
     def example_input(self, batch_size: int = 2, size: int | None = None) -> torch.Tensor:
         """Random token ids (B, ``size``); ``size``: sequence length, 16 by default."""
         return torch.randint(0, self.vocab_size, (batch_size, size or 16),
-                             device=self.head.weight.device)
+                             device=self.pooler.weight.device)
 
 
 @register_model

@@ -35,7 +35,8 @@ from torch import nn
 
 from ..checkpoint import checkpoint
 from ..nn import cp_BatchNorm2d
-from ._base import ZooModel
+from ._base import CIFAR_MEAN, CIFAR_STD, ZooModel, classifier
+from ._features import FeatureStages, Level
 from ._registry import register_model
 
 __all__ = ["ConvBlock", "CifarCNN"]
@@ -83,7 +84,7 @@ class ConvBlock(nn.Module):
                          f"'block' or 'bn_relu'")
 
 
-class CifarCNN(ZooModel):
+class CifarCNN(FeatureStages, ZooModel):
     """Seed 004's CIFAR-10 CNN: two conv blocks (3->32->64, 64->64->64, each halving the image),
     then Linear(64 * (size/4)^2, 512)-ReLU, dropout 0.5 and a linear classifier.
 
@@ -96,13 +97,19 @@ class CifarCNN(ZooModel):
         drop_rate: dropout after each conv block (the seed's 0.25); the head's is twice that.
         batch_norm: BatchNorm after each convolution (default); ``False`` is the seed's model.
         efficient: checkpointing: ``False``, ``True`` (``"halves"``) or a mode name.
+        in_chans: input channels (3 for RGB).
     """
 
     checkpoint_modes = ("halves", "block", "bn_relu")
+    classifier_name, first_conv = "out", "cnn_block_1.conv1"
 
     def __init__(self, num_classes: int = 10, image_size: int = 32, drop_rate: float = 0.25,
-                 batch_norm: bool = True, efficient: bool | str = False) -> None:
+                 batch_norm: bool = True, efficient: bool | str = False,
+                 in_chans: int = 3) -> None:
         super().__init__()
+        if isinstance(in_chans, bool) or not isinstance(in_chans, int) or in_chans < 1:
+            raise ValueError(f"in_chans must be a positive int (3 for RGB), got {in_chans!r}")
+        self.in_chans = in_chans
         if image_size < 4 or image_size % 4:
             raise ValueError(f"image_size must be a multiple of 4 (two 2x2 max-pools), "
                              f"got {image_size}")
@@ -111,11 +118,11 @@ class CifarCNN(ZooModel):
         self.num_classes = num_classes
         self.image_size = image_size
         self.num_features = 512
-        self.cnn_block_1 = ConvBlock(3, 32, 64, drop_rate, batch_norm)
+        self.cnn_block_1 = ConvBlock(in_chans, 32, 64, drop_rate, batch_norm)
         self.cnn_block_2 = ConvBlock(64, 64, 64, drop_rate, batch_norm)
         self.linearize = nn.Sequential(nn.Linear(64 * (image_size // 4) ** 2, 512), nn.ReLU())
         self.dropout_3 = nn.Dropout(2 * drop_rate)
-        self.out = nn.Linear(512, num_classes)
+        self.out = classifier(512, num_classes)
         self.set_grad_checkpointing(efficient)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,7 +147,20 @@ class CifarCNN(ZooModel):
                              f"Linear layer fixes the size), got size={size}; build it with "
                              f"image_size={size}")
         side = self.image_size
-        return torch.randn(batch_size, 3, side, side, device=self.out.weight.device)
+        device = self.cnn_block_1.conv1.weight.device
+        return torch.randn(batch_size, self.in_chans, side, side, device=device)
+
+    def feature_levels(self) -> list[Level]:
+        """Each conv block's output (64 channels; a half, then a quarter of the side)."""
+        mode = self.grad_checkpointing
+        return [Level(lambda x: self.cnn_block_1(x, mode), 64, 2, "cnn_block_1"),
+                Level(lambda x: self.cnn_block_2(x, mode), 64, 4, "cnn_block_2")]
+
+    def data_cfg(self) -> dict:
+        """CIFAR-10's statistics at ``image_size`` (the head's Linear fixes it)."""
+        side = self.image_size
+        return dict(input_size=(self.in_chans, side, side), pool_size=(side // 4, side // 4),
+                    mean=CIFAR_MEAN, std=CIFAR_STD, interpolation="bilinear", crop_pct=1.0)
 
 
 @register_model

@@ -43,7 +43,9 @@ from torch import nn
 
 from ..checkpoint import checkpoint
 from ..nn import cp_BatchNorm2d
-from ._base import ZooModel, chain_of
+from ._base import CIFAR_MEAN, CIFAR_STD, IMAGENET_MEAN, IMAGENET_STD, ZooModel, chain_of, \
+    classifier
+from ._features import FeatureStages, Level
 from ._registry import register_model
 
 __all__ = ["DenseLayer", "DenseBlock", "DenseLink", "Transition", "DenseNet"]
@@ -178,7 +180,7 @@ class Transition(nn.Module):
         return self.pool(checkpoint(self._compress, *features))
 
 
-class DenseNet(ZooModel):
+class DenseNet(FeatureStages, ZooModel):
     """DenseNet(-BC) with the ImageNet stem (7x7/2 conv, BN-ReLU, 3x3/2 max-pool) or the CIFAR
     stem (one 3x3 conv), dense blocks separated by transitions, then BN-ReLU, global average
     pooling and a linear classifier (Huang et al. 2017).
@@ -193,16 +195,25 @@ class DenseNet(ZooModel):
         num_classes: classifier outputs.
         stem: ``"imagenet"`` or ``"cifar"``.
         efficient: checkpointing: ``False``, ``True`` (``"bottleneck"``) or a mode name.
+        in_chans: input channels (3 for RGB).
+        global_pool: ``"avg"`` or ``""`` (no pooling: with ``num_classes=0``, feature maps out).
     """
 
     checkpoint_modes = ("bottleneck", "layer")
+    classifier_name, first_conv, pool_types = "classifier", "features.conv0", ("avg", "")
 
     def __init__(self, growth_rate: int = 32, block_config: Sequence[int] = (6, 12, 24, 16),
                  num_init_features: int = 64, bn_size: int | None = 4, compression: float = 0.5,
                  drop_rate: float = 0.0, num_classes: int = 1000,
                  stem: Literal["imagenet", "cifar"] = "imagenet",
-                 efficient: bool | str = False) -> None:
+                 efficient: bool | str = False, in_chans: int = 3,
+                 global_pool: str = "avg") -> None:
         super().__init__()
+        if isinstance(in_chans, bool) or not isinstance(in_chans, int) or in_chans < 1:
+            raise ValueError(f"in_chans must be a positive int (3 for RGB), got {in_chans!r}")
+        if global_pool not in self.pool_types:
+            raise ValueError(f"global_pool must be 'avg' or '' (no pooling), got {global_pool!r}")
+        self.in_chans, self.global_pool = in_chans, global_pool
         if stem not in ("imagenet", "cifar"):
             raise ValueError(f"stem must be 'imagenet' (7x7/2 conv + max-pool, 224px inputs) or "
                              f"'cifar' (3x3 conv, 32px inputs), got {stem!r}")
@@ -214,12 +225,13 @@ class DenseNet(ZooModel):
         self.stem = stem
         self.num_classes = num_classes
         if stem == "imagenet":
-            layers = [("conv0", nn.Conv2d(3, num_init_features, 7, stride=2, padding=3, bias=False)),
+            layers = [("conv0", nn.Conv2d(in_chans, num_init_features, 7, stride=2, padding=3,
+                                          bias=False)),
                       ("norm0", cp_BatchNorm2d(num_init_features)),
                       ("relu0", nn.ReLU(inplace=True)),
                       ("pool0", nn.MaxPool2d(kernel_size=3, stride=2, padding=1))]
         else:
-            layers = [("conv0", nn.Conv2d(3, num_init_features, 3, padding=1, bias=False))]
+            layers = [("conv0", nn.Conv2d(in_chans, num_init_features, 3, padding=1, bias=False))]
         self.features = nn.Sequential(OrderedDict(layers))
         channels = num_init_features
         for i, num_layers in enumerate(block_config):
@@ -232,7 +244,7 @@ class DenseNet(ZooModel):
                 channels = out
         self.features.add_module("norm5", cp_BatchNorm2d(channels))
         self.num_features = channels
-        self.classifier = nn.Linear(channels, num_classes)
+        self.classifier = classifier(channels, num_classes)
 
         for m in self.modules():  # torchvision's initialisation
             if isinstance(m, nn.Conv2d):
@@ -270,8 +282,55 @@ class DenseNet(ZooModel):
         return self._final(*features) if mode is None else checkpoint(self._final, *features)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = torch.flatten(F.adaptive_avg_pool2d(x, (1, 1)), 1)
+        """Global average pooling (unless ``global_pool=''``), then the classifier."""
+        if self.global_pool:
+            x = torch.flatten(F.adaptive_avg_pool2d(x, (1, 1)), 1)
         return x if pre_logits else self.classifier(x)
+
+    # -- feature levels (timm's forward_intermediates) -------------------------------------------
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """norm5 and ReLU: what forward_features applies to the last block's output."""
+        return self._final(x) if self.grad_checkpointing is None else checkpoint(self._final, x)
+
+    def _stem_level(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.features
+        x = f.conv0(x)
+        if self.stem == "cifar":
+            return x
+        mode = self.grad_checkpointing
+        stem = lambda t: f.relu0(f.norm0(t))  # noqa: E731
+        return stem(x) if mode is None else checkpoint(stem, x)
+
+    def feature_levels(self) -> list[Level]:
+        """The stem's output (BN-ReLU'd on ImageNet), then each dense block's concatenated
+        output, the transition before it and the max-pool before the first one included."""
+        f, mode = self.features, self.grad_checkpointing
+        conv0 = f.conv0
+        reduction = conv0.stride[0]
+        levels = [Level(self._stem_level, conv0.out_channels, reduction,
+                        "features.conv0" if self.stem == "cifar" else "features.relu0")]
+        children = dict(f.named_children())
+        blocks = [n for n, m in children.items() if isinstance(m, DenseBlock)]
+        for i, name in enumerate(blocks):
+            before = children.get(f"transition{i}") if i else children.get("pool0")
+            if i or before is not None:
+                reduction *= 2
+            block = children[name]
+            channels = block[f"denselayer{len(block)}"].conv1.in_channels + self._growth(block)
+
+            def stage(x: torch.Tensor, block: DenseBlock = block, before=before) -> torch.Tensor:
+                if isinstance(before, Transition):
+                    x = before(x, mode)
+                elif before is not None:
+                    x = before(x)
+                return _cat(block.run([x], mode))
+            levels.append(Level(stage, channels, reduction, f"features.{name}"))
+        return levels
+
+    @staticmethod
+    def _growth(block: DenseBlock) -> int:
+        last = block[f"denselayer{len(block)}"]
+        return (last.conv2 if last.bottleneck else last.conv1).out_channels
 
     def checkpoint_chain(self) -> list[nn.Module]:
         """``features``' children (the stem's layers, transitions, ``norm5``) with each dense block
@@ -289,8 +348,16 @@ class DenseNet(ZooModel):
         works; 64 keeps CPU tests small, pass 224 for the native resolution)."""
         if size is None:
             size = 32 if self.stem == "cifar" else 64
-        device = self.classifier.weight.device
-        return torch.randn(batch_size, 3, size, size, device=device)
+        device = self.features.conv0.weight.device
+        return torch.randn(batch_size, self.in_chans, size, size, device=device)
+
+    def data_cfg(self) -> dict:
+        """ImageNet models: 224 px, torchvision's normalisation; CIFAR ones: 32 px."""
+        if self.stem == "cifar":
+            return dict(input_size=(self.in_chans, 32, 32), pool_size=(8, 8), mean=CIFAR_MEAN,
+                        std=CIFAR_STD, interpolation="bilinear", crop_pct=1.0)
+        return dict(input_size=(self.in_chans, 224, 224), pool_size=(7, 7), mean=IMAGENET_MEAN,
+                    std=IMAGENET_STD, interpolation="bilinear", crop_pct=0.875)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -47,6 +47,9 @@ class GPT2(TransformerModel):
                  mlp_ratio: float = 4.0, drop_rate: float = 0.1, attn_drop_rate: float = 0.1,
                  efficient: bool | str = False) -> None:
         super().__init__()
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+            raise ValueError(f"GPT-2's num_classes is its vocabulary size (50257), an int >= 1; "
+                             f"got {num_classes!r}")
         self.num_classes = num_classes
         self.num_features = embed_dim
         self.context_length = context_length
@@ -66,6 +69,12 @@ class GPT2(TransformerModel):
                 nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * depth))
         self.head.weight = self.wte.weight  # tied input/output embeddings
         self.set_grad_checkpointing(efficient)
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """Refused: GPT-2's output layer is its input embedding (tied), sized by the vocabulary."""
+        raise ValueError("GPT-2's classifier is its token embedding (tied weights, one output per "
+                         "vocabulary entry) and cannot be reset; build the model with "
+                         "num_classes=<vocabulary size> instead")
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> token + position embeddings after dropout (B, T, dim)."""

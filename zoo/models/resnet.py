@@ -7,15 +7,25 @@ every BatchNorm; most of it is cheap to rebuild.
 
 Checkpoint modes (``checkpoint_modes``, the recommended first; all give exactly the plain model's
 outputs, gradients and BatchNorm statistics, and the same state_dict). Figures: one training step,
-exact CPU peak (MemTracker, parameters and gradients included) and FLOPs, scripts/bench_resnet.py:
+exact CPU peak (MemTracker, parameters and gradients included) and FLOPs, 2-core CPU, torch 2.15.0,
+``python scripts/bench_resnet.py --fake --cifar_batch 16`` (and the default batch 64):
 
-* ``"halves"`` (recommended): each block is checkpointed in two halves that meet at conv2's
-  output, so per block only its input and conv2's output are kept. Backward reruns conv1 (and, in
-  a Bottleneck, conv3 and the downsample convolution) but never conv2, the 3x3 convolution that
-  holds most of a Bottleneck's FLOPs: zoo.checkpoint (like torch's non-reentrant one) stops once
-  it has rebuilt every tensor backward needs, and a convolution saves its input before it
-  runs. ResNet-50, batch 8 at 224 px: 797 -> 386 MiB at +18% FLOPs, where timm's
-  ``set_grad_checkpointing(True)`` gives 433 MiB at +33%. ResNet-110, batch 64: 0.51x at +17%.
+* ``"tapered"`` (recommended for the CIFAR ResNets, which have no other first choice): the three
+  stages cost the same FLOPs but stage 1's maps are 2x stage 2's and 4x stage 3's, so recompute
+  is spent where the bytes are: stage 1 is checkpointed in regions of two whole blocks (only
+  every other block's input kept), stage 2 in ``bn_relu`` (no convolution reruns), stage 3 runs
+  plainly. ResNet-110, batch 16: 0.460x the plain peak at +11.3% FLOPs, where ``halves`` keeps
+  0.529x at +16.5%; batch 64: 0.439x at +11.3%; ResNet-20, batch 16: 0.491x at +12.0%. (The
+  planner, ``zoo.plan``, finds similar points for a given budget: 0.456x at +11.7%.)
+* ``"halves"`` (recommended for the ImageNet ResNets): each block is checkpointed in two halves
+  that meet at conv2's output, so per block only its input and conv2's output are kept. Backward
+  reruns conv1 (and, in a Bottleneck, conv3 and the downsample convolution) but never conv2, the
+  3x3 convolution that holds most of a Bottleneck's FLOPs: zoo.checkpoint (like torch's
+  non-reentrant one) stops once it has rebuilt every tensor backward needs, and a convolution
+  saves its input before it runs. ResNet-50, batch 8 at 224 px: 797 -> 386 MiB at +18% FLOPs,
+  where timm's ``set_grad_checkpointing(True)`` gives 433 MiB at +33%. A BasicBlock has two
+  equal 3x3 convolutions, so there it keeps about half the activations for +16.5%: ResNet-110,
+  batch 64: 0.51x; batch 16: 0.529x (parameters and gradients weigh more): hence ``tapered``.
 * ``"block"``: each block's residual branch and shortcut are checkpointed whole (timm's
   granularity): only block inputs are kept and the whole forward runs again in backward (+33%).
   ResNet-50: 365 MiB; ResNet-110: 0.27x. ``checkpoint_every=n`` checkpoints ``n`` consecutive
@@ -48,12 +58,15 @@ from torch import nn
 
 from ..checkpoint import checkpoint
 from ..nn import cp_BatchNorm2d
-from ._base import ZooModel, chain_of
+from ._base import CIFAR_MEAN, CIFAR_STD, IMAGENET_MEAN, IMAGENET_STD, ZooModel, chain_of, \
+    classifier
+from ._features import FeatureStages, Level
 from ._registry import register_model
 
 __all__ = ["ZeroPadShortcut", "BasicBlock", "Bottleneck", "ResNet", "CifarResNet"]
 
 MODES = ("halves", "block", "bn_relu")
+CIFAR_MODES = ("tapered", *MODES)  # the CIFAR nets' recommended mode first (module docstring)
 
 
 class ZeroPadShortcut(nn.Module):
@@ -109,7 +122,11 @@ class _ResidualBlock(nn.Module):
         return self._tail(x, x, 0)
 
     def forward(self, x: torch.Tensor, mode: str | None = None) -> torch.Tensor:
-        """The block on ``x``; ``mode`` is ``None`` (plain) or a checkpoint mode (module doc)."""
+        """The block on ``x``; ``mode`` is ``None`` (plain) or a checkpoint mode (module doc).
+        ``"pre_relu"`` is the plain block without its final ReLU (the end of a ``block``-mode
+        region, called through the module so that its hooks, FSDP2's among them, still run)."""
+        if mode == "pre_relu":
+            return self.residual(x)
         if mode is None:
             out = self.residual(x)
         elif mode == "block":
@@ -195,14 +212,16 @@ def _segment(blocks: Sequence[_ResidualBlock], x: torch.Tensor) -> torch.Tensor:
     """Blocks in order, the last one stopping before its final ReLU (``block`` mode's region)."""
     for block in blocks[:-1]:
         x = block(x)
-    return blocks[-1].residual(x)
+    return blocks[-1](x, "pre_relu")
 
 
-class _ResNetBase(ZooModel):
+class _ResNetBase(FeatureStages, ZooModel):
     """What both ResNets share: stem conv -> stem tail (BN-ReLU[-pool]) -> stages -> pool -> fc."""
 
     checkpoint_modes = MODES
     checkpoint_every: int = 1
+    classifier_name, first_conv, pool_types = "fc", "conv1", ("avg", "")
+    drop_rate: float = 0.0
     conv1: nn.Conv2d
     fc: nn.Linear
 
@@ -211,6 +230,17 @@ class _ResNetBase(ZooModel):
 
     def _stem_modules(self) -> list[nn.Module]:
         raise NotImplementedError
+
+    def _head_options(self, in_chans: int, drop_rate: float, global_pool: str) -> None:
+        """timm's constructor options: input channels, dropout before the classifier, pooling."""
+        if isinstance(in_chans, bool) or not isinstance(in_chans, int) or in_chans < 1:
+            raise ValueError(f"in_chans must be a positive int (3 for RGB), got {in_chans!r}")
+        if not 0 <= drop_rate < 1:
+            raise ValueError(f"drop_rate (dropout before the classifier) must be in [0, 1), "
+                             f"got {drop_rate!r}")
+        if global_pool not in self.pool_types:
+            raise ValueError(f"global_pool must be 'avg' or '' (no pooling), got {global_pool!r}")
+        self.in_chans, self.drop_rate, self.global_pool = in_chans, float(drop_rate), global_pool
 
     def _init(self, checkpoint_every: int, efficient: bool | str) -> None:
         if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) \
@@ -269,8 +299,67 @@ class _ResNetBase(ZooModel):
         return x
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
+        """Global average pooling (unless ``global_pool=''``), dropout, the classifier."""
+        if self.global_pool:
+            x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
+        if self.drop_rate:
+            x = F.dropout(x, p=self.drop_rate, training=self.training)
         return x if pre_logits else self.fc(x)
+
+    # -- feature levels (timm's forward_intermediates) -------------------------------------------
+    def _stage_mode(self, index: int) -> tuple[str | None, int]:
+        """The checkpoint mode and blocks per region of stage ``index`` for the active mode."""
+        mode = self.grad_checkpointing
+        if mode == "tapered":
+            return (("block", 2), ("bn_relu", 1))[index] if index < 2 else (None, 1)
+        return mode, (self.checkpoint_every if mode == "block" else 1)
+
+    def _run_stage(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Stage ``index``'s blocks in the active mode (``block`` regions end at the stage)."""
+        blocks = list(getattr(self, self._stage_names()[index]))
+        mode, every = self._stage_mode(index)
+        if mode != "block":
+            for block in blocks:
+                x = block(x, mode)
+            return x
+        for i in range(0, len(blocks), every):
+            x = F.relu(checkpoint(_segment, blocks[i:i + every], x), inplace=True)
+        return x
+
+    def _run_stem(self, x: torch.Tensor, stop: int) -> torch.Tensor:
+        """The stem's modules ``0..stop-1`` (conv, BN, ReLU), checkpointed as in forward."""
+        modules = self._stem_modules()[:stop]
+        mode = self.grad_checkpointing
+        if mode is None:
+            return self._run(modules, x)
+        if mode == "bn_relu":
+            return checkpoint(self._run, modules[1:], modules[0](x))
+        return checkpoint(self._run, modules, x)
+
+    @staticmethod
+    def _run(modules: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+        for m in modules:
+            x = m(x)
+        return x
+
+    def feature_levels(self) -> list[Level]:
+        """The stem's BN-ReLU output, then each stage's output (a max-pool before stage 1 on
+        ImageNet): channels and reductions as timm's ResNet reports them."""
+        names = self._stage_names()
+        stem_chs = self.conv1.out_channels
+        reduction = self.conv1.stride[0]
+        levels = [Level(lambda x: self._run_stem(x, 3), stem_chs, reduction, "relu")]
+        pool = self._stem_modules()[3:]
+        for i, name in enumerate(names):
+            first = getattr(self, name)[0]
+            pooled = 2 if pool and not i else 1
+            reduction *= first.conv1.stride[0] * first.conv2.stride[0] * pooled
+            channels = getattr(self, name)[-1]._norms[-1].num_features
+
+            def stage(x: torch.Tensor, i: int = i) -> torch.Tensor:
+                return self._run_stage(i, pool[0](x) if pool and i == 0 else x)
+            levels.append(Level(stage, channels, reduction, name))
+        return levels
 
     def checkpoint_chain(self) -> list[nn.Module]:
         """The stem's modules (conv, BN-ReLU[, max-pool]) and then every residual block."""
@@ -290,17 +379,22 @@ class ResNet(_ResNetBase):
         num_classes: classifier outputs.
         checkpoint_every: with the ``block`` mode, blocks per checkpointed region.
         efficient: checkpointing: ``False``, ``True`` (``"halves"``) or a mode name.
+        in_chans: input channels (3 for RGB).
+        drop_rate: dropout on the pooled features before the classifier (timm's ResNet).
+        global_pool: ``"avg"`` or ``""`` (no pooling: with ``num_classes=0``, feature maps out).
     """
 
     def __init__(self, block: type[BasicBlock] | type[Bottleneck], layers: Sequence[int],
                  num_classes: int = 1000, checkpoint_every: int = 1,
-                 efficient: bool | str = False) -> None:
+                 efficient: bool | str = False, in_chans: int = 3, drop_rate: float = 0.0,
+                 global_pool: str = "avg") -> None:
         super().__init__()
+        self._head_options(in_chans, drop_rate, global_pool)
         if len(layers) != 4 or min(layers) < 1:
             raise ValueError(f"layers must give 4 stages of at least one block each, "
                              f"got {tuple(layers)}")
         self.num_classes = num_classes
-        self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+        self.conv1 = nn.Conv2d(in_chans, 64, 7, stride=2, padding=3, bias=False)
         self.bn1 = cp_BatchNorm2d(64)
         self.relu = nn.ReLU(inplace=True)
         self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
@@ -317,7 +411,7 @@ class ResNet(_ResNetBase):
             self.add_module(f"layer{i + 1}", nn.Sequential(*stage))
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.num_features = channels
-        self.fc = nn.Linear(channels, num_classes)
+        self.fc = classifier(channels, num_classes)
         self._init(checkpoint_every, efficient)
 
     def _stage_names(self) -> list[str]:
@@ -328,7 +422,13 @@ class ResNet(_ResNetBase):
 
     def example_input(self, batch_size: int = 2, size: int | None = None) -> torch.Tensor:
         """Random images, 64 px by default (small for CPU tests; 224 is the native size)."""
-        return torch.randn(batch_size, 3, size or 64, size or 64, device=self.fc.weight.device)
+        side = size or 64
+        return torch.randn(batch_size, self.in_chans, side, side, device=self.conv1.weight.device)
+
+    def data_cfg(self) -> dict:
+        """ImageNet: 224 px, torchvision's normalisation and evaluation crop."""
+        return dict(input_size=(self.in_chans, 224, 224), pool_size=(7, 7), mean=IMAGENET_MEAN,
+                    std=IMAGENET_STD, interpolation="bilinear", crop_pct=0.875)
 
 
 class CifarResNet(_ResNetBase):
@@ -340,19 +440,24 @@ class CifarResNet(_ResNetBase):
         depth: ``6n + 2``: 20, 32, 44, 56, 110, 1202 in the paper.
         num_classes: classifier outputs.
         checkpoint_every: with the ``block`` mode, blocks per checkpointed region.
-        efficient: checkpointing: ``False``, ``True`` (``"halves"``) or a mode name.
+        efficient: checkpointing: ``False``, ``True`` (``"tapered"``) or a mode name.
+        in_chans, drop_rate, global_pool: as :class:`ResNet`'s.
     """
 
+    checkpoint_modes = CIFAR_MODES
+
     def __init__(self, depth: int = 20, num_classes: int = 10, checkpoint_every: int = 1,
-                 efficient: bool | str = False) -> None:
+                 efficient: bool | str = False, in_chans: int = 3, drop_rate: float = 0.0,
+                 global_pool: str = "avg") -> None:
         super().__init__()
+        self._head_options(in_chans, drop_rate, global_pool)
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 8 or (depth - 2) % 6:
             raise ValueError(f"a CIFAR ResNet has depth 6n + 2 (20, 32, 44, 56, 110, 1202), "
                              f"got {depth!r}")
         n = (depth - 2) // 6
         self.depth = depth
         self.num_classes = num_classes
-        self.conv1 = _conv3x3(3, 16)
+        self.conv1 = _conv3x3(in_chans, 16)
         self.bn1 = cp_BatchNorm2d(16)
         self.relu = nn.ReLU(inplace=True)
         channels = 16
@@ -364,18 +469,43 @@ class CifarResNet(_ResNetBase):
             self.add_module(f"layer{i + 1}", nn.Sequential(*stage))
             channels = planes
         self.num_features = channels
-        self.fc = nn.Linear(channels, num_classes)
+        self.fc = classifier(channels, num_classes)
         self._init(checkpoint_every, efficient)
 
     def _stage_names(self) -> list[str]:
         return ["layer1", "layer2", "layer3"]
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images -> the last stage's feature maps (``tapered`` here, other modes in the base)."""
+        if self.grad_checkpointing != "tapered" or self.checkpoint_plan is not None:
+            return super().forward_features(x)
+        return self._tapered(checkpoint(self._stem, x))
+
+    def _tapered(self, x: torch.Tensor) -> torch.Tensor:
+        """The ``tapered`` mode (module docstring): stage 1 in regions of two whole blocks, stage
+        2 with only BN-ReLUs recomputed, stage 3 plain. The stages have equal FLOPs and halving
+        activation sizes, so recomputing where the bytes are buys the most per FLOP."""
+        first, second, *rest = [list(getattr(self, name)) for name in self._stage_names()]
+        for i in range(0, len(first), 2):
+            x = F.relu(checkpoint(_segment, first[i:i + 2], x), inplace=True)
+        for block in second:
+            x = block(x, "bn_relu")
+        for block in (b for stage in rest for b in stage):
+            x = block(x)
+        return x
 
     def _stem_modules(self) -> list[nn.Module]:
         return [self.conv1, self.bn1, self.relu]
 
     def example_input(self, batch_size: int = 2, size: int | None = None) -> torch.Tensor:
         """Random 32x32 images (CIFAR's size) unless ``size`` says otherwise."""
-        return torch.randn(batch_size, 3, size or 32, size or 32, device=self.fc.weight.device)
+        side = size or 32
+        return torch.randn(batch_size, self.in_chans, side, side, device=self.conv1.weight.device)
+
+    def data_cfg(self) -> dict:
+        """CIFAR: 32 px, CIFAR-10's channel statistics, no crop."""
+        return dict(input_size=(self.in_chans, 32, 32), pool_size=(8, 8), mean=CIFAR_MEAN,
+                    std=CIFAR_STD, interpolation="bilinear", crop_pct=1.0)
 
 
 # ------------------------------------------------------------------------------------------------

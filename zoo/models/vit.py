@@ -30,6 +30,7 @@ import torch
 from timm.layers import PatchEmbed, resample_abs_pos_embed, trunc_normal_
 from torch import nn
 
+from ._base import classifier
 from ._registry import register_model
 from ._transformer import Block, Step, TransformerModel
 
@@ -72,7 +73,7 @@ class VisionTransformer(TransformerModel):
             for i in range(depth)])
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
         self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(embed_dim, num_classes)
+        self.head = classifier(embed_dim, num_classes)
 
         # timm's initialisation (init_weights_vit_timm)
         trunc_normal_(self.pos_embed, std=0.02)
@@ -121,7 +122,7 @@ class VisionTransformer(TransformerModel):
         for the native resolution."""
         if size is None:
             size = self.img_size if self.img_size <= 32 else 160
-        return torch.randn(batch_size, 3, size, size, device=self.head.weight.device)
+        return torch.randn(batch_size, 3, size, size, device=self.norm.weight.device)
 
 
 @register_model

@@ -1,0 +1,310 @@
+"""zoo.checkpoint under torch.compile: one graph (fullgraph=True), and the checkpoint contract.
+
+Every test compiles the checkpointed model and compares it over three SGD steps, in train mode,
+with the *eager, uncheckpointed* model: outputs, gradients, parameters and buffers (BatchNorm
+``running_mean``/``running_var``/``num_batches_tracked`` updated exactly once per forward).
+float64 keeps the comparison tight (compiled float32 differs from eager by rounding).
+
+Most tests compile with the ``aot_eager`` backend: Dynamo traces the model and AOTAutograd builds
+and partitions the joint graph exactly as for inductor (that is where checkpointing, recompute,
+random-op and buffer-mutation handling are decided), but runs the graphs with eager kernels, so
+a CPU test takes seconds instead of minutes of C++ compilation. One test per kind of region also
+compiles with inductor. The recorded graphs prove that the checkpoint took effect: the region is
+one ``tag_activation_checkpoint`` subgraph and the backward graph reruns the region's forward ops
+(or, for ``save_ops``, does not rerun the saved ones).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import zoo
+from zoo.models.densenet import DenseNet
+from helpers import run_steps
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # torch's SAC/compile notices
+TAG = torch.ops.higher_order.tag_activation_checkpoint
+
+
+class GraphRecorder:
+    """A torch.compile backend that keeps the graphs it sees: ``aot_eager`` (AOTAutograd with
+    inductor's partitioner, eager kernels) with the forward and backward graphs recorded."""
+
+    def __init__(self) -> None:
+        self.dynamo: list[torch.fx.GraphModule] = []
+        self.forward: list[torch.fx.GraphModule] = []
+        self.backward: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        self.dynamo.append(gm)
+
+        def keep(graphs: list, g: torch.fx.GraphModule, _: list) -> Callable:
+            graphs.append(g)
+            return make_boxed_func(g.forward)
+
+        return aot_autograd(fw_compiler=functools.partial(keep, self.forward),
+                            bw_compiler=functools.partial(keep, self.backward),
+                            partition_fn=min_cut_rematerialization_partition,  # as inductor
+                            keep_inference_input_mutations=True)(gm, example_inputs)
+
+    def count(self, which: str, target: object) -> int:
+        graphs = {"dynamo": self.dynamo, "forward": self.forward, "backward": self.backward}[which]
+        return sum(node.target is target for g in graphs for node in g.graph.nodes)
+
+
+def assert_compiled_matches_eager_plain(plain: nn.Module, ckpt: nn.Module, x: torch.Tensor,
+                                        backend: object = "aot_eager", steps: int = 3) -> None:
+    """``ckpt`` compiled (fullgraph) trains exactly as eager ``plain`` (same initial state)."""
+    ckpt.load_state_dict(plain.state_dict())
+    torch._dynamo.reset()
+    compiled = torch.compile(ckpt, fullgraph=True, backend=backend)
+    ref = run_steps(plain, plain, x, steps)
+    got = run_steps(ckpt, compiled, x, steps)
+    for step, ((out_r, g_r), (out_g, g_g)) in enumerate(zip(ref, got)):
+        torch.testing.assert_close(out_g, out_r, msg=lambda m: f"step {step} output: {m}")
+        for i, (a, b) in enumerate(zip(g_g, g_r)):
+            assert (a is None) == (b is None), f"step {step}: gradient {i} presence differs"
+            if a is not None:
+                torch.testing.assert_close(a, b, msg=lambda m: f"step {step} grad {i}: {m}")
+    for (name, a), b in zip(ckpt.state_dict().items(), plain.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=0,
+                                   msg=lambda m: f"{name} after {steps} steps: {m}")
+
+
+# ---- a user's own module calling zoo.checkpoint directly ---------------------------------------
+class Block(nn.Module):
+    def __init__(self, width: int, norm: type[nn.Module]) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(width, width, 3, padding=1), norm(width)
+        self.drop = nn.Dropout(0.3)
+        self.conv2, self.bn2 = nn.Conv2d(width, width, 3, padding=1), norm(width)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0, *, shift: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        y = self.drop(torch.relu(self.bn1(self.conv1(x))))
+        y = self.bn2(self.conv2(y)) * scale
+        return torch.relu(x + y + (0 if shift is None else shift))
+
+
+class UserNet(nn.Module):
+    """Blocks called through zoo.checkpoint with a non-tensor argument and a tensor keyword."""
+
+    def __init__(self, how: str, norm: type[nn.Module] = nn.BatchNorm2d, depth: int = 3) -> None:
+        super().__init__()
+        self.how = how
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = nn.ModuleList(Block(8, norm) for _ in range(depth))
+        self.shift = nn.Parameter(torch.zeros(1, 8, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        if self.how == "sequential":
+            return zoo.checkpoint_sequential(self.blocks, x, segments=2).mean((2, 3))
+        if self.how == "plain_sequential":
+            for block in self.blocks:
+                x = block(x)
+            return x.mean((2, 3))
+        for block in self.blocks:
+            if self.how == "checkpoint":
+                x = zoo.checkpoint(block, x, 0.5, shift=self.shift)
+            else:
+                x = block(x, 0.5, shift=self.shift)
+        return x.mean((2, 3))
+
+
+def user_nets(how: str, norm: type[nn.Module] = nn.BatchNorm2d) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    plain = UserNet("plain" if how != "sequential" else "plain_sequential", norm).double()
+    return plain, UserNet(how, norm).double()
+
+
+@pytest.fixture
+def images() -> torch.Tensor:
+    return torch.randn(4, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("norm", [nn.BatchNorm2d, zoo.cp_BatchNorm2d])
+def test_direct_call_in_a_users_module_is_one_graph_and_exact(images, norm):
+    plain, ckpt = user_nets("checkpoint", norm)
+    rec = GraphRecorder()
+    assert_compiled_matches_eager_plain(plain, ckpt, images, backend=rec)
+    assert len(rec.dynamo) == 1, "the model was split into several graphs"
+    assert rec.count("dynamo", TAG) == 3, "each zoo.checkpoint call is one checkpoint subgraph"
+    conv = torch.ops.aten.convolution.default
+    assert rec.count("backward", conv) >= 6, "backward does not rerun the regions' convolutions"
+
+
+def test_compiled_plain_model_recomputes_nothing(images):
+    plain, _ = user_nets("checkpoint")
+    rec = GraphRecorder()
+    assert_compiled_matches_eager_plain(plain, copy.deepcopy(plain), images, backend=rec)
+    assert rec.count("dynamo", TAG) == 0
+    assert rec.count("backward", torch.ops.aten.convolution.default) == 0
+
+
+def test_checkpoint_sequential_compiles_exactly(images):
+    plain, ckpt = user_nets("sequential")
+    rec = GraphRecorder()
+    assert_compiled_matches_eager_plain(plain, ckpt, images, backend=rec)
+    assert len(rec.dynamo) == 1 and rec.count("dynamo", TAG) == 2  # two segments
+
+
+def test_cp_batchnorm_under_torchs_checkpoint_compiles_exactly(images):
+    """cp_BatchNorm reads autograd's graph task eagerly; while compiling it must not (no break)."""
+
+    class TorchCheckpointed(UserNet):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.stem(x)
+            for block in self.blocks:
+                x = torch.utils.checkpoint.checkpoint(block, x, 0.5, shift=self.shift,
+                                                      use_reentrant=False)
+            return x.mean((2, 3))
+
+    torch.manual_seed(0)
+    plain = UserNet("plain", zoo.cp_BatchNorm2d).double()
+    assert_compiled_matches_eager_plain(plain, TorchCheckpointed("x", zoo.cp_BatchNorm2d).double(),
+                                        images)
+
+
+def test_is_recomputing_is_false_while_tracing():
+    """A compiled graph never reruns Python: the flags read False when traced (and break no graph),
+    inside a region as outside it."""
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        return x.cos() if zoo.is_recomputing() or zoo.nn.in_recompute() else x.sin()
+
+    x = torch.randn(3, requires_grad=True)
+    out = torch.compile(lambda t: zoo.checkpoint(region, t), fullgraph=True,
+                        backend="aot_eager")(x)
+    torch.testing.assert_close(out, x.sin())
+
+
+# ---- selective recompute (save_ops) ---------------------------------------------------------
+class MLP(nn.Module):
+    def __init__(self, save_ops: set | None, checkpointed: bool = True) -> None:
+        super().__init__()
+        self.save_ops, self.checkpointed = save_ops, checkpointed
+        self.fc1, self.fc2, self.drop = nn.Linear(16, 32), nn.Linear(32, 16), nn.Dropout(0.2)
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.nn.functional.gelu(self.fc1(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.checkpointed:
+            return self.body(x)
+        return zoo.checkpoint(self.body, x, save_ops=self.save_ops)
+
+
+@pytest.mark.parametrize("save_ops, reruns_matmul", [
+    (None, True), ({torch.ops.aten.addmm.default, torch.ops.aten.mm.default}, False)])
+def test_save_ops_are_honoured_when_compiled(save_ops, reruns_matmul):
+    torch.manual_seed(0)
+    plain = MLP(None, checkpointed=False).double()
+    x = torch.randn(8, 16, dtype=torch.float64)
+    rec = GraphRecorder()
+    assert_compiled_matches_eager_plain(plain, MLP(save_ops).double(), x, backend=rec)
+    assert rec.count("dynamo", TAG) == 1
+    gelu = torch.ops.aten.gelu.default
+    assert rec.count("backward", gelu) == 1, "the cheap part is recomputed either way"
+    assert (rec.count("backward", torch.ops.aten.addmm.default) > 0) == reruns_matmul
+
+
+# ---- every family's models -------------------------------------------------------------------
+def small_models() -> list:
+    """One small model per family, each with every checkpoint mode."""
+    builders = {
+        "cifar_cnn": lambda: zoo.create_model("cifar_cnn"),
+        "resnet20": lambda: zoo.create_model("resnet20"),
+        "densenet": lambda: DenseNet(growth_rate=4, block_config=(3, 3), num_init_features=8,
+                                     bn_size=2, num_classes=10, stem="cifar", drop_rate=0.2),
+        "vit_cifar": lambda: zoo.create_model("vit_cifar", drop_rate=0.1),
+        "bert": lambda: zoo.create_model("bert_base", vocab_size=64, max_positions=16,
+                                         embed_dim=32, depth=2, num_heads=2),
+        "gpt2": lambda: zoo.create_model("gpt2_small", num_classes=64, context_length=16,
+                                         embed_dim=32, depth=2, num_heads=2),
+    }
+    params = []
+    for family, build in builders.items():
+        with torch.device("meta"):
+            modes = build().checkpoint_modes
+        params += [pytest.param(build, mode, id=f"{family}-{mode}") for mode in modes]
+    return params
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build, mode", small_models())
+def test_every_mode_of_every_family_compiles_fullgraph_and_trains_like_eager_plain(build, mode):
+    torch.manual_seed(0)
+    plain = build().double()
+    ckpt = copy.deepcopy(plain)
+    ckpt.set_grad_checkpointing(mode)
+    x = plain.example_input(2)
+    x = x.double() if x.is_floating_point() else x
+    rec = GraphRecorder()
+    assert_compiled_matches_eager_plain(plain, ckpt, x, backend=rec)
+    assert len(rec.dynamo) == 1 and rec.count("dynamo", TAG) > 0
+
+
+# ---- inductor, the default backend ----------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["checkpoint", "save_ops"])
+def test_inductor_compiled_regions_train_like_eager_plain(how, images):
+    if how == "checkpoint":
+        plain, ckpt = user_nets("checkpoint")
+        for block in (*plain.blocks, *ckpt.blocks):
+            block.drop.p = 0.0  # inductor draws a checkpointed region's dropout from its own RNG
+        x = images
+    else:
+        torch.manual_seed(0)
+        plain, ckpt = MLP(None, checkpointed=False).double(), MLP({torch.ops.aten.mm.default,
+                                                                 torch.ops.aten.addmm.default})
+        ckpt, x = ckpt.double(), torch.randn(8, 16, dtype=torch.float64)
+    import torch._inductor.config as inductor_config
+    with inductor_config.patch(fallback_random=True):  # dropout from eager's RNG stream
+        assert_compiled_matches_eager_plain(plain, ckpt, x, backend="inductor")
+
+
+@pytest.mark.slow
+def test_inductor_recompute_uses_the_forwards_dropout_mask():
+    """With x = 0.5 everywhere, dropout(x, 0.5) is the 0/1 mask itself, so the output
+    sin(mask) reveals the mask the forward drew, and the gradient must be cos(mask) * mask * 2:
+    a recompute that drew a new mask would give another gradient."""
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(torch.nn.functional.dropout(x, 0.5, training=True))
+
+    x = torch.full((4096,), 0.5, dtype=torch.float64, requires_grad=True)
+    torch._dynamo.reset()
+    out = torch.compile(lambda t: zoo.checkpoint(region, t), fullgraph=True)(x)
+    out.sum().backward()
+    mask = (out != 0).double()
+    assert 0.3 < mask.mean() < 0.7
+    torch.testing.assert_close(x.grad, torch.cos(mask) * mask * 2)
+
+
+def test_torch_keywords_and_a_users_selective_policy_compile():
+    """A library handing zoo.checkpoint torch's keywords (and its own SAC context_fn) compiles."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    policy = functools.partial(create_selective_checkpoint_contexts,
+                               [torch.ops.aten.addmm.default, torch.ops.aten.mm.default])
+    torch.manual_seed(0)
+    plain = MLP(None, checkpointed=False).double()
+
+    class Keyworded(MLP):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return zoo.checkpoint(self.body, x, use_reentrant=False, preserve_rng_state=True,
+                                  context_fn=policy, determinism_check="default")
+
+    rec = GraphRecorder()
+    x = torch.randn(8, 16, dtype=torch.float64)
+    assert_compiled_matches_eager_plain(plain, Keyworded(None).double(), x, backend=rec)
+    assert rec.count("backward", torch.ops.aten.addmm.default) == 0  # the policy was honoured

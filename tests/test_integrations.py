@@ -1,0 +1,225 @@
+"""zoo.set_grad_checkpointing on torchvision, timm, zoo and users' models: exactly the plain model
+(outputs, gradients, BatchNorm buffers over three train-mode steps, dropout on), a lower measured
+peak, recomputed by zoo.checkpoint, and enable=False gives the plain model back."""
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Callable
+
+import pytest
+import timm
+import torch
+import torchvision
+from torch import nn
+
+import zoo
+from helpers import assert_same_training
+from zoo.memory import cpu_peak_bytes
+
+
+def step_peak(model: nn.Module, forward: Callable, x: torch.Tensor) -> int:
+    """Exact CPU peak (MemTracker) of one train step, the model's parameters counted."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    peak = cpu_peak_bytes(lambda: forward(x).float().square().mean().backward(), track=(model,))
+    model.zero_grad(set_to_none=True)
+    return peak
+
+
+def recomputes_with_zoo(forward: Callable, x: torch.Tensor) -> bool:
+    """Whether some module runs while zoo.checkpoint recomputes during one backward."""
+    seen = []
+    handle = nn.modules.module.register_module_forward_pre_hook(
+        lambda m, a: seen.append(zoo.is_recomputing()))
+    try:
+        forward(x).float().square().mean().backward()
+    finally:
+        handle.remove()
+    return any(seen)
+
+
+def classes(model: nn.Module) -> list[type]:
+    return [type(m) for m in model.modules()]
+
+
+def assert_exact_lighter_and_undone(plain: nn.Module, x: torch.Tensor,
+                                    call: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+                                    = lambda m, t: m(t), via: str | None = None,
+                                    **options) -> nn.Module:
+    """The issue's checks for one model; returns the checkpointed copy (switched off again)."""
+    ckpt = copy.deepcopy(plain)
+    assert zoo.set_grad_checkpointing(ckpt, **options) is ckpt
+    if via is not None:
+        assert ckpt._zoo_grad_checkpointing["via"] == via
+    fresh = copy.deepcopy(plain)
+    assert_same_training(plain, lambda t: call(plain, t), ckpt, lambda t: call(ckpt, t), x,
+                         steps=3)
+    assert recomputes_with_zoo(lambda t: call(ckpt, t), x)
+    naive = step_peak(plain, lambda t: call(plain, t), x)
+    light = step_peak(ckpt, lambda t: call(ckpt, t), x)
+    assert light < naive, f"checkpointed peak {light} not below plain {naive}"
+    zoo.set_grad_checkpointing(ckpt, enable=False)
+    assert classes(ckpt) == classes(fresh)
+    assert list(ckpt.state_dict()) == list(fresh.state_dict())
+    assert not recomputes_with_zoo(lambda t: call(ckpt, t), x)
+    ckpt.load_state_dict(fresh.state_dict())
+    for train in (True, False):
+        fresh.train(train), ckpt.train(train)
+        outs = []
+        for model in (fresh, ckpt):
+            torch.manual_seed(1)
+            with torch.no_grad():
+                outs.append(call(model, x))
+        torch.testing.assert_close(outs[1], outs[0])
+    return ckpt
+
+
+# --------------------------------------------------------------------------------------------
+# torchvision: no hook of its own, so the repeated blocks are checkpointed.
+# --------------------------------------------------------------------------------------------
+def test_torchvision_resnet18():
+    torch.manual_seed(0)
+    assert_exact_lighter_and_undone(torchvision.models.resnet18(num_classes=5),
+                                    torch.randn(2, 3, 64, 64), via="blocks")
+
+
+def test_torchvision_densenet121_with_dropout():
+    torch.manual_seed(0)
+    model = torchvision.models.densenet121(num_classes=5, drop_rate=0.2)
+    assert_exact_lighter_and_undone(model, torch.randn(2, 3, 64, 64), via="blocks")
+
+
+# --------------------------------------------------------------------------------------------
+# timm: its own set_grad_checkpointing, recomputed by zoo.checkpoint, BatchNorm converted.
+# --------------------------------------------------------------------------------------------
+def test_timm_resnet50():
+    torch.manual_seed(0)
+    model = timm.create_model("resnet50", num_classes=5, drop_rate=0.2)
+    ckpt = assert_exact_lighter_and_undone(model, torch.randn(2, 3, 64, 64), via="timm")
+    assert not ckpt.layer1[0].__dict__.get("_zoo_routed") and not ckpt.grad_checkpointing
+
+
+def test_timm_efficientnet_b0_with_drop_path():
+    torch.manual_seed(0)
+    model = timm.create_model("efficientnet_b0", num_classes=5, drop_rate=0.2,
+                              drop_path_rate=0.2)
+    assert_exact_lighter_and_undone(model, torch.randn(2, 3, 64, 64), via="timm")
+
+
+def test_timm_vit_with_dropout():
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=64, patch_size=8, depth=3,
+                              embed_dim=48, num_heads=3, num_classes=5, drop_rate=0.1,
+                              proj_drop_rate=0.1, attn_drop_rate=0.1, drop_path_rate=0.1)
+    assert_exact_lighter_and_undone(model, torch.randn(2, 3, 64, 64), via="timm")
+
+
+def test_timm_model_that_refuses_checkpointing_gets_its_blocks_checkpointed():
+    """timm's CSPNets assert 'gradient checkpointing not supported': the block rule instead."""
+    torch.manual_seed(0)
+    model = timm.create_model("cs3darknet_s", num_classes=5)
+    with pytest.raises(AssertionError):
+        copy.deepcopy(model).set_grad_checkpointing(True)
+    assert_exact_lighter_and_undone(model, torch.randn(2, 3, 32, 32), via="blocks")
+
+
+def test_timm_routing_leaves_other_timm_models_to_timm():
+    """The dispatchers send only marked models to zoo; another resnet keeps torch's checkpoint."""
+    torch.manual_seed(0)
+    ours = zoo.set_grad_checkpointing(timm.create_model("resnet10t", num_classes=3))
+    theirs = timm.create_model("resnet10t", num_classes=3)
+    theirs.set_grad_checkpointing(True)
+    x = torch.randn(2, 3, 32, 32)
+    assert recomputes_with_zoo(ours, x)
+    assert not recomputes_with_zoo(theirs, x)
+    assert type(theirs.bn1) is nn.BatchNorm2d
+
+
+# --------------------------------------------------------------------------------------------
+# zoo models and users' networks.
+# --------------------------------------------------------------------------------------------
+def test_zoo_model_uses_its_own_modes():
+    torch.manual_seed(0)
+    model = zoo.create_model("resnet20", num_classes=5)
+    ckpt = copy.deepcopy(model)
+    zoo.set_grad_checkpointing(ckpt)
+    assert ckpt.grad_checkpointing == ckpt.checkpoint_modes[0]
+    zoo.set_grad_checkpointing(ckpt, ckpt.checkpoint_modes[-1])
+    assert ckpt.grad_checkpointing == ckpt.checkpoint_modes[-1]
+    assert_exact_lighter_and_undone(model, torch.randn(2, 3, 16, 16), via="zoo")
+
+
+class Shared(nn.Module):
+    """A user's network: four blocks in a ModuleList, the second one called twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Dropout(0.2)) for _ in range(4))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for i in (0, 1, 1, 2, 3):
+            x = self.blocks[i](x) + x
+        return self.head(x.mean((2, 3)))
+
+
+def test_user_network_with_a_block_called_twice():
+    torch.manual_seed(0)
+    model = Shared()
+    assert [n for n, _ in zoo.blocks.find_blocks(model)] == [f"blocks.{i}" for i in range(4)]
+    assert_exact_lighter_and_undone(model, torch.randn(2, 3, 16, 16), via="blocks")
+
+
+def test_modules_by_type_name_and_dotted_name():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=5)
+    zoo.set_grad_checkpointing(model, modules="BasicBlock")
+    assert sum(zoo.blocks.is_checkpointed(m) for m in model.modules()) == 8
+    zoo.set_grad_checkpointing(model, modules=["layer1", "layer4.1"])
+    assert [n for n, m in model.named_modules() if zoo.blocks.is_checkpointed(m)] == [
+        "layer1", "layer4.1"]
+    assert_exact_lighter_and_undone(torchvision.models.resnet18(num_classes=5),
+                                    torch.randn(2, 3, 64, 64),
+                                    modules=[torchvision.models.resnet.BasicBlock])
+
+
+def test_nothing_to_checkpoint_is_a_value_error_naming_what_was_looked_for():
+    with pytest.raises(ValueError, match="no repeated blocks"):
+        zoo.set_grad_checkpointing(nn.Sequential(nn.Linear(2, 3), nn.ReLU()))
+    with pytest.raises(ValueError, match="no submodule matching 'Attention'"):
+        zoo.set_grad_checkpointing(torchvision.models.resnet18(), modules="Attention")
+    with pytest.raises(ValueError, match="mode name is for zoo models"):
+        zoo.set_grad_checkpointing(torchvision.models.resnet18(), "block")
+
+
+def test_checkpointed_models_save_and_deepcopy_as_checkpointed():
+    """torch.save(model) and deepcopy keep the checkpointing (class swaps pickle by original)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 32, 32)
+    for model in (zoo.set_grad_checkpointing(torchvision.models.resnet18(num_classes=5)),
+                  zoo.set_grad_checkpointing(timm.create_model("efficientnet_b0", num_classes=5))):
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+        for other in (loaded, copy.deepcopy(model)):
+            assert classes(other) == classes(model)
+            assert recomputes_with_zoo(other, x)
+            zoo.set_grad_checkpointing(other, enable=False)
+            assert not recomputes_with_zoo(other, x)
+
+
+def test_checkpointed_blocks_compile_in_one_graph():
+    """torch.compile(fullgraph=True) of a network checkpointed by zoo.set_grad_checkpointing:
+    outputs, gradients and BatchNorm buffers as the eager plain network's."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), *[nn.Sequential(
+        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()) for _ in range(3)])
+    ckpt = zoo.set_grad_checkpointing(copy.deepcopy(plain))
+    compiled = torch.compile(ckpt, backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 3, 8, 8)
+    assert_same_training(plain, plain, ckpt, compiled, x, steps=2)

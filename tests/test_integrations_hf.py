@@ -1,0 +1,137 @@
+"""zoo.set_grad_checkpointing on Hugging Face models built offline from small configs: exactly the
+plain model with dropout on, lighter, recomputed by zoo.checkpoint, still after a later
+gradient_checkpointing_enable(), and plain again after enable=False. transformers is a test
+dependency only: zoo itself must import without it."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import zoo
+from test_integrations import assert_exact_lighter_and_undone, recomputes_with_zoo
+
+transformers = pytest.importorskip("transformers")
+
+
+def bert() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3,
+                                     num_attention_heads=2, intermediate_size=64,
+                                     max_position_embeddings=64)
+    return transformers.BertModel(config)
+
+
+def gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=2,
+                                     n_positions=64)
+    return transformers.GPT2Model(config)
+
+
+def gpt2_hidden(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, use_cache=False).last_hidden_state
+
+
+def token_ids() -> torch.Tensor:
+    return torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(3))
+
+
+def bert_hidden(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids).last_hidden_state
+
+
+@pytest.mark.parametrize("build,call", [(bert, bert_hidden), (gpt2, gpt2_hidden)],
+                         ids=["bert", "gpt2"])
+def test_hf_model_is_exact_lighter_and_undone(build, call):
+    model = build()
+    config = model.config
+    assert getattr(config, "hidden_dropout_prob", None) or config.resid_pdrop  # dropout is on
+    ckpt = assert_exact_lighter_and_undone(model, token_ids(), call=call, via="hf")
+    assert "_set_gradient_checkpointing" not in ckpt.__dict__
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in ckpt.modules())
+
+
+def _hf_enable_calls(model: torch.nn.Module) -> list:
+    """HF's public switches on this version: gradient_checkpointing_enable (and its successor
+    activation_checkpointing_enable where it exists), with and without torch's keywords."""
+    calls = [lambda: model.gradient_checkpointing_enable(),
+             lambda: model.gradient_checkpointing_enable(
+                 gradient_checkpointing_kwargs={"use_reentrant": True})]
+    if hasattr(model, "activation_checkpointing_enable"):
+        calls.append(lambda: model.activation_checkpointing_enable())
+    return calls
+
+
+def test_hf_later_gradient_checkpointing_enable_keeps_zoo():
+    model = zoo.set_grad_checkpointing(gpt2())
+    ids = token_ids()
+    for enable in _hf_enable_calls(model):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # HF 5 renamed the switch
+            enable()
+        assert recomputes_with_zoo(lambda t: gpt2_hidden(model, t), ids)
+    getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()
+    assert not recomputes_with_zoo(lambda t: gpt2_hidden(model, t), ids)
+    plain = gpt2()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        plain.gradient_checkpointing_enable()  # untouched by zoo: torch's checkpoint
+    assert not recomputes_with_zoo(lambda t: gpt2_hidden(plain, t), ids)
+
+
+def test_hf_deepcopy_keeps_zoo_on_the_copy():
+    model = zoo.set_grad_checkpointing(bert())
+    twin = copy.deepcopy(model)
+    assert twin.__dict__["_set_gradient_checkpointing"].model is twin
+    zoo.set_grad_checkpointing(model, enable=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        twin.gradient_checkpointing_enable()
+    assert recomputes_with_zoo(lambda t: bert_hidden(twin, t), token_ids())
+
+
+def test_hf_torch_keywords_reach_zoo_checkpoint():
+    """gradient_checkpointing_kwargs (torch's keywords) are passed on to zoo.checkpoint, which
+    takes them: a context_fn is entered around the forward and the recompute, not dropped."""
+    model = zoo.set_grad_checkpointing(bert())
+    entered = []
+
+    @contextlib.contextmanager
+    def note(what: str):
+        entered.append(what)
+        yield
+
+    kwargs = {"use_reentrant": True, "context_fn": lambda: (note("forward"), note("recompute"))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    assert recomputes_with_zoo(lambda t: bert_hidden(model, t), token_ids())
+    layers = model.config.num_hidden_layers
+    assert entered.count("forward") == layers and entered.count("recompute") == layers
+
+
+def test_zoo_imports_without_transformers():
+    code = "import sys, zoo; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_hf_other_checkpoint_function_is_kept_with_a_warning():
+    """A function that is not torch's checkpoint (HF's offload=True wraps it) is the user's
+    choice: kept, and the warning says zoo's checkpoint is no longer the one in use."""
+    model = zoo.set_grad_checkpointing(gpt2())
+    calls = []
+
+    def custom(function, *args, **kwargs):
+        calls.append(1)
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+
+    with pytest.warns(UserWarning, match="not zoo.checkpoint; BatchNorm stays exact"):
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=custom)
+    assert not recomputes_with_zoo(lambda t: gpt2_hidden(model, t), token_ids())
+    assert len(calls) == model.config.n_layer

@@ -1,0 +1,77 @@
+"""train.py --compile with every --efficient value: it trains the model eager plain training
+gives, and its runs resume (issue 11 item 2).
+
+The library-level runs compile with the ``aot_eager`` backend (Dynamo and AOTAutograd as for
+inductor, eager kernels: seconds instead of minutes of C++ compilation on a CPU); one real
+command-line run uses the default backend, inductor.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zoo.config import ConfigError, TrainConfig
+from zoo.run_dir import load_checkpoint
+from zoo.training import fit
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def tiny(path: Path | None, **kw) -> TrainConfig:
+    base = dict(model="cifar_cnn", dataset="shapes", train_size=16, test_size=8, batch_size=8,
+                epochs=1, lr=0.05, seed=4, schedule="constant",
+                out_dir=None if path is None else str(path))
+    return TrainConfig(**{**base, **kw})
+
+
+def quiet(_msg: str) -> None:
+    pass
+
+
+@pytest.fixture(scope="module")
+def eager_plain(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """Weights after two epochs, eager, no checkpointing."""
+    run = tmp_path_factory.mktemp("plain") / "run"
+    fit(tiny(run, epochs=2), log=quiet)
+    return load_checkpoint(run / "last.pt")["model"]
+
+
+@pytest.mark.parametrize("efficient", [False, True, "halves", "block", "bn_relu"])
+def test_compiled_run_of_every_efficient_value_resumes_and_equals_eager_plain(
+        tmp_path, eager_plain, efficient):
+    run = tmp_path / "run"
+    torch._dynamo.reset()
+    fit(tiny(run, epochs=1, compile="aot_eager", efficient=efficient), log=quiet)
+    torch._dynamo.reset()  # a resumed run is a new process: nothing compiled yet
+    fit(dataclasses.replace(tiny(None, epochs=2, compile="aot_eager", efficient=efficient),
+                            resume=str(run)), log=quiet)
+    got = load_checkpoint(run / "last.pt")
+    assert got["epoch"] == 2
+    for key, value in eager_plain.items():
+        torch.testing.assert_close(got["model"][key], value, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{key}: {m}")
+
+
+def test_compile_takes_true_false_or_a_backend_name_and_refuses_others():
+    TrainConfig(model="cifar_cnn", compile="aot_eager").validate()
+    with pytest.raises(ConfigError, match="compile must be True, False or a torch.compile "
+                                          "backend .*inductor.*got 'inductr'"):
+        TrainConfig(model="cifar_cnn", compile="inductr").validate()
+
+
+@pytest.mark.slow
+def test_command_line_compile_true_efficient_true_with_inductor(tmp_path):
+    args = ["--model", "cifar_cnn", "--efficient", "True", "--compile", "True", "--dataset",
+            "shapes", "--train_size", "16", "--test_size", "8", "--batch_size", "8", "--epochs",
+            "1", "--device", "cpu", "--out_dir", str(tmp_path / "run")]
+    done = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True,
+                          text=True, timeout=900, cwd=ROOT, env={**os.environ})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert load_checkpoint(tmp_path / "run" / "last.pt")["epoch"] == 1

@@ -1,0 +1,258 @@
+"""Per-region overhead of a checkpoint: a chain of many tiny checkpointed regions, eager and
+compiled.
+
+Each region is one conv3x3-BN-ReLU-dropout-conv3x3-BN-ReLU block of width 8 on one 8x8 image, so
+its kernels take microseconds and a training step (forward + backward) is mostly the checkpoint's
+own work per region: the host time a GPU waits for when a model has many small layers
+(DenseNet-BC-100 at 32x32 has ~100 such regions). Compared, each on its own copy of the chain:
+
+* checkpoint: none, torch.utils.checkpoint non-reentrant, torch reentrant, zoo.checkpoint;
+* run as: ``eager``; ``compiled`` (``torch.compile`` of the whole chain, ``fullgraph=True``,
+  static shapes); on CUDA also ``reduce-overhead`` (the same with CUDA graphs, which replay the
+  whole step's kernels without host work per region).
+
+A combination that fails (to compile, say) is reported as failed with a one-line reason and
+left out of the timing, so the same command gives its figures once it works. Times: every
+combination takes one step per round, in a shuffled order, after warm-up (the first, compiling
+step is extra); medians and interquartile ranges as ratios to eager ``none`` in the same run, and
+the extra microseconds per region, ``(t - t_none) / regions``, against ``none`` run the same way
+(so a compiled checkpoint is charged only for what it adds to the compiled plain chain).
+"""
+from __future__ import annotations
+
+import copy
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import checkpoint as torch_checkpoint
+
+import zoo
+
+__all__ = ["make_chain", "WRAPPERS", "run_modes", "Combo", "build_combos", "time_combos",
+           "overhead_rows", "overhead_table", "overhead_header", "run_overhead", "one_line"]
+
+Wrapper = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+WRAPPERS: dict[str, Wrapper] = {
+    "none": lambda block, x: block(x),
+    "torch non-reentrant": lambda block, x: torch_checkpoint.checkpoint(
+        block, x, use_reentrant=False),
+    "torch reentrant": lambda block, x: torch_checkpoint.checkpoint(block, x, use_reentrant=True),
+    "zoo.checkpoint": lambda block, x: zoo.checkpoint(block, x),
+}
+
+
+def make_chain(blocks: int, width: int, seed: int = 0) -> nn.Sequential:
+    """``blocks`` conv-BN-ReLU-dropout-conv-BN-ReLU blocks of ``width`` channels (same seed, same
+    weights): the chain of scripts/bench_checkpoint.py."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*[
+        nn.Sequential(nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width),
+                      nn.ReLU(), nn.Dropout(0.1), nn.Conv2d(width, width, 3, padding=1, bias=False),
+                      nn.BatchNorm2d(width), nn.ReLU())
+        for _ in range(blocks)])
+
+
+class Chain(nn.Module):
+    """``blocks`` run one after another, each through ``wrap`` (its checkpoint, or none)."""
+
+    def __init__(self, blocks: nn.Sequential, wrap: Wrapper) -> None:
+        super().__init__()
+        self.blocks = blocks
+        self.wrap = wrap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = self.wrap(block, x)
+        return x
+
+
+def run_modes(device: torch.device, compile: bool = True) -> list[str]:
+    """``eager``, then ``compiled`` (if ``compile``), then ``reduce-overhead`` on CUDA."""
+    modes = ["eager"]
+    if compile:
+        modes.append("compiled")
+        if device.type == "cuda":
+            modes.append("reduce-overhead")
+    return modes
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message (compile errors
+    carry pages of context; the first line names the cause)."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
+
+
+@dataclass
+class Combo:
+    """One checkpoint run one way, on its own copy of the chain."""
+
+    checkpoint: str
+    run_as: str
+    chain: Chain
+    forward: Callable[[torch.Tensor], torch.Tensor]
+    error: str | None = None
+    first_step_s: float | None = None
+    bn_count_after_one_step: int | None = None
+    times: list[float] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.checkpoint} ({self.run_as})"
+
+    def step(self, x: torch.Tensor) -> None:
+        """One training step: forward, ``square().mean()`` loss, backward, fresh gradients."""
+        if self.run_as == "reduce-overhead" and hasattr(torch.compiler,
+                                                        "cudagraph_mark_step_begin"):
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: last step's outputs are free
+        self.chain.zero_grad(set_to_none=True)
+        x.grad = None
+        self.forward(x).square().mean().backward()
+
+
+def _compiled(chain: Chain, run_as: str, backend: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if run_as == "eager":
+        return chain
+    kwargs: dict[str, Any] = {"fullgraph": True, "dynamic": False, "backend": backend}
+    if run_as == "reduce-overhead":
+        kwargs["mode"] = "reduce-overhead"
+    return torch.compile(chain, **kwargs)
+
+
+def build_combos(base: nn.Sequential, modes: Sequence[str], x: torch.Tensor,
+                 checkpoints: Sequence[str] = tuple(WRAPPERS), backend: str = "inductor",
+                 sync: Callable[[], None] = lambda: None) -> list[Combo]:
+    """Every (checkpoint, run-as) combination on its own deep copy of ``base``, each taking its
+    first step (where a compiled one compiles): the time it took, the largest BatchNorm
+    ``num_batches_tracked`` it left (1 = statistics updated once, as without checkpoint), or the
+    one-line error that stopped it."""
+    combos = []
+    for run_as in modes:
+        for name in checkpoints:
+            chain = Chain(copy.deepcopy(base), WRAPPERS[name])
+            combo = Combo(name, run_as, chain, _compiled(chain, run_as, backend))
+            torch.manual_seed(0)
+            sync()
+            start = time.perf_counter()
+            try:
+                combo.step(x)
+                sync()
+            except Exception as e:  # noqa: BLE001 - reported, not raised: see module docstring
+                combo.error = one_line(e)
+            else:
+                combo.first_step_s = time.perf_counter() - start
+                combo.bn_count_after_one_step = max(
+                    int(m.num_batches_tracked) for m in chain.modules()
+                    if isinstance(m, nn.BatchNorm2d))
+            combos.append(combo)
+    return combos
+
+
+def time_combos(combos: Sequence[Combo], x: torch.Tensor, repeats: int, warmup: int,
+                sync: Callable[[], None] = lambda: None, seed: int = 0) -> None:
+    """Fill each working combination's ``times``: one step each per round, shuffled order (a
+    combination whose step raises gets the error and no times)."""
+    for i in range(warmup + repeats):
+        order = [c for c in combos if c.error is None]
+        random.Random(seed + i).shuffle(order)
+        for combo in order:
+            sync()
+            start = time.perf_counter()
+            try:
+                combo.step(x)
+                sync()
+            except Exception as e:  # noqa: BLE001 - a later step broke: reported, not raised
+                combo.error, combo.times = f"step {i + 2}: {one_line(e)}", []
+                continue
+            if i >= warmup:
+                combo.times.append(time.perf_counter() - start)
+
+
+def overhead_rows(combos: Sequence[Combo], regions: int) -> list[dict[str, Any]]:
+    """One JSON-ready row per combination, ratios against eager ``none`` and the extra time per
+    region against ``none`` run the same way (None where that ``none`` failed)."""
+    medians = {(c.checkpoint, c.run_as): statistics.median(c.times) for c in combos if c.times}
+    base = medians.get(("none", "eager"))
+    rows = []
+    for c in combos:
+        row: dict[str, Any] = {"checkpoint": c.checkpoint, "run_as": c.run_as,
+                               "status": "failed" if c.error else "ok", "error": c.error,
+                               "first_step_s": c.first_step_s,
+                               "bn_count_after_one_step": c.bn_count_after_one_step}
+        if c.times:
+            median = medians[(c.checkpoint, c.run_as)]
+            q1, _, q3 = statistics.quantiles(c.times, n=4) if len(c.times) > 1 else [median] * 3
+            none = medians.get(("none", c.run_as))
+            row.update(times_s=c.times, median_s=median, iqr_s=[q1, q3],
+                       ratio_to_eager_none=median / base if base else None,
+                       iqr_ratio_to_eager_none=[q1 / base, q3 / base] if base else None,
+                       extra_us_per_region=(median - none) / regions * 1e6 if none else None)
+        rows.append(row)
+    return rows
+
+
+def overhead_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The rows as the Markdown table of docs/BENCHMARKS.md."""
+    lines = ["| checkpoint | run as | median step | x eager none (IQR) | extra us/region vs none "
+             "run the same way | BN count after 1 step | status |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['checkpoint']} | {r['run_as']} | - | - | - | - "
+                         f"| failed: {r['error']} |")
+            continue
+        ratio = r["ratio_to_eager_none"]
+        cell = "-" if ratio is None else "{:.2f}x ({:.2f}-{:.2f})".format(
+            ratio, *r["iqr_ratio_to_eager_none"])
+        extra = r["extra_us_per_region"]
+        lines.append(f"| {r['checkpoint']} | {r['run_as']} | {r['median_s'] * 1e3:.2f} ms "
+                     f"| {cell} | {'-' if extra is None else f'{extra:+.1f}'} "
+                     f"| {r['bn_count_after_one_step']} | ok |")
+    return "\n".join(lines)
+
+
+def overhead_header(payload: dict[str, Any]) -> str:
+    """One line naming the workload, the machine and the repeats of ``payload``."""
+    s, m = payload["settings"], payload["machine"]
+    where = m.get("gpu") or f"{m['cpu']}, {m['torch_threads']} thread(s)"
+    return (f"{s['regions']} checkpointed regions (conv-BN-ReLU-dropout-conv-BN-ReLU, width "
+            f"{s['width']}, batch {s['batch_size']}, {s['size']}x{s['size']}); {where}; torch "
+            f"{m['torch']}; compile backend {s['backend']}; {s['repeats']} timed rounds after "
+            f"{s['warmup']} warm-up, interleaved in shuffled order")
+
+
+def run_overhead(device: str = "cpu", regions: int = 100, repeats: int = 31, warmup: int = 3,
+                 threads: int | None = 1, compile: bool = True, backend: str = "inductor",
+                 width: int = 8, batch_size: int = 1, size: int = 8,
+                 checkpoints: Sequence[str] = tuple(WRAPPERS),
+                 modes: Sequence[str] | None = None) -> dict[str, Any]:
+    """The whole benchmark (module docstring); a JSON-ready payload with machine and command.
+    ``modes``: the ways to run (default :func:`run_modes`; ``eager`` is the ratios' base)."""
+    from .report import command_line, machine_info
+
+    if threads:
+        torch.set_num_threads(threads)
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(dev)
+
+    base = make_chain(regions, width).to(dev)
+    x = torch.randn(batch_size, width, size, size, device=dev, requires_grad=True)
+    modes = list(modes or run_modes(dev, compile))
+    if "eager" not in modes:
+        modes.insert(0, "eager")
+    combos = build_combos(base, modes, x, checkpoints, backend, sync)
+    time_combos(combos, x, repeats, warmup, sync)
+    settings = {"regions": regions, "width": width, "batch_size": batch_size, "size": size,
+                "repeats": repeats, "warmup": warmup, "backend": backend, "modes": modes}
+    return {"kind": "overhead", "machine": machine_info(dev), "command": command_line(),
+            "settings": settings, "rows": overhead_rows(combos, regions)}

@@ -1,0 +1,292 @@
+"""One call that checkpoints any model exactly: ``zoo.set_grad_checkpointing(model)``.
+
+Users bring models from everywhere; each family already has a way to switch checkpointing on,
+and each of those ways recomputes with ``torch.utils.checkpoint``, so BatchNorm counts every batch
+twice (pytorch/pytorch#96136) and nothing else of the zoo's contract holds. This module switches
+each family on *through its own hook* with ``zoo.checkpoint`` in place of torch's:
+
+* zoo models: their own checkpointing modes (``model.set_grad_checkpointing``).
+* timm models: timm's ``set_grad_checkpointing(True)``. timm's models call the ``checkpoint`` and
+  ``checkpoint_seq`` helpers of ``timm.models._manipulate`` that their module imported; those
+  names are replaced, once per timm module, by dispatchers that send the calls of modules marked
+  by this call to ``zoo.checkpoint`` and every other call to timm's own helper unchanged. Models
+  whose ``set_grad_checkpointing`` refuses (timm's CSPNets) get the repeated-block rule below.
+* Hugging Face ``PreTrainedModel``: ``_set_gradient_checkpointing`` with ``zoo.checkpoint`` as
+  HF's ``_gradient_checkpointing_func``. A later ``gradient_checkpointing_enable()`` /
+  ``activation_checkpointing_enable()`` keeps zoo's: the model's ``_set_gradient_checkpointing``
+  is intercepted to swap torch's checkpoint for zoo's, torch's keywords kept (with
+  ``offload=True`` HF's own function is kept, with a warning).
+* anything else (torchvision, a user's network): the members of its largest containers of
+  same-type blocks (:func:`zoo.blocks.find_blocks`) run through ``zoo.checkpoint`` on every call
+  (:func:`zoo.blocks.checkpoint_module`), so a block called twice is two regions.
+
+timm and HF models also get recompute-safe BatchNorm (:func:`zoo.nn.convert_batchnorm`), which
+keeps them exact even where a path of theirs still reaches torch's checkpoint. ``enable=False``
+puts back the plain model: same classes, same state_dict, same outputs.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import warnings
+from collections.abc import Callable, Iterable
+from itertools import chain
+from typing import Any
+
+from torch import nn
+from torch.utils import checkpoint as torch_checkpoint
+
+from .blocks import checkpoint_module, find_blocks, is_checkpointed
+from .checkpoint import checkpoint, run_blocks
+from .models import ZooModel
+from .nn import convert_batchnorm, recompute_safe_class, restore_batchnorm
+
+__all__ = ["set_grad_checkpointing"]
+
+_STATE = "_zoo_grad_checkpointing"  # on the model: how this call switched it on
+_ROUTED = "_zoo_routed"  # on each module of a timm model: its checkpoint calls go to zoo
+
+
+# --------------------------------------------------------------------------------------------
+# zoo.checkpoint takes torch.utils.checkpoint's keywords (use_reentrant=False, ...) and hands
+# every other keyword to the function, so it is called exactly where torch's would be.
+# --------------------------------------------------------------------------------------------
+def _is_checkpoint(fn: Any, target: Callable) -> bool:
+    """Whether ``fn`` is ``target`` or a ``functools.partial`` of it (HF passes partials)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn is target
+
+
+# --------------------------------------------------------------------------------------------
+# timm: dispatchers in place of timm's checkpoint helpers, per timm module.
+# --------------------------------------------------------------------------------------------
+def _owner(fn: Any) -> nn.Module | None:
+    """The module a checkpointed callable belongs to: itself, a bound method's object, or the
+    module a closure captured (timm's DenseNet checkpoints ``closure`` over ``self``)."""
+    if isinstance(fn, nn.Module):
+        return fn
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, nn.Module):
+        return owner
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, nn.Module):
+            return value
+    return None
+
+
+def _routed(fn: Any) -> bool:
+    owner = _owner(fn)
+    return owner is not None and owner.__dict__.get(_ROUTED, False)
+
+
+def _timm_checkpoint(timm_checkpoint: Callable, function: Callable, *args: Any,
+                     use_reentrant: bool | None = None, **kwargs: Any) -> Any:
+    """timm's ``checkpoint(function, *args, use_reentrant=None, **kwargs)``, zoo's when routed."""
+    if not _routed(function):
+        return timm_checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
+    return checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
+
+
+def _timm_checkpoint_seq(timm_checkpoint_seq: Callable, functions: Any, x: Any, every: int = 1,
+                         flatten: bool = False, skip_last: bool = False,
+                         use_reentrant: bool | None = None) -> Any:
+    """timm's ``checkpoint_seq``: segments of ``every`` functions, the last one plain when
+    ``skip_last``; through zoo.checkpoint when the functions belong to a routed model."""
+    if isinstance(functions, nn.Sequential):
+        functions = functions.children()
+    if flatten:
+        functions = chain.from_iterable(functions)
+    functions = tuple(functions)
+    if not functions or not _routed(functions[0]):
+        return timm_checkpoint_seq(functions, x, every=every, skip_last=skip_last,
+                                   use_reentrant=use_reentrant)
+    stop = len(functions) - 1 if skip_last else len(functions)
+    end = 0
+    for start in range(0, stop, every):
+        end = min(start + every, stop)
+        part = functions[start:end]
+        x = checkpoint(part[0], x) if len(part) == 1 else checkpoint(run_blocks, part, x)
+    return run_blocks(functions[end:], x) if skip_last else x
+
+
+def _patch_timm_modules(model: nn.Module) -> None:
+    """Put the dispatchers in place of timm's helpers in every timm module ``model`` uses."""
+    from timm.models import _manipulate
+
+    replacements = {
+        _manipulate.checkpoint: functools.partial(_timm_checkpoint, _manipulate.checkpoint),
+        _manipulate.checkpoint_seq: functools.partial(_timm_checkpoint_seq,
+                                                      _manipulate.checkpoint_seq),
+    }
+    classes = {klass for m in model.modules() for klass in type(m).__mro__}
+    for klass in classes:
+        module = sys.modules.get(klass.__module__)
+        if module is None or not klass.__module__.startswith("timm."):
+            continue
+        for name in ("checkpoint", "checkpoint_seq"):
+            current = getattr(module, name, None)
+            if current in replacements:
+                setattr(module, name, replacements[current])
+
+
+def _is_timm(model: nn.Module) -> bool:
+    return type(model).__module__.startswith("timm.") and \
+        hasattr(model, "set_grad_checkpointing")
+
+
+def _enable_timm(model: nn.Module) -> bool:
+    """timm's own switch with zoo's checkpoint; False if the model refuses checkpointing."""
+    try:
+        model.set_grad_checkpointing(True)
+    except (AssertionError, NotImplementedError):  # "gradient checkpointing not supported"
+        return False
+    _patch_timm_modules(model)
+    for m in model.modules():
+        m.__dict__[_ROUTED] = True
+    return True
+
+
+def _disable_timm(model: nn.Module) -> None:
+    model.set_grad_checkpointing(False)
+    for m in model.modules():
+        m.__dict__.pop(_ROUTED, None)
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face: the _gradient_checkpointing_func hook, kept through later enable calls.
+# --------------------------------------------------------------------------------------------
+def _is_hf(model: nn.Module) -> bool:
+    transformers = sys.modules.get("transformers")  # not imported: cannot be one of its models
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+class _KeepZooCheckpoint:
+    """Stands in for a Hugging Face model's ``_set_gradient_checkpointing`` while zoo owns it: a
+    later ``gradient_checkpointing_enable()`` hands it torch's checkpoint (with its keywords),
+    which is swapped for zoo's. A plain object holding the model, so deepcopy and pickle keep it
+    pointing at the right model."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, enable: bool = True, gradient_checkpointing_func: Callable | None = None,
+                 **kwargs: Any) -> None:
+        func = gradient_checkpointing_func
+        if enable and func is not None:
+            if _is_checkpoint(func, torch_checkpoint.checkpoint):
+                keywords = func.keywords if isinstance(func, functools.partial) else {}
+                func = functools.partial(checkpoint, **keywords)
+            elif not _is_checkpoint(func, checkpoint):
+                warnings.warn(f"zoo.set_grad_checkpointing: {type(self.model).__name__} now "
+                              f"checkpoints with {getattr(func, '__name__', func)!r} (e.g. "
+                              "offload=True), not zoo.checkpoint; BatchNorm stays exact",
+                              stacklevel=3)
+        if func is not None:
+            kwargs["gradient_checkpointing_func"] = func
+        type(self.model)._set_gradient_checkpointing(self.model, enable=enable, **kwargs)
+
+
+def _enable_hf(model: nn.Module) -> bool:
+    """HF's own switch with zoo's checkpoint; False if the model has no such switch."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        return False
+    params = inspect.signature(type(model)._set_gradient_checkpointing).parameters
+    if "gradient_checkpointing_func" not in params:  # HF's format before 4.35
+        return False
+    type(model)._set_gradient_checkpointing(model, enable=True,
+                                            gradient_checkpointing_func=checkpoint)
+    model.__dict__["_set_gradient_checkpointing"] = _KeepZooCheckpoint(model)
+    return True
+
+
+def _disable_hf(model: nn.Module) -> None:
+    model.__dict__.pop("_set_gradient_checkpointing", None)
+    if getattr(model, "supports_gradient_checkpointing", False):
+        type(model)._set_gradient_checkpointing(model, enable=False)
+
+
+# --------------------------------------------------------------------------------------------
+# The one call.
+# --------------------------------------------------------------------------------------------
+def _unwrap(model: nn.Module) -> nn.Module:
+    wrappers = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+    return model.module if isinstance(model, wrappers) else model
+
+
+def _convert_batchnorm_names(model: nn.Module) -> list[str]:
+    """Convert the model's BatchNorms; the names of those this call converted (to undo them)."""
+    before = {n for n, m in model.named_modules() if recompute_safe_class(type(m)) is type(m)}
+    convert_batchnorm(model)
+    return [n for n, m in model.named_modules()
+            if recompute_safe_class(type(m)) is type(m) and n not in before]
+
+
+def _disable(model: nn.Module) -> None:
+    """Turn off whatever checkpointing zoo (or the model's own switch) turned on."""
+    state = model.__dict__.pop(_STATE, {})
+    via = state.get("via")
+    if isinstance(model, ZooModel):
+        model.set_grad_checkpointing(False)
+        model.set_checkpoint_plan(None)
+    elif via == "timm" or (via is None and _is_timm(model)):
+        try:
+            _disable_timm(model)
+        except (AssertionError, NotImplementedError):
+            pass
+    elif via == "hf" or (via is None and _is_hf(model)):
+        _disable_hf(model)
+    for m in model.modules():
+        if is_checkpointed(m):
+            checkpoint_module(m, enable=False)
+    for name in state.get("batchnorm", ()):
+        restore_batchnorm(model.get_submodule(name), recurse=False)
+
+
+def set_grad_checkpointing(model: nn.Module, enable: bool | str = True,
+                           modules: Iterable[type | str] | type | str | None = None
+                           ) -> nn.Module:
+    """Checkpoint any model with ``zoo.checkpoint``, exactly (``enable=False``: turn it off).
+
+    Args:
+        model: a zoo model, a timm model, a Hugging Face ``PreTrainedModel`` or any other module
+            (an ``nn.DataParallel``/``DistributedDataParallel`` wrapper is looked through).
+        enable: True to checkpoint, False to give back the plain model (same classes, state_dict
+            and outputs). A zoo model also takes one of its ``checkpoint_modes`` by name.
+        modules: None for the family's own checkpointing (see the module docstring); otherwise
+            module types, type names or dotted submodule names whose every call is checkpointed.
+
+    Returns ``model``. Raises ValueError naming what was looked for when nothing matches.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"zoo.set_grad_checkpointing expects an nn.Module, got "
+                        f"{type(model).__name__}")
+    model = _unwrap(model)
+    _disable(model)
+    if enable is False or enable is None:
+        return model
+    if isinstance(enable, str) and (modules is not None or not isinstance(model, ZooModel)):
+        raise ValueError(f"enable={enable!r}: a mode name is for zoo models without modules=; "
+                         "pass enable=True")
+    state: dict[str, Any] = {"via": "blocks"}
+    if modules is None and isinstance(model, ZooModel):
+        model.set_grad_checkpointing(enable)
+        state["via"] = "zoo"
+    elif modules is None and _is_hf(model) and _enable_hf(model):
+        state["via"] = "hf"
+    elif modules is None and _is_timm(model) and _enable_timm(model):
+        state["via"] = "timm"
+    else:
+        for _, block in find_blocks(model, modules):
+            checkpoint_module(block)
+    if state["via"] in ("timm", "hf"):
+        state["batchnorm"] = _convert_batchnorm_names(model)
+    model.__dict__[_STATE] = state
+    return model

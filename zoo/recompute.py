@@ -1,0 +1,249 @@
+"""What a recompute must put back: the recompute flag, the normalisation guard, and the RNG
+and autocast state of the forward (the parts of :mod:`zoo.checkpoint` that make a recompute
+exactly the forward it replays; used by its region and its selective-recompute path)."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _python_dispatch
+from torch.utils import checkpoint as torch_checkpoint
+
+from zoo import checkpoint_keywords as keywords
+
+# --------------------------------------------------------------------------------------------
+# Recompute state: a per-thread depth (autograd runs backward on one thread per device, and
+# nn.DataParallel runs one forward thread per replica).
+# --------------------------------------------------------------------------------------------
+_local = threading.local()
+
+
+def _depth() -> int:
+    return getattr(_local, "depth", 0)
+
+
+def is_recomputing() -> bool:
+    """True only while a :func:`checkpoint` region is being recomputed for backward, on this thread.
+
+    Layers with side effects (running statistics, counters, logging) use it to act once per
+    training step instead of once per forward *and* once per recompute. While ``torch.compile``
+    traces it is False: a compiled graph never reruns a forward in Python (AOTAutograd recomputes
+    inside the backward graph and applies buffer updates once, in the forward graph).
+    """
+    if torch.compiler.is_compiling():
+        return False
+    return _depth() > 0
+
+
+# The dispatch mode that replays a selective-checkpoint region (``save_ops``) during backward:
+# it insists that every op it sees was recorded in the forward, so ops that exist only in a
+# recompute (the guard's counter correction and snapshots below, cp_BatchNorm's) run outside it.
+_SAC_REPLAY_MODE = getattr(torch_checkpoint, "_CachedTorchDispatchMode", None)
+
+
+@contextlib.contextmanager
+def state_bookkeeping() -> Iterator[None]:
+    """Run recompute-only bookkeeping on module state outside selective checkpoint's replay.
+
+    Selective recompute (``save_ops``) replays the forward under a dispatch mode that matches each
+    op against the forward's record and fails on any op the forward did not run. Copies of running
+    statistics made only while recomputing are not part of the region's computation, so they run
+    with that mode lifted; any other mode (FakeTensorMode, MemTracker) stays active.
+    """
+    mode = _python_dispatch._get_current_dispatch_mode()
+    if _SAC_REPLAY_MODE is not None and isinstance(mode, _SAC_REPLAY_MODE):
+        with _python_dispatch._pop_mode_temporarily():
+            yield
+    else:
+        yield
+
+
+# --------------------------------------------------------------------------------------------
+# Normalisation guard: while any thread recomputes, a global module pre-hook keeps every
+# normalisation layer entered by the recomputing thread from updating its running statistics a
+# second time. PyTorch's own BatchNorm/SyncBatchNorm/InstanceNorm forwards take their update
+# factor from ``momentum``: the recompute runs them with momentum 0, which writes
+# ``1 * running + 0 * batch``, the old value bit for bit, and the ``num_batches_tracked``
+# increments are taken back afterwards (one tiny kernel per call). A subclass with its own forward
+# may update its buffers some other way, so its buffers are snapshotted before its first call and
+# copied back after instead. The undoing happens once, when the recompute ends (also when it
+# ends early or raises): one pre-hook and no post-hook keeps the per-module cost of a recompute
+# small, which matters on models made of many small layers.
+# --------------------------------------------------------------------------------------------
+_NormBase = nn.modules.batchnorm._NormBase
+_MOMENTUM_FORWARDS = {nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward,
+                      nn.modules.instancenorm._InstanceNorm.forward}
+_hooks_lock = threading.Lock()
+_hooks_users = 0
+_hook_handles: list[torch.utils.hooks.RemovableHandle] = []
+
+
+class _Guarded:
+    """A normalisation layer touched by a recompute: what to put back, and how many calls to undo."""
+
+    __slots__ = ("module", "saved", "calls")
+
+    def __init__(self, module: nn.Module, saved: Any):
+        self.module, self.saved, self.calls = module, saved, 0
+
+
+def _updates_stats(module: nn.Module) -> bool:
+    """Whether a train-mode forward of ``module`` updates running statistics we must protect."""
+    if not isinstance(module, _NormBase) or getattr(module, "recompute_safe", False):
+        return False  # cp_BatchNorm*d handle recompute themselves
+    return module.training and module.track_running_stats and module.running_mean is not None
+
+
+def _guard_norm(module: nn.Module, args: Any) -> None:
+    """Global forward pre-hook: freeze a normalisation layer's statistics during a recompute."""
+    guarded = getattr(_local, "guarded", None)
+    if guarded is None or not _updates_stats(module):
+        return
+    entry = guarded.get(id(module))
+    if entry is None:
+        if type(module).forward in _MOMENTUM_FORWARDS:
+            entry = _Guarded(module, module.momentum)
+            module.momentum = 0.0
+        else:
+            with torch.no_grad(), state_bookkeeping():
+                entry = _Guarded(module, [b.clone() for b in module.buffers(recurse=False)])
+        guarded[id(module)] = entry
+    entry.calls += 1
+
+
+def _unguard_norms(guarded: dict[int, _Guarded]) -> None:
+    """Put back what :func:`_guard_norm` changed, as if the recompute never ran the layers."""
+    with torch.no_grad(), state_bookkeeping():
+        for entry in guarded.values():
+            module = entry.module
+            if isinstance(entry.saved, list):
+                for live, old in zip(module.buffers(recurse=False), entry.saved):
+                    live.copy_(old)
+                continue
+            module.momentum = entry.saved
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and \
+                    module.num_batches_tracked is not None:
+                module.num_batches_tracked.sub_(entry.calls)
+
+
+def _acquire_norm_guard() -> None:
+    global _hooks_users
+    with _hooks_lock:
+        if _hooks_users == 0:
+            _hook_handles.append(nn.modules.module.register_module_forward_pre_hook(_guard_norm))
+        _hooks_users += 1
+
+
+def _release_norm_guard() -> None:
+    global _hooks_users
+    with _hooks_lock:
+        _hooks_users -= 1
+        if _hooks_users == 0:
+            while _hook_handles:
+                _hook_handles.pop().remove()
+
+
+# --------------------------------------------------------------------------------------------
+# RNG: which CUDA devices a region can draw from, and their states at the start of its forward.
+# --------------------------------------------------------------------------------------------
+def _cuda_devices(fn: Callable, tensors: Iterable[Any]) -> list[int]:
+    if not torch.cuda.is_initialized():
+        return []
+    devices = {torch.cuda.current_device()}
+    devices.update(t.device.index for t in tensors
+                   if isinstance(t, torch.Tensor) and t.device.type == "cuda")
+    owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
+    if isinstance(owner, nn.Module):
+        first = next(owner.parameters(), None)
+        if first is not None and first.device.type == "cuda":
+            devices.add(first.device.index)
+    return sorted(devices)
+
+
+@functools.cache
+def _autocast_devices() -> tuple[str, ...]:
+    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
+def _autocast_state() -> tuple[Any, ...]:
+    """This thread's autocast settings for the CPU and (where present) CUDA."""
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                 for d in _autocast_devices()) + (torch.is_autocast_cache_enabled(),)
+
+
+class _ForwardContext:
+    """Entered around the region's first forward: records the RNG and autocast state it runs in.
+
+    ``preserve_rng=False`` (torch's ``preserve_rng_state=False``) records no RNG state, and the
+    recompute then neither replays nor restores one.
+    """
+
+    def __init__(self, cuda_devices: list[int], preserve_rng: bool = True):
+        self.cuda_devices = cuda_devices
+        self.preserve_rng = preserve_rng
+        self.cpu_state: torch.Tensor | None = None
+        self.cuda_states: list[torch.Tensor] = []
+        self.autocast: tuple[Any, ...] = ()
+
+    def __enter__(self) -> _ForwardContext:
+        if self.preserve_rng:
+            self.cpu_state = torch.get_rng_state()
+            self.cuda_states = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]
+        self.autocast = _autocast_state()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class _RecomputeContext:
+    """Entered around the recompute: the forward's RNG and autocast, flag on, normalisation guard.
+
+    The RNG states of this thread are put back afterwards, so a recompute during backward leaves
+    the random stream of the training loop where it was.
+    """
+
+    def __init__(self, forward: _ForwardContext):
+        self.forward = forward
+        self.autocasts: list[Any] = []
+
+    def __enter__(self) -> _RecomputeContext:
+        fwd = self.forward
+        self.outer_depth = _depth()
+        if fwd.cpu_state is not None:
+            self.cpu_state = torch.get_rng_state()
+            self.cuda_states = [torch.cuda.get_rng_state(d) for d in fwd.cuda_devices]
+            torch.set_rng_state(fwd.cpu_state)
+            for device, state in zip(fwd.cuda_devices, fwd.cuda_states):
+                torch.cuda.set_rng_state(state, device)
+        if _autocast_state() != fwd.autocast:  # backward runs outside the forward's autocast
+            *devices, cache = fwd.autocast
+            for device, enabled, dtype in devices:
+                ctx = torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache)
+                ctx.__enter__()
+                self.autocasts.append(ctx)
+        _acquire_norm_guard()
+        self.outer_guarded = getattr(_local, "guarded", None)
+        _local.guarded = {}
+        _local.depth = self.outer_depth + 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _local.depth = self.outer_depth
+        guarded, _local.guarded = _local.guarded, self.outer_guarded
+        _release_norm_guard()
+        _unguard_norms(guarded)
+        while self.autocasts:
+            self.autocasts.pop().__exit__(None, None, None)
+        if self.forward.cpu_state is not None:
+            torch.set_rng_state(self.cpu_state)
+            for device, state in zip(self.forward.cuda_devices, self.cuda_states):
+                torch.cuda.set_rng_state(state, device)
+
+
+_Both = keywords.Both

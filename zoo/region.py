@@ -1,0 +1,274 @@
+"""The region behind :func:`zoo.checkpoint`: non-reentrant checkpointing through saved-tensor
+hooks, one recompute per backward call, in as little Python per region as the contract allows."""
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zoo import checkpoint_keywords as keywords
+
+from .recompute import _ForwardContext, _local, _RecomputeContext
+
+# --------------------------------------------------------------------------------------------
+# The region: non-reentrant checkpointing through saved-tensor hooks, in as little Python as the
+# contract allows. Autograd hands every tensor the region's forward saves to ``pack``, which
+# keeps a small empty slot instead. The first ``unpack`` in a backward call (one autograd graph
+# task, or one ``torch.utils.checkpoint.GraphExecGroup``) reruns the region once, filling the
+# slots in the order the forward created them; each slot is emptied as its node consumes it, so
+# a recomputed activation lives no longer than in the plain model, and whatever that backward
+# call did not consume is dropped when it ends (a partial backward, e.g. ``autograd.grad`` of an
+# intermediate, holds nothing afterwards; the next backward call recomputes). The rerun stops
+# as soon as the last slot is filled (ops after the last saved tensor are not recomputed).
+# The recompute's own graph keeps real tensors, so ``torch.autograd.grad`` inside the region
+# works, also during the forward (the region is then recomputed up to where the forward is).
+# A region nested in another hands its inputs to the outer one (``_SaveInputs``), which then
+# recomputes them when the inner region needs them.
+# torch.utils.checkpoint's non-reentrant path follows the same rules (its "Nestable Checkpoint"
+# note) with more bookkeeping per region (per-task handle maps, metadata, device probing);
+# scripts/bench_checkpoint.py --small measures the difference.
+# --------------------------------------------------------------------------------------------
+_engine = torch.autograd.Variable._execution_engine
+_exec_group = getattr(torch._C, "_get_graph_exec_group", None)  # torch >= 2.9
+_current_task = torch._C._current_graph_task_id
+
+
+def _backward_call() -> Any:
+    """The backward call running now: a GraphExecGroup, a graph task id, or -1 (none)."""
+    if _exec_group is not None:
+        group = _exec_group()
+        if group is not None:
+            return group
+    return _current_task()
+
+
+class _Slot:
+    """Stands in the autograd graph for one tensor the region saved, until backward needs it."""
+
+    __slots__ = ("value", "shape", "__weakref__")
+
+    def __init__(self, shape: torch.Size):
+        self.value: torch.Tensor | None = None
+        self.shape = shape
+
+
+class _StopRecompute(Exception):
+    """Ends a recompute early: every saved tensor still needed has been rebuilt."""
+
+
+class _SaveInputs(torch.autograd.Function):
+    """Saves a nested region's inputs as saved tensors of the enclosing region's forward.
+
+    A region created inside another region's forward (or recompute) hands the inputs that
+    require grad to this no-op Function, so they go through the outer region's saved-tensor
+    hooks: the outer region owns them and recomputes them when the inner one needs them, instead
+    of the inner region holding them for the whole step (torch's "Nestable Checkpoint" rule 2).
+    Its node is never reached by backward; it only keeps the saved tensors.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tensors)
+        return tensors[0].new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
+        return (None,) * len(ctx.needs_input_grad)
+
+
+_SAVED = object()  # stands in a nested region's arguments for an input the outer region keeps
+
+
+def _inside_region() -> int:
+    """How many zoo regions are running their forward or recompute on this thread."""
+    return getattr(_local, "inside", 0)
+
+
+class _Region:
+    """One checkpointed call: its inputs, the forward's RNG/autocast state and its saved slots."""
+
+    __slots__ = ("fn", "args", "kwargs", "versions", "forward", "opts", "slots", "filled",
+                 "in_forward", "last", "stop_early", "call", "saver")
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict, forward: _ForwardContext,
+                 opts: keywords.Options):
+        self.fn, self.args, self.kwargs, self.forward, self.opts = fn, args, kwargs, forward, opts
+        self.versions = [(t, t._version) for t in (*args, *kwargs.values())
+                         if isinstance(t, torch.Tensor)]
+        self.saver: Any = None
+        if _inside_region():
+            self.save_through_outer()
+        self.slots: list[weakref.ref[_Slot]] = []
+        self.filled = 0
+        self.in_forward = True
+        self.last: weakref.ref[torch.Tensor] | None = None
+        self.stop_early = True  # a recompute during the forward stops where the forward is
+        self.call: Any = None  # the backward call the slots' values were recomputed for
+
+    def save_through_outer(self) -> None:
+        """Hand the inputs that require grad to the enclosing region (see _SaveInputs)."""
+        tensors = [t for t in (*self.args, *self.kwargs.values())
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tensors:
+            return
+        self.saver = _SaveInputs.apply(*tensors).grad_fn
+        self.saver.metadata["versions"] = [t._version for t in tensors]
+
+    def forget_saved_inputs(self) -> None:
+        """After the forward: let go of the inputs the enclosing region keeps for us."""
+        kept = lambda v: _SAVED if isinstance(v, torch.Tensor) and v.requires_grad else v  # noqa
+        self.args = tuple(kept(a) for a in self.args)
+        self.kwargs = {k: kept(v) for k, v in self.kwargs.items()}
+        self.versions = [(t, v) for t, v in self.versions if not t.requires_grad]
+
+    def inputs(self) -> tuple[list, dict]:
+        """The arguments for a recompute: tensors as new leaves of the recompute's graph."""
+        if self.saver is None:
+            return ([_fresh_leaf(a) for a in self.args],
+                    {k: _fresh_leaf(v) for k, v in self.kwargs.items()})
+        tensors = self.saver.saved_tensors  # the outer region recomputes them if needed
+        for tensor, version in zip(tensors, self.saver.metadata["versions"]):
+            if tensor._version != version:
+                self.changed_in_place(version, tensor._version)
+        saved = iter(tensors)
+        get = lambda v: next(saved).detach().requires_grad_() if v is _SAVED else v  # noqa
+        return [get(a) for a in self.args], {k: get(v) for k, v in self.kwargs.items()}
+
+    def run(self) -> Any:
+        hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        inside = _local.inside = _inside_region() + 1
+        try:
+            if self.opts.contexts is None:
+                with hooks:
+                    out = self.fn(*self.args, **self.kwargs)
+            else:
+                with hooks, self.opts.contexts[0]:
+                    out = self.fn(*self.args, **self.kwargs)
+        finally:
+            _local.inside = inside - 1
+        self.in_forward = False
+        if self.saver is not None:
+            self.forget_saved_inputs()
+        # A region whose output is the last tensor it saved (it ends in ReLU, sigmoid, ...) has
+        # nothing left to skip after the last slot: its recompute runs to the end instead of
+        # being stopped by an exception, which costs more than the op it would skip.
+        self.stop_early = self.opts.early_stop and (self.last is None or self.last() is not out)
+        self.last = None
+        return out
+
+    def pack(self, tensor: torch.Tensor) -> _Slot:
+        slot = _Slot(tensor.shape)
+        self.slots.append(weakref.ref(slot))
+        self.last = weakref.ref(tensor)
+        return slot
+
+    def unpack(self, slot: _Slot) -> torch.Tensor:
+        call = _backward_call()
+        if call != self.call or call == -1:
+            self.recompute(call)
+        value = slot.value
+        if value is None:
+            overlap = "" if isinstance(call, int) else (
+                " Performing two backward calls that overlap is not allowed under one "
+                "torch.utils.checkpoint.GraphExecGroup.")
+            raise RuntimeError(
+                "zoo.checkpoint: a tensor saved by a checkpointed region was already unpacked "
+                "once in this backward call (recomputed tensors are freed as they are used)."
+                f"{overlap} If a custom autograd.Function reads ctx.saved_tensors twice in its "
+                "backward, read it once and keep the tuple.")
+        slot.value = None
+        if call == -1:  # read outside any backward (grad_fn._saved_*): keep nothing
+            _empty_slots(self.slots)
+        return value
+
+    def recompute(self, call: Any) -> None:
+        for tensor, version in self.versions:
+            if tensor._version != version:
+                self.changed_in_place(version, tensor._version)
+        args, kwargs = self.inputs()
+        total, self.filled, self.call = len(self.slots), 0, call
+        contexts = self.opts.contexts
+        inside = _local.inside = _inside_region() + 1
+        try:
+            with torch.enable_grad(), _RecomputeContext(self.forward), \
+                    torch.autograd.graph.saved_tensors_hooks(self.fill, _same):
+                if contexts is None:
+                    self.fn(*args, **kwargs)
+                else:
+                    if self.opts.logs is not None:
+                        self.opts.logs[1].ops.clear()
+                    with contexts[1]:
+                        self.fn(*args, **kwargs)
+        except _StopRecompute:
+            pass
+        finally:
+            _local.inside = inside - 1
+        if self.filled < total:
+            self.fail("the recomputed region saved fewer tensors for backward than its forward "
+                      f"did ({self.filled} < {total}), so it is not deterministic (does it branch "
+                      "on random numbers, global state or tensor values?). Make the region "
+                      "deterministic given its inputs, or leave it out of the checkpoint.")
+        if isinstance(call, int) and call >= 0:  # drop the unused when this backward call ends
+            _engine.queue_callback(functools.partial(_empty_slots, self.slots))
+
+    def fill(self, tensor: torch.Tensor) -> torch.Tensor:
+        index, total = self.filled, len(self.slots)
+        self.filled = index + 1
+        if index >= total:
+            if self.in_forward or self.opts.early_stop:
+                raise _StopRecompute  # what the forward saved is all rebuilt; the rest is unused
+            self.fail("the recomputed region saved more tensors for backward than its forward "
+                      f"did (more than {total}), so it is not deterministic given its inputs.")
+        if tensor.requires_grad:
+            tensor = tensor.detach()  # the recompute's graph must not hold its own outputs
+        slot = self.slots[index]()
+        if slot is not None:  # None: its node already ran and was freed
+            if slot.shape != tensor.shape and self.opts.check_shapes:
+                self.fail(f"saved tensor {index} of the region had shape {tuple(slot.shape)} in "
+                          f"the forward but {tuple(tensor.shape)} in the recompute; the region "
+                          "is not deterministic given its inputs.")
+            slot.value = tensor
+        if index + 1 == total and self.stop_early:
+            raise _StopRecompute
+        return tensor
+
+    def changed_in_place(self, before: int, after: int) -> None:
+        raise RuntimeError(
+            "zoo.checkpoint: an input of a checkpointed region was modified in place after "
+            f"the region started (version {before} -> {after}), so the recompute would see "
+            "other values. Clone the input before changing it, or keep in-place ops on a "
+            "region's input out of the region.")
+
+    def fail(self, message: str) -> None:
+        raise RuntimeError(f"zoo.checkpoint: {message}{self.opts.debug_report()}")
+
+
+def _empty_slots(slots: list[weakref.ref[_Slot]]) -> None:
+    """Drop what a backward call recomputed but did not use (called when that call ends).
+
+    It gets the region's slot list, not the region: holding the region would keep its inputs
+    alive until the end of the whole backward pass.
+    """
+    for ref in slots:
+        slot = ref()
+        if slot is not None:
+            slot.value = None
+
+
+def _fresh_leaf(value: Any) -> Any:
+    """A tensor input as a new leaf of the recompute's own graph (same data, same requires_grad).
+
+    An input that does not require grad is passed as itself: a custom Function that saved it
+    gets back the very tensor object it saved, as without checkpointing.
+    """
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        return value.detach().requires_grad_()
+    return value
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    """Unpack hook of the recompute's own graph (``autograd.grad`` run inside the region)."""
+    return tensor

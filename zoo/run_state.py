@@ -1,0 +1,228 @@
+"""A training run's state, and the first steps of :func:`zoo.training.fit`: where the run lives
+(:func:`locate_run`: the checkpoint to resume, config drift, the directory to write), what it
+trains (:func:`build_run`: data, model, optimizer, schedule, restored state) and its directory
+(:func:`run_directory`: lock, config, metrics), plus what a checkpoint holds
+(:func:`checkpoint_state`).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset, DistributedSampler
+
+from .config import SAFE_ON_RESUME, ConfigError, TrainConfig, config_drift, to_yaml
+from .data import build_datasets
+from .run_dir import RunDir, check_run_dir, find_checkpoint, load_checkpoint, set_rng_state
+from .train_setup import (Distributed, all_sum, build_model, build_optimizer, lr_factor,
+                          plan_memory)
+
+__all__ = ["Run", "EpochStats", "locate_run", "build_run", "run_directory", "checkpoint_state"]
+
+
+@dataclass
+class Run:
+    """Everything the steps share. ``epoch`` counts finished epochs; ``position`` is the progress
+    inside epoch ``epoch`` when the run was resumed from a mid-epoch checkpoint."""
+
+    cfg: TrainConfig
+    env: Distributed
+    device: torch.device
+    say: Callable[[str], None]
+    model: nn.Module
+    net: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: Any
+    amp_dtype: torch.dtype
+    train_ds: Dataset
+    test_ds: Dataset
+    num_classes: int
+    sampler: DistributedSampler
+    dir: RunDir
+    epoch: int = 0
+    step: int = 0
+    best_acc: float = -1.0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    position: dict[str, Any] | None = None
+
+    @property
+    def per_rank(self) -> int:
+        return self.cfg.batch_size // self.env.world_size
+
+    def autocast(self) -> Any:
+        if not self.cfg.amp:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+
+@dataclass
+class EpochStats:
+    loss_sum: float
+    correct: float
+    seen: float
+    elapsed: float
+
+
+# ---- step 1: where the run lives ----
+
+def locate_run(cfg: TrainConfig, env: Distributed) -> tuple[TrainConfig, dict | None, bool]:
+    """(cfg with ``out_dir`` set, the checkpoint to resume or None, whether the run continues in
+    the directory it was resumed from). Refuses a changed config and a directory this run may
+    not write into, before anything is built or written."""
+    ckpt, here = None, False
+    if cfg.resume:
+        path = find_checkpoint(cfg.resume)
+        ckpt = load_checkpoint(path)
+        if ckpt["model_name"] != cfg.model:
+            raise ConfigError(f"{cfg.resume!r} is a run of {ckpt['model_name']}, not {cfg.model}; "
+                              f"resume it with --model {ckpt['model_name']} (or leave --model out)")
+        drift = config_drift(ckpt["config"], cfg)
+        if drift:
+            changes = ", ".join(f"{k} ({old!r} -> {new!r})" for k, (old, new) in drift.items())
+            raise ConfigError(f"cannot resume {str(path)!r} with a changed {changes}: a resumed "
+                              f"run may change only {', '.join(SAFE_ON_RESUME)}; drop those "
+                              f"flags, or start a new run with another --out_dir")
+        out_dir = Path(cfg.out_dir) if cfg.out_dir else path.parent
+        here = out_dir.resolve() == path.parent.resolve()
+    elif cfg.out_dir:
+        out_dir = Path(cfg.out_dir)
+    else:
+        out_dir = Path("runs") / f"{cfg.model}-{cfg.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if env.is_main:
+        check_run_dir(out_dir, here, cfg.overwrite)
+    return dataclasses.replace(cfg, out_dir=str(out_dir)), ckpt, here
+
+
+# ---- step 2: what it trains ----
+
+def build_run(cfg: TrainConfig, env: Distributed, device: torch.device,
+              say: Callable[[str], None], ckpt: dict | None) -> Run:
+    """Data, model (checked on one image), optimizer, schedule; the checkpoint's state restored."""
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    data = lambda: build_datasets(cfg.dataset, cfg.data_dir, cfg.train_size,  # noqa: E731
+                                  cfg.test_size, image_size=cfg.image_size)
+    if env.is_main:  # rank 0 downloads, the others wait and then read the files
+        train_ds, test_ds, num_classes = data()
+    if env.enabled:
+        dist.barrier()
+    if not env.is_main:
+        train_ds, test_ds, num_classes = data()
+    model = build_model(cfg, num_classes).to(device)
+    if ckpt is not None:
+        try:
+            model.load_state_dict(ckpt["model"])
+        except RuntimeError as e:
+            raise ConfigError(f"the weights in {cfg.resume!r} do not fit {cfg.model} with "
+                              f"{num_classes} classes ({str(e).splitlines()[0]})") from e
+    side = cfg.image_size or 32
+    try:  # fail early and clearly when the model cannot take these images
+        model.eval()
+        with torch.no_grad():
+            model(torch.zeros(1, 3, side, side, device=device))
+    except (RuntimeError, ValueError, AssertionError) as e:
+        raise ConfigError(f"{cfg.model} cannot take 3x{side}x{side} images ({e}); set "
+                          f"--image_size to the size it was built for (ImageNet ViTs: 224)") from e
+    if cfg.memory_budget is not None:
+        cfg = plan_memory(cfg, model, env.world_size, side, say)
+    torch.manual_seed(cfg.seed + env.rank)  # each rank its own dropout masks
+
+    sampler = DistributedSampler(train_ds, num_replicas=env.world_size, rank=env.rank,
+                                 shuffle=True, seed=cfg.seed)
+    steps_per_epoch = math.ceil(len(sampler) / (cfg.batch_size // env.world_size))
+    optimizer = build_optimizer(cfg, model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                                  lr_factor(cfg, cfg.epochs * steps_per_epoch))
+    amp_dtype = (torch.bfloat16 if device.type == "cpu" or torch.cuda.is_bf16_supported()
+                 else torch.float16)
+    scaler = torch.amp.GradScaler("cuda", enabled=cfg.amp and amp_dtype == torch.float16)
+    net: nn.Module = model
+    if env.enabled:
+        net = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+    elif cfg.data_parallel:
+        net = nn.DataParallel(model)
+    if cfg.compile:  # True: the default backend (inductor); a string names another
+        net = torch.compile(net, backend="inductor" if cfg.compile is True else cfg.compile)
+    run = Run(cfg, env, device, say, model, net, optimizer, scheduler, scaler, amp_dtype,
+              train_ds, test_ds, num_classes, sampler, RunDir(cfg.out_dir, enabled=env.is_main))
+    if ckpt is not None:
+        _restore(run, ckpt)
+    return run
+
+
+def _restore(run: Run, ckpt: dict[str, Any]) -> None:
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    run.scheduler.load_state_dict(ckpt["scheduler"])
+    if ckpt["scaler"] and run.scaler.is_enabled():  # (empty when saved without float16 AMP)
+        run.scaler.load_state_dict(ckpt["scaler"])
+    run.epoch, run.step, run.best_acc = ckpt["epoch"], ckpt["step"], ckpt["best_acc"]
+    run.history, run.position = list(ckpt["history"]), ckpt["position"]
+    if run.position is not None and run.position["world_size"] != run.env.world_size:
+        raise ConfigError(f"{run.cfg.resume!r} was saved inside an epoch by "
+                          f"{run.position['world_size']} processes; resume it with as many")
+    rngs = ckpt["rng"]
+    set_rng_state(rngs[run.env.rank] if len(rngs) == run.env.world_size else rngs[0])
+
+
+# ---- step 3: the run directory ----
+
+@contextlib.contextmanager
+def run_directory(run: Run, here: bool) -> Iterator[RunDir]:
+    """Open (lock) the run directory on rank 0 for the ``with`` block: config.yaml written,
+    metrics.jsonl rewritten from the checkpoint's history. Every rank fails if rank 0 does."""
+    error: BaseException | None = None
+    if run.env.is_main:
+        try:
+            run.dir.open(here, run.cfg.overwrite)
+            run.dir.write_config(to_yaml(run.cfg))
+            run.dir.write_metrics(run.history)
+            if _resumed_the_best_epoch(run):  # (a crash may have come before best.pt was copied)
+                run.dir.copy_to_best(find_checkpoint(run.cfg.resume))
+        except (ConfigError, OSError) as e:
+            run.dir.close()
+            error = e
+    if run.env.enabled:
+        ok = all_sum([0.0 if error else 1.0], run.env, run.device)[0] == run.env.world_size
+        if error is None and not ok:
+            raise ConfigError("rank 0 could not open the run directory (its message says why)")
+    if error is not None:
+        raise error
+    try:
+        yield run.dir
+    finally:
+        run.dir.close()
+
+
+def _resumed_the_best_epoch(run: Run) -> bool:
+    if not run.cfg.resume or run.position is not None or not run.history:
+        return False
+    first_best = next(r["epoch"] for r in run.history if r["test_acc"] == run.best_acc)
+    return first_best == run.epoch
+
+
+def checkpoint_state(run: Run, rngs: list[dict[str, Any]],
+                     position: dict[str, Any] | None) -> dict[str, Any]:
+    """What --resume needs to continue bitwise (the file format: see zoo.run_dir)."""
+    cfg = run.cfg
+    return {"model_name": cfg.model,
+            "model_args": {"num_classes": run.num_classes, "efficient": cfg.efficient,
+                           **cfg.model_kwargs},
+            "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+            "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict(),
+            "epoch": run.epoch, "step": run.step, "best_acc": run.best_acc, "rng": rngs,
+            "config": dataclasses.asdict(cfg), "history": list(run.history),
+            "position": position}

@@ -1,0 +1,245 @@
+"""Building blocks of a training run that do not train: the process group (torchrun), the device,
+the model, the optimizer, the learning-rate schedule, the memory plan, the memory meter, and the
+few collectives the loop needs across ranks.
+
+``zoo.training`` composes them into the loop; each is a plain function of the config.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import resource
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ConfigError, TrainConfig
+from .models import UnknownModelError, create_model
+from .run_dir import rng_state
+
+__all__ = ["Distributed", "setup_distributed", "resolve_device", "build_model", "lr_factor",
+           "plan_memory", "build_optimizer", "peak_memory", "all_sum", "gather_floats",
+           "gather_rng", "ranks_identical"]
+
+
+@dataclass
+class Distributed:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(cfg: TrainConfig) -> Distributed:
+    """Join the process group that torchrun describes in the environment (none: one process)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Distributed()
+    if cfg.data_parallel:
+        raise ConfigError("--data_parallel and torchrun do not mix: under torchrun every process "
+                          "already drives one device (DistributedDataParallel); drop --data_parallel")
+    env = Distributed(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
+    use_cuda = cfg.device != "cpu" and torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(env.local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    return env
+
+
+def resolve_device(cfg: TrainConfig, env: Distributed) -> torch.device:
+    if cfg.device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", env.local_rank if env.enabled else torch.cuda.current_device())
+        return torch.device("cpu")
+    try:
+        device = torch.device(cfg.device)
+    except RuntimeError as e:
+        raise ConfigError(f"unknown device {cfg.device!r}: {e}; use auto, cpu, cuda or cuda:N") from e
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {cfg.device!r} asked for, but CUDA is not available here; "
+                              f"use --device cpu (or auto)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {cfg.device!r} asked for, but this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s); use cuda:0 .. "
+                              f"cuda:{torch.cuda.device_count() - 1}")
+        if env.enabled:
+            device = torch.device("cuda", env.local_rank)
+    elif device.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise ConfigError(f"device {cfg.device!r} asked for, but Apple's MPS is not available "
+                              f"here (it needs macOS on Apple silicon); use --device cpu (or auto)")
+    elif device.type != "cpu":
+        raise ConfigError(f"device {cfg.device!r} is not supported; use auto, cpu, cuda or cuda:N")
+    return device
+
+
+def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
+    """``zoo.create_model(cfg.model, ...)``, with every failure turned into a ConfigError."""
+    try:
+        model = create_model(cfg.model, num_classes=num_classes, efficient=cfg.efficient,
+                             **cfg.model_kwargs)
+    except UnknownModelError as e:
+        raise ConfigError(f"{e}; family aliases: densenet, resnet, vit, cnn") from e
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"cannot build {cfg.model} with efficient={cfg.efficient!r} and "
+                          f"model_kwargs={cfg.model_kwargs}: {e}") from e
+    example = getattr(model, "example_input", None)
+    if example is not None and example(1).dim() != 4:
+        raise ConfigError(f"{cfg.model} is not an image model; train.py trains image classifiers")
+    return model
+
+
+def lr_factor(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
+    """The learning rate at optimizer step ``it`` as a factor of ``cfg.lr`` (for LambdaLR, stepped
+    every iteration): warm-up (constant ``warmup_lr`` as He et al. 2016 for ResNet-110, or linear
+    from 0), then ``step`` (``gamma`` at each milestone fraction), ``cosine`` (to 0) or ``constant``."""
+    milestones = [round(m * total_steps) for m in cfg.milestones]
+
+    def factor(it: int) -> float:
+        if it < cfg.warmup_iters:
+            return cfg.warmup_lr / cfg.lr if cfg.warmup_lr is not None else (it + 1) / cfg.warmup_iters
+        if cfg.schedule == "step":
+            return cfg.gamma ** sum(it >= m for m in milestones)
+        if cfg.schedule == "cosine":
+            span = max(1, total_steps - cfg.warmup_iters)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (it - cfg.warmup_iters) / span)))
+        return 1.0
+
+    return factor
+
+
+def plan_memory(cfg: TrainConfig, model: nn.Module, world_size: int, side: int,
+                say: Callable[[str], None]) -> TrainConfig:
+    """``--memory_budget``: checkpoint the model's chain so a training step fits (``zoo.plan``);
+    with ``--batch_size auto`` first pick the largest batch that fits. Returns ``cfg`` with the
+    batch resolved. The optimizer's state (SGD momentum: one copy of the parameters, AdamW two)
+    is taken off the budget first: the planner counts parameters, gradients and activations."""
+    from .memory import format_bytes, parse_bytes
+    from .planner import BudgetTooSmallError, largest_batch, plan, solve_profile
+
+    budget = parse_bytes(cfg.memory_budget)
+    copies = 2 if cfg.optimizer == "adamw" else int(cfg.momentum > 0)
+    state = copies * sum(p.numel() * p.element_size() for p in model.parameters())
+    room = budget - state
+    if room <= 0:
+        raise ConfigError(f"memory_budget {format_bytes(budget)} does not even hold the optimizer's "
+                          f"state ({format_bytes(state)}); give a larger budget")
+    device = next(model.parameters()).device
+
+    def make_input(batch: int) -> torch.Tensor:  # zeros: planning draws no random numbers
+        return torch.zeros(batch, 3, side, side, device=device)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, torch.zeros(out.shape[0], dtype=torch.long, device=out.device))
+
+    amp = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.amp and device.type == "cpu" \
+        else contextlib.nullcontext()  # (CUDA AMP: planned in float32, a safe over-estimate)
+    model.train()
+    with amp:
+        if cfg.batch_size == "auto":
+            per_rank, profile = largest_batch(model, make_input, room, loss_fn)
+            if per_rank == 0:
+                raise ConfigError(f"not even a batch of 1 fits memory_budget "
+                                  f"{format_bytes(budget)} with {cfg.model}; give a larger budget")
+            cfg = dataclasses.replace(cfg, batch_size=per_rank * world_size)
+            say(f"batch_size auto: {cfg.batch_size} ({per_rank} per device) is the largest batch "
+                f"that fits memory_budget {format_bytes(budget)} with a planned schedule")
+            result = solve_profile(profile, room)
+            model.set_checkpoint_plan(result.segments)
+        else:
+            try:
+                result = plan(model, make_input(cfg.batch_size // world_size), room,
+                              loss_fn=loss_fn)
+            except BudgetTooSmallError as e:
+                least = e.smallest + state
+                raise ConfigError(
+                    f"memory_budget {format_bytes(budget)} is below the smallest peak any "
+                    f"checkpoint schedule of {cfg.model} reaches at batch {cfg.batch_size}: "
+                    f"{format_bytes(least)} ({least} bytes, of which {format_bytes(state)} "
+                    f"optimizer state; plain training needs {format_bytes(e.plain + state)}). "
+                    f"Give --memory_budget {least} or more, a smaller --batch_size, or "
+                    f"--batch_size auto") from None
+    say(f"memory plan for memory_budget {format_bytes(budget)} ({format_bytes(state)} optimizer "
+        f"state, {format_bytes(room)} for the step):\n{result}")
+    return cfg
+
+
+def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                               nesterov=cfg.nesterov and cfg.momentum > 0,
+                               weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.momentum, 0.999),
+                             weight_decay=cfg.weight_decay)
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes, what they are): CUDA max_memory_allocated since the last reset, or on CPU the
+    process's peak resident set size since it started (getrusage: KiB on Linux, bytes on macOS)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda_max_allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss * (1 if sys.platform == "darwin" else 1024), "cpu_peak_rss"
+
+
+# ---- across ranks (no-ops in one process) ----
+
+def all_sum(values: list[float], env: Distributed, device: torch.device) -> list[float]:
+    """``values`` summed over the ranks (float64)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if env.enabled:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def weights_checksum(model: nn.Module) -> torch.Tensor:
+    """Three sums over every floating-point tensor of the state_dict: cheap to all_gather."""
+    flat = torch.cat([t.detach().double().flatten() for t in model.state_dict().values()
+                      if t.is_floating_point()])
+    return torch.stack([flat.sum(), flat.square().sum(),
+                        (flat * torch.arange(len(flat), dtype=flat.dtype, device=flat.device)).sum()])
+
+
+def ranks_identical(model: nn.Module, env: Distributed) -> bool:
+    """Whether every rank ends with the same weights and buffers (a check DDP should never fail)."""
+    if not env.enabled:
+        return True
+    mine = weights_checksum(model)
+    every = [torch.empty_like(mine) for _ in range(env.world_size)]
+    dist.all_gather(every, mine)
+    return all(torch.equal(every[0], other) for other in every)
+
+
+def gather_floats(value: float, env: Distributed, device: torch.device) -> list[float]:
+    """Every rank's ``value``, in rank order."""
+    every = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(env.world_size)]
+    dist.all_gather(every, torch.tensor(value, dtype=torch.float64, device=device))
+    return [t.item() for t in every]
+
+
+def gather_rng(env: Distributed) -> list[dict[str, Any]]:
+    """Every rank's RNG states (rank order), so a resumed DDP run replays each rank's dropout."""
+    mine = rng_state()
+    if not env.enabled:
+        return [mine]
+    every: list[Any] = [None] * env.world_size
+    dist.all_gather_object(every, mine)
+    return every
