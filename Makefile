@@ -17,4 +17,4 @@ train: install
 	$(PY) train.py $(TRAIN_ARGS)
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
