@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import zoo
+from zoo.config import TrainConfig
 from zoo.memory import cpu_peak_bytes
 
 
@@ -67,3 +68,15 @@ def assert_published_parameter_count(name: str, published: str) -> None:
     count = sum(p.numel() for p in model.parameters())
     digits = len(published.split(".")[1])
     assert f"{count / 1e6:.{digits}f}" == published, f"{count:,} parameters"
+
+
+def tiny_run(path: object, **kw) -> TrainConfig:
+    """A tiny training run into ``path`` (None: no out_dir, as when resuming)."""
+    base = dict(model="cifar_cnn", dataset="shapes", train_size=16, test_size=8, batch_size=8,
+                epochs=1, lr=0.05, seed=4, schedule="constant",
+                out_dir=None if path is None else str(path))
+    return TrainConfig(**{**base, **kw})
+
+
+def quiet(_msg: str) -> None:
+    """A training log that prints nothing."""

@@ -25,7 +25,7 @@ from torch import nn
 
 import zoo
 from zoo.models.densenet import DenseNet
-from helpers import run_steps
+from helpers import assert_same_training
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # torch's SAC/compile notices
 TAG = torch.ops.higher_order.tag_activation_checkpoint
@@ -64,20 +64,9 @@ class GraphRecorder:
 def assert_compiled_matches_eager_plain(plain: nn.Module, ckpt: nn.Module, x: torch.Tensor,
                                         backend: object = "aot_eager", steps: int = 3) -> None:
     """``ckpt`` compiled (fullgraph) trains exactly as eager ``plain`` (same initial state)."""
-    ckpt.load_state_dict(plain.state_dict())
     torch._dynamo.reset()
     compiled = torch.compile(ckpt, fullgraph=True, backend=backend)
-    ref = run_steps(plain, plain, x, steps)
-    got = run_steps(ckpt, compiled, x, steps)
-    for step, ((out_r, g_r), (out_g, g_g)) in enumerate(zip(ref, got)):
-        torch.testing.assert_close(out_g, out_r, msg=lambda m: f"step {step} output: {m}")
-        for i, (a, b) in enumerate(zip(g_g, g_r)):
-            assert (a is None) == (b is None), f"step {step}: gradient {i} presence differs"
-            if a is not None:
-                torch.testing.assert_close(a, b, msg=lambda m: f"step {step} grad {i}: {m}")
-    for (name, a), b in zip(ckpt.state_dict().items(), plain.state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=0,
-                                   msg=lambda m: f"{name} after {steps} steps: {m}")
+    assert_same_training(plain, plain, ckpt, compiled, x, steps)
 
 
 # ---- a user's own module calling zoo.checkpoint directly ---------------------------------------

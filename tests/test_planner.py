@@ -29,13 +29,7 @@ from zoo.planner.solve import solve
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small CPU steps run ~100x faster on one thread than on two oversubscribed ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def real_step(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:

@@ -20,12 +20,7 @@ from zoo.planner import (BudgetTooSmallError, measure_step, predict_peak, profil
                          profile_chain, smallest_peak, solve_measured)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small(family: str) -> tuple[zoo.ZooModel, torch.Tensor]:

@@ -15,12 +15,7 @@ from zoo.blocks import is_checkpointed
 from zoo.planner import BudgetTooSmallError, ModulePlan, measure_step
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Tower(nn.Module):

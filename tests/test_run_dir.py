@@ -17,24 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from zoo.config import SAFE_ON_RESUME, ConfigError, TrainConfig
+from zoo.config import SAFE_ON_RESUME, ConfigError
 from zoo.run_dir import CorruptCheckpointError, RunDir, atomic_write, load_checkpoint
 from zoo.run_lock import RunBusyError, RunLock
 from zoo.training import RunStopped, fit
+from helpers import quiet, tiny_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def tiny(path: Path | None, **kw) -> TrainConfig:
-    """A tiny run into ``path`` (None: no out_dir, as when resuming)."""
-    base = dict(model="cifar_cnn", dataset="shapes", train_size=16, test_size=8, batch_size=8,
-                epochs=1, lr=0.05, seed=4, schedule="constant",
-                out_dir=None if path is None else str(path))
-    return TrainConfig(**{**base, **kw})
-
-
-def quiet(_msg: str) -> None:
-    pass
+tiny = tiny_run  # tiny(path, **overrides): a tiny run
 
 
 def lines(run: Path) -> list[dict]:

@@ -19,20 +19,13 @@ import torch
 from zoo.config import ConfigError, TrainConfig
 from zoo.run_dir import load_checkpoint
 from zoo.training import fit
+from helpers import quiet, tiny_run
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-def tiny(path: Path | None, **kw) -> TrainConfig:
-    base = dict(model="cifar_cnn", dataset="shapes", train_size=16, test_size=8, batch_size=8,
-                epochs=1, lr=0.05, seed=4, schedule="constant",
-                out_dir=None if path is None else str(path))
-    return TrainConfig(**{**base, **kw})
-
-
-def quiet(_msg: str) -> None:
-    pass
+tiny = tiny_run  # tiny(path, **overrides): a tiny run
 
 
 @pytest.fixture(scope="module")
