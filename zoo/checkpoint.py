@@ -77,8 +77,8 @@ def _traced_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict[str, An
     """The region as ``torch.compile`` sees it: torch's checkpoint, which Dynamo turns into one
     ``tag_activation_checkpoint`` subgraph of the model's graph (no graph break).
 
-    AOTAutograd's partitioner then decides what the backward recomputes: the region's outputs
-    are tagged "recompute" (or, for ``save_ops``, "save" for the named ops, through torch's
+    AOTAutograd's partitioner then decides what the backward recomputes: the region's ops are
+    tagged "recompute" (or, for ``save_ops``, "save" for the named ops, through torch's
     selective-checkpoint policy), random ops are never recomputed but their masks kept (so
     dropout's backward uses the forward's mask), and buffer mutations such as BatchNorm's
     running statistics are applied once, in the forward graph. That is the whole contract, so
@@ -127,7 +127,9 @@ def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | N
             to any library that calls torch's; their meaning for a zoo region is in
             :mod:`zoo.checkpoint_keywords` (``use_reentrant`` is ignored: always non-reentrant).
 
-    Under ``torch.no_grad()`` or ``inference_mode`` it is exactly ``fn(*args, **kwargs)``.
+    Under ``torch.no_grad()`` or ``inference_mode`` it is exactly ``fn(*args, **kwargs)``. Under
+    ``torch.compile`` (``fullgraph=True`` works) the region is one checkpoint subgraph of the
+    compiled graph, with the same contract (:func:`_traced_checkpoint`, tests/test_compile.py).
 
     Backward raises RuntimeError, saying why, when a tensor input was changed in place after the
     call (the recompute would read other values), when the recompute saves other tensors than
