@@ -1,10 +1,12 @@
 """Shared test helpers: train a model a few steps and compare it with its plain twin."""
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import zoo
 from zoo.config import TrainConfig
@@ -80,3 +82,21 @@ def tiny_run(path: object, **kw) -> TrainConfig:
 
 def quiet(_msg: str) -> None:
     """A training log that prints nothing."""
+
+
+class TensorsAlive(TorchDispatchMode):
+    """Weak references to every tensor created under it (e.g. a recompute, entered through
+    ``context_fn``); ``alive()`` counts those still held somewhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self.refs.append(weakref.ref(out))
+        return out
+
+    def alive(self) -> int:
+        return sum(r() is not None for r in self.refs)

@@ -4,18 +4,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import zoo
 from zoo.checkpoint import split_segments
-from helpers import assert_same_training, buffers, grads, run_steps
+from helpers import TensorsAlive, assert_same_training, buffers, grads, run_steps
 
 
 def conv_bn_net(norm: type[nn.Module] = nn.BatchNorm2d, **norm_kwargs) -> nn.Sequential:
@@ -500,28 +498,11 @@ def test_cuda_batchnorm_and_autocast_match_plain():
 
 
 # ---- torch's keywords and backward calls (the drop-in; more in test_checkpoint_torch_*.py) ------
-class Recomputed(TorchDispatchMode):
-    """Weak references to every tensor created under it (the recompute, via context_fn)."""
-
-    def __init__(self):
-        super().__init__()
-        self.refs = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor):
-            self.refs.append(weakref.ref(out))
-        return out
-
-    def alive(self) -> int:
-        return sum(r() is not None for r in self.refs)
-
-
 def test_partial_backward_keeps_no_recomputed_tensor():
     """autograd.grad of an intermediate recomputes the region; the recomputed tensors that call
     did not use are freed when it ends (torch keeps them while the graph lives), and the next
     backward call recomputes, with the plain gradient."""
-    calls, mode = [0], Recomputed()
+    calls, mode = [0], TensorsAlive()
 
     def fn(x):
         calls[0] += 1
@@ -612,7 +593,7 @@ def test_selective_recompute_takes_torch_keywords():
     net(x).square().sum().backward()
     ref = [p.grad.clone() for p in net.parameters()]
     net.zero_grad()
-    mode = Recomputed()
+    mode = TensorsAlive()
     out = zoo.checkpoint(net, x, save_ops={torch.ops.aten.mm.default}, use_reentrant=False,
                          context_fn=lambda: (contextlib.nullcontext(), mode),
                          determinism_check="none", early_stop=False, preserve_rng_state=True)

@@ -7,14 +7,13 @@ zoo's region never needs an input that requires grad.
 """
 from __future__ import annotations
 
-import weakref
 
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import zoo
+from helpers import TensorsAlive
 
 
 def mlp() -> nn.Sequential:
@@ -233,35 +232,18 @@ def test_checkpoint_partial_grad():
     assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
 
 
-class Alive(TorchDispatchMode):
-    """Weak references to every tensor the recompute creates."""
-
-    def __init__(self):
-        super().__init__()
-        self.refs = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor):
-            self.refs.append(weakref.ref(out))
-        return out
-
-    def count(self) -> int:
-        return sum(r() is not None for r in self.refs)
-
-
 @pytest.mark.parametrize("retain_graph", [False, True])
 def test_checkpointing_without_reentrant_early_free(retain_graph):
     """test_checkpointing_without_reentrant_early_free, on the CPU: the original watches CUDA
     memory at each step of a chain's backward; here the recompute's tensors are watched through
     weak references (context_fn's recompute context). Each backward step frees one recomputed
     tensor, with and without retain_graph=True (recomputed tensors are never retained)."""
-    alive, counts = Alive(), []
+    alive, counts = TensorsAlive(), []
 
     def fn(x):
         for _ in range(3):
             x = x ** 2
-            x.register_hook(lambda grad: counts.append(alive.count()))
+            x.register_hook(lambda grad: counts.append(alive.alive()))
         return (x ** 2).sum()
 
     x = torch.rand(10, requires_grad=True)
@@ -270,4 +252,4 @@ def test_checkpointing_without_reentrant_early_free(retain_graph):
     out.backward(retain_graph=retain_graph)
     assert len(counts) == 3
     assert counts[0] > counts[1] > counts[2]
-    assert alive.count() == 0
+    assert alive.alive() == 0

@@ -202,15 +202,19 @@ def _is_densenet_b(model: DenseNet) -> bool:
                for layer in b.values())
 
 
+def _densenet_shape(model: DenseNet) -> tuple[list[DenseBlock], nn.Module, int, nn.Conv2d]:
+    """What a twin of ``model`` is built from: its dense blocks, first layer, growth rate, stem."""
+    blocks = [b for b in model.features.children() if isinstance(b, DenseBlock)]
+    first = blocks[0]["denselayer1"]
+    return blocks, first, first.conv2.out_channels, model.features.conv0
+
+
 def torchvision_densenet(model: DenseNet) -> nn.Module:
     """torchvision's ``DenseNet(memory_efficient=True)`` with ``model``'s architecture and state
     (the CIFAR stem, one 3x3 convolution, replaces torchvision's ImageNet stem)."""
     from torchvision.models.densenet import DenseNet as TorchvisionDenseNet
 
-    blocks = [b for b in model.features.children() if isinstance(b, DenseBlock)]
-    first = blocks[0]["denselayer1"]
-    growth = first.conv2.out_channels
-    conv0 = model.features.conv0
+    blocks, first, growth, conv0 = _densenet_shape(model)
     with torch.device(conv0.weight.device):  # built in place: .to() cannot move fake tensors
         twin = TorchvisionDenseNet(
             growth_rate=growth, block_config=tuple(len(b) for b in blocks),
@@ -229,10 +233,7 @@ def timm_densenet(model: DenseNet) -> nn.Module:
     (the CIFAR stem, one 3x3 convolution, replaces timm's ImageNet stem)."""
     from timm.models.densenet import DenseNet as TimmDenseNet
 
-    blocks = [b for b in model.features.children() if isinstance(b, DenseBlock)]
-    first = blocks[0]["denselayer1"]
-    growth = first.conv2.out_channels
-    conv0 = model.features.conv0
+    blocks, first, growth, conv0 = _densenet_shape(model)
     if conv0.out_channels != 2 * growth:  # timm's stem width is always twice the growth rate
         raise ValueError(f"timm's DenseNet has 2 x growth = {2 * growth} stem channels, this model "
                          f"{conv0.out_channels}: no timm twin")
