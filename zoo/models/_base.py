@@ -11,7 +11,9 @@ from torch import nn
 
 from ..checkpoint import checkpoint, run_blocks
 
-Plan = Sequence[tuple[int, int, bool]]  # (start, stop, checkpointed) segments covering the chain
+# (start, stop, checkpointed) segments covering the chain; ``checkpointed`` may be a nested plan of
+# the segment's own blocks: the segment is one checkpoint region whose recompute runs that plan
+Plan = Sequence[tuple[int, int, Any]]
 
 __all__ = ["ZooModel", "chain_of", "classifier", "take_indices"]
 
@@ -164,18 +166,13 @@ class ZooModel(nn.Module):
 
     def set_checkpoint_plan(self, plan: Plan | None) -> None:
         """Checkpoint the chain by segments: ``[(start, stop, checkpointed), ...]`` covering
-        ``range(len(self.checkpoint_chain()))`` in order. While a plan is set it replaces the
-        checkpoint mode for the chain; ``None`` removes it."""
+        ``range(len(self.checkpoint_chain()))`` in order. ``checkpointed`` is a bool, or a plan of
+        the same form covering ``start..stop`` (block indices of the whole chain): the segment is
+        then one checkpoint region whose recompute runs that inner plan, which may checkpoint
+        again (multi-level: recompute inside recompute, rotor's persistent schedules). While a
+        plan is set it replaces the checkpoint mode for the chain; ``None`` removes it."""
         if plan is not None:
-            plan = [(int(a), int(b), bool(c)) for a, b, c in plan]
-            n, pos = len(self.checkpoint_chain()), 0
-            for a, b, _ in plan:
-                if a != pos or b <= a:
-                    raise ValueError(f"a plan's segments must cover 0..{n} in order without gaps, "
-                                     f"got {plan}")
-                pos = b
-            if pos != n:
-                raise ValueError(f"the plan covers blocks 0..{pos}, the chain has {n}")
+            plan = _checked_plan(plan, 0, len(self.checkpoint_chain()), top=True)
         self.checkpoint_plan = plan
 
     def run_chain(self, blocks: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
@@ -185,10 +182,7 @@ class ZooModel(nn.Module):
         if modes is not None and len(modes) == len(blocks):
             blocks = [b if m is None else partial(self.run_chain_block, b, mode=m)
                       for b, m in zip(blocks, modes)]
-        for start, stop, checkpointed in self.checkpoint_plan:
-            part = blocks[start:stop]
-            x = checkpoint(run_blocks, part, x) if checkpointed else run_blocks(part, x)
-        return x
+        return run_plan(blocks, self.checkpoint_plan, x)
 
     def set_checkpoint_block_modes(self, modes: Sequence[str | None] | None) -> None:
         """Run each block of a checkpoint plan's chain in an intra-block checkpoint mode
@@ -218,3 +212,34 @@ class ZooModel(nn.Module):
     def example_input(self, batch_size: int = 2, size: int | None = None) -> torch.Tensor:
         """A random valid input batch on the model's device; ``size``: image side or sequence length."""
         raise NotImplementedError
+
+
+def _checked_plan(plan: Plan, start: int, stop: int, top: bool = False) -> list:
+    """``plan`` as lists of ``(int, int, bool | inner plan)``, or a one-line ValueError: its
+    segments must cover ``start..stop`` in order, an inner plan its own segment."""
+    out, pos = [], start
+    for a, b, ck in plan:
+        a, b = int(a), int(b)
+        if a != pos or b <= a:
+            raise ValueError(f"a plan's segments must cover {start}..{stop} in order without gaps, "
+                             f"got {list(plan)}")
+        if isinstance(ck, (list, tuple)):
+            ck = _checked_plan(ck, a, b)
+        out.append((a, b, ck if isinstance(ck, list) else bool(ck)))
+        pos = b
+    if pos != stop:
+        where = "the chain has" if top else "its segment ends at"
+        raise ValueError(f"the plan covers blocks {start}..{pos}, {where} {stop}")
+    return out
+
+
+def run_plan(blocks: Sequence[Callable[[Any], Any]], plan: Plan, x: Any, offset: int = 0) -> Any:
+    """Run ``blocks`` by ``plan`` (block indices start at ``offset``): stored segments plainly,
+    checkpointed ones as one region each, nested plans inside their region (recursively)."""
+    for a, b, ck in plan:
+        part = blocks[a - offset:b - offset]
+        if isinstance(ck, list):
+            x = checkpoint(run_plan, part, ck, x, a)
+        else:
+            x = checkpoint(run_blocks, part, x) if ck else run_blocks(part, x)
+    return x

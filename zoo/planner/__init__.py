@@ -2,20 +2,21 @@
 
 The planner answers the user's question ("my card has 12 GB: recompute as little as possible")
 instead of asking them to pick segments: it profiles the model's chain of blocks on the CPU
-under ``FakeTensorMode`` (:mod:`.profile`), finds by dynamic programming the segmentation of the
-chain whose predicted peak fits the budget with the fewest recomputed FLOPs (:mod:`.solve`;
-rotor's optimal chain checkpointing, Beaumont et al. 2019, with one level of checkpointing),
-and applies it with ``model.set_checkpoint_plan``. The model's own checkpoint modes (:mod:`.modes`:
-they cut inside blocks, where a chain cannot) are measured and compete with those schedules, so a
-plan never recomputes more than a hand mode that fits the same budget; the chain is also profiled
-with every block in each of those modes, inside checkpointed segments too (two levels).
+under ``FakeTensorMode`` (:mod:`.profile`), finds by dynamic programming the multi-level
+schedule of the chain (checkpointed segments whose recompute checkpoints again: rotor's
+persistent schedules, Beaumont et al. 2019) whose predicted peak fits the budget with the fewest
+recomputed FLOPs, each block run plainly or in one of the model's intra-block checkpoint modes
+(:mod:`.nested`; :mod:`.solve` holds the one-level model it reproduces), and applies it with
+``model.set_checkpoint_plan`` and ``model.set_checkpoint_block_modes``. The model's own
+checkpoint modes (:mod:`.modes`) are measured and compete with those schedules, so a plan never
+recomputes more than a hand mode that fits the same budget.
 :mod:`.batch` finds the largest batch that fits a budget (``train.py --batch_size auto``);
 :mod:`.measure` measures a step without running it.
 
 Files, each importing only those listed before it (no circles): ``fake.py`` (fake state, the
 default loss), ``measure.py`` (one fake step's peak and FLOPs), ``modes.py`` (hand modes as
-candidates), ``profile.py`` (what each block costs), ``solve.py`` (the memory model and the DP),
-``batch.py``; this file holds the user-facing :func:`plan` and :class:`Plan`.
+candidates), ``profile.py`` (what each block costs), ``solve.py`` (the one-level memory model
+and its DP), ``nested.py`` (multi-level schedules and their DP), ``batch.py``; this file holds the user-facing :func:`plan` and :class:`Plan`.
 """
 from __future__ import annotations
 
@@ -37,27 +38,31 @@ from .modes import ModeCost, profile_modes
 from .modules import ModulePlan, plan_module
 from .profile import ChainProfile, profile_chain
 from .timing import time_profile
-from .solve import fronts, normalise, predict_peak, recompute_flops, smallest_peak, solve
+from .nested import least_peak, solve_nested
+from .solve import predict_peak, recompute_flops, smallest_peak
 
 __all__ = ["plan", "Plan", "BudgetTooSmallError", "ChainProfile", "profile_chain", "solve_profile",
            "predict_peak", "recompute_flops", "smallest_peak", "uniform_segments",
            "default_loss", "largest_batch", "measure_step", "ModeCost", "profile_modes",
-           "solve_measured", "ModulePlan", "plan_module", "profile_block_modes"]
+           "solve_measured", "ModulePlan", "plan_module", "profile_block_modes", "least_peak",
+           "solve_nested"]
 
 
 @dataclass
 class Plan:
     """A checkpoint schedule for a model's chain and what the planner predicts it costs.
 
-    ``segments`` is block-level, as ``model.set_checkpoint_plan`` takes it; when ``mode`` is
-    set, the plan is that hand mode of the model (``model.set_grad_checkpointing(mode)``) and
-    ``segments`` is empty. Peaks are bytes of one training step (forward, loss, backward;
-    parameters and gradients included) as ``zoo.memory.cpu_peak_bytes`` measures them;
-    ``overhead`` is recompute FLOPs over a plain step's FLOPs; ``modes``: the hand modes that
-    were candidates, as measured.
+    ``segments`` is block-level, as ``model.set_checkpoint_plan`` takes it: ``(start, stop,
+    checkpointed)`` where ``checkpointed`` is False (stored), True, or the inner plan the
+    segment's recompute runs (multi-level); ``block_modes`` (one entry per block, or None) runs
+    blocks in an intra-block checkpoint mode. When ``mode`` is set, the plan is that hand mode
+    of the model (``model.set_grad_checkpointing(mode)``) and ``segments`` is empty. Peaks are
+    bytes of one training step (forward, loss, backward; parameters and gradients included) as
+    ``zoo.memory.cpu_peak_bytes`` measures them; ``overhead`` is recompute FLOPs over a plain
+    step's FLOPs; ``modes``: the hand modes that were candidates, as measured.
     """
 
-    segments: list[tuple[int, int, bool]]
+    segments: list[tuple[int, int, Any]]
     budget: int | float
     predicted_peak: int
     plain_peak: int
@@ -67,21 +72,20 @@ class Plan:
     profile: ChainProfile
     mode: str | None = None
     modes: tuple[ModeCost, ...] = ()
-    block_mode: str | None = None
+    block_modes: list[str | None] | None = None
     cost: str = "flops"
 
     def apply(self, model: nn.Module) -> None:
-        """Make ``model`` run this plan (its chain's segments, each block in ``block_mode``, or
-        its hand mode)."""
+        """Make ``model`` run this plan (its chain's segments with their block modes, or its
+        hand mode)."""
+        with_modes = hasattr(model, "set_checkpoint_block_modes")
         if self.mode is None:
             model.set_checkpoint_plan(self.segments)
-            if hasattr(model, "set_checkpoint_block_modes"):
-                n = self.profile.n_blocks
-                model.set_checkpoint_block_modes(None if self.block_mode is None
-                                                 else [self.block_mode] * n)
+            if with_modes:
+                model.set_checkpoint_block_modes(self.block_modes)
         else:
             model.set_checkpoint_plan(None)
-            if hasattr(model, "set_checkpoint_block_modes"):
+            if with_modes:
                 model.set_checkpoint_block_modes(None)
             model.set_grad_checkpointing(self.mode)
 
@@ -91,7 +95,13 @@ class Plan:
 
     @property
     def checkpointed_blocks(self) -> list[int]:
-        return [j for a, b, ck in self.segments if ck for j in range(a, b)]
+        """Blocks inside a checkpointed segment (recomputed at least once)."""
+        return [j for a, b, ck in self.segments if ck is not False for j in range(a, b)]
+
+    @property
+    def levels(self) -> int:
+        """How deep the checkpoints nest: 0 (none), 1 (one-level segments), 2, ..."""
+        return _depth(self.segments)
 
     def _amount(self, n: int) -> str:
         return f"{n / 1e6:.2f} ms" if self.cost == "time" else _flops(n)
@@ -113,38 +123,46 @@ class Plan:
                 f"+{_flops(self.recompute_flops)} recomputed, +{100 * self.overhead:.1f}% of a "
                 f"plain step's {_flops(self.step_flops)}; modes measured: {others}"])
         p = self.profile
-        unit_of = {j: u for u, (a, b) in enumerate(p.units) for j in range(a, b)}
         unit = "fwd ms" if self.cost == "time" else "fwd MFLOP"
-        lines = [f"| block | name | segment | activations | kept after forward | {unit} |",
-                 "|---:|---|---|---|---:|---:|"]
-        for i, (a, b, ck) in enumerate(self.segments):
-            kind = "checkpointed" if ck else "stored"
-            for j in range(a, b):
-                u = unit_of[j]
-                first = p.units[u][0] == j
-                if ck:
-                    kept = format_bytes(p.act[u]) if j == a else "-"
-                    what = "recomputed"
-                else:
-                    kept = format_bytes(p.saved[u] + p.act[u + 1] * p.keeps_output[u]) \
-                        if first else "(same unit)"
-                    what = "saved"
-                seg = f"{'┌' if j == a else ('└' if j == b - 1 else '│')} {i} {kind}"
-                flops = f"{p.flops[u] / 1e6:.1f}" if first else ""
-                lines.append(f"| {j} | {p.block_names[j]} | {seg} | {what} | {kept} | {flops} |")
+        lines = [f"| block | name | checkpointed in (outer to inner) | activations | block mode "
+                 f"| {unit} |", "|---:|---|---|---|---|---:|"]
+        path = _paths(self.segments, p.n_blocks)
+        flops = {a: p.flops[u] for u, (a, _) in enumerate(p.units)}
+        for j in range(p.n_blocks):
+            mode = (self.block_modes or [None] * p.n_blocks)[j] or ""
+            what = "recomputed" if path[j] else "saved"
+            f = f"{flops[j] / 1e6:.1f}" if j in flops else ""
+            lines.append(f"| {j} | {p.block_names[j]} | {' > '.join(path[j]) or '-'} | {what} | "
+                         f"{mode} | {f} |")
         n_ck = len(self.checkpointed_blocks)
-        inner = "" if self.block_mode is None else (
-            f"every block in its {self.block_mode!r} mode (inside checkpointed segments too: two "
-            f"levels), +{_flops(self.profile.inner_flops)} recomputed by it")
         lines += [
             "",
-            *([inner] if inner else []),
             self._summary(),
-            f"{n_ck} of {p.n_blocks} blocks recomputed in {sum(c for *_, c in self.segments)} "
-            f"checkpointed segments: +{self._amount(self.recompute_flops)} recomputed, "
-            f"+{100 * self.overhead:.1f}% of a plain step's {self._amount(self.step_flops)}",
+            f"{n_ck} of {p.n_blocks} blocks recomputed, checkpoints {self.levels} level(s) deep: "
+            f"+{self._amount(self.recompute_flops)} recomputed, +{100 * self.overhead:.1f}% of "
+            f"a plain step's {self._amount(self.step_flops)}",
         ]
         return "\n".join(lines)
+
+
+def _depth(segments: list) -> int:
+    return max((1 + (_depth(ck) if isinstance(ck, list) else 0) for *_, ck in segments
+                if ck is not False), default=0)
+
+
+def _paths(segments: list, n: int, outer: tuple[str, ...] = ()) -> list[list[str]]:
+    """For each block, the checkpointed segments around it, outermost first ("3-9")."""
+    out: list[list[str]] = [[] for _ in range(n)]
+    for a, b, ck in segments:
+        here = (*outer, f"{a}-{b - 1}") if ck is not False else outer
+        if isinstance(ck, list):
+            inner = _paths(ck, n, here)
+            for j in range(a, b):
+                out[j] = inner[j]
+        else:
+            for j in range(a, b):
+                out[j] = list(here)
+    return out
 
 
 def _budget(n: int | float) -> str:
@@ -161,47 +179,42 @@ def uniform_segments(profile: ChainProfile, segments: int) -> list[tuple[int, in
     return [(r.start, r.stop, True) for r in split_segments(profile.n_units, segments)]
 
 
-def _chain_plan(p: ChainProfile, budget: int | float, front: Any, plain: int,
-                smallest: int, modes: tuple[ModeCost, ...]) -> Plan | None:
-    """The cheapest schedule of profile ``p``'s chain under ``budget``, or None."""
-    stored = [(0, p.n_units, False)]
-    peak = predict_peak(p, stored)
-    if budget >= peak:
-        segments = stored
-    else:
-        found = solve(p, int(budget), front or fronts(p))
-        if found is None:
-            return None
-        segments, peak = found
-    return Plan(p.block_segments(normalise(segments)), budget, peak, plain, smallest,
-                p.inner_flops + recompute_flops(p, segments), p.step_flops, p, None, modes,
-                p.block_mode)
+def _block_plan(p: ChainProfile, schedule: list) -> list[tuple[int, int, Any]]:
+    """A unit-level nested schedule -> the block-level plan ``set_checkpoint_plan`` takes."""
+    bounds = [a for a, _ in p.units] + [p.n_blocks]
+    return [(bounds[a], bounds[b], False if inner is None else _block_plan(p, inner))
+            for a, b, inner in schedule]
 
 
 def solve_profile(profile: ChainProfile, memory_budget: int | float | str,
-                  front: Any = None, modes: tuple[ModeCost, ...] | list[ModeCost] = (),
-                  block_profiles: tuple[ChainProfile, ...] | list[ChainProfile] = ()) -> Plan:
-    """The cheapest plan under ``memory_budget`` (nothing applied): over the schedules of
-    ``profile``'s chain (``front``: its :func:`fronts`, if already computed), of the chain with
-    every block in one intra-block mode (``block_profiles``: :func:`profile_chain` with
-    ``block_mode``), and the measured hand ``modes``. Ties go to the lower peak."""
+                  modes: tuple[ModeCost, ...] | list[ModeCost] = (),
+                  block_profiles: tuple[ChainProfile, ...] | list[ChainProfile] = (),
+                  slots: int = 4000) -> Plan:
+    """The cheapest plan under ``memory_budget`` (nothing applied): over the multi-level
+    schedules of ``profile``'s chain (:mod:`.nested`) whose blocks each run plainly or in one of
+    the intra-block modes profiled in ``block_profiles`` (:func:`profile_block_modes`), and the
+    measured hand ``modes``. Ties go to the lower peak."""
     budget = parse_budget(memory_budget)
     p, modes = profile, tuple(modes)
-    front = front or fronts(p)
+    variants = [p, *(q for q in block_profiles if q.units == p.units and q.act == p.act)]
     plain = predict_peak(p, [(0, p.n_units, False)])
-    smallest = min([smallest_peak(p, front), *(smallest_peak(q) for q in block_profiles),
-                    *(m.peak for m in modes)])
+    smallest = min([least_peak(variants), *(m.peak for m in modes)])
     if budget >= plain:
-        return Plan(p.block_segments([(0, p.n_units, False)]), budget, plain, plain, smallest, 0,
+        return Plan(_block_plan(p, [(0, p.n_units, None)]), budget, plain, plain, smallest, 0,
                     p.step_flops, p, None, modes)
-    candidates = [_chain_plan(p, budget, front, plain, smallest, modes)]
-    candidates += [_chain_plan(q, budget, None, plain, smallest, modes) for q in block_profiles]
-    candidates += [Plan([], budget, m.peak, plain, smallest, m.recompute_flops, p.step_flops, p,
-                        m.mode, modes) for m in modes if m.peak <= budget]
-    fitting = [c for c in candidates if c is not None]
-    if not fitting:
+    candidates = [Plan([], budget, m.peak, plain, smallest, m.recompute_flops, p.step_flops, p,
+                       m.mode, modes) for m in modes if m.peak <= budget]
+    found = solve_nested(variants, budget, slots)
+    if found is not None:
+        schedule, chosen, peak, cost = found
+        names = [q.block_mode for q in variants]
+        block_modes = [names[chosen[u]] for u, (a, b) in enumerate(p.units) for _ in range(a, b)]
+        candidates.append(Plan(_block_plan(p, schedule), budget, peak, plain, smallest, cost,
+                               p.step_flops, p, None, modes,
+                               block_modes if any(block_modes) else None))
+    if not candidates:
         raise BudgetTooSmallError(budget, smallest, plain)
-    return min(fitting, key=lambda c: (c.recompute_flops, c.predicted_peak))
+    return min(candidates, key=lambda c: (c.recompute_flops, c.predicted_peak))
 
 
 def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | float | str, *,
@@ -213,7 +226,7 @@ def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | flo
 
     Args:
         model: any ``nn.Module``. A zoo model is planned over its chain of blocks, its hand
-            modes and their two-level combinations; any other module (torchvision, timm,
+            modes and multi-level schedules with per-block modes; any other module (torchvision, timm,
             Hugging Face, yours) over its repeated blocks (``zoo.blocks.find_blocks``: the ones
             ``zoo.set_grad_checkpointing`` takes; ``modules`` overrides them), returning a
             :class:`ModulePlan` whose peak is measured (:func:`plan_module`).
@@ -230,11 +243,11 @@ def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | flo
         cost: ``"flops"`` (default, exact) or ``"time"``: each block's forward timed on the
             input's device, and the chain planned for least recompute time (the plan's
             ``recompute_flops`` and ``step_flops`` are then nanoseconds, ``plan.cost ==
-            "time"``; hand modes and two-level profiles are left out of that search).
+            "time"``; hand modes and per-block modes are left out of that search).
         modes: measure the model's own checkpoint modes too and take one where it is the
             cheapest that fits (default True).
         block_modes: also profile the chain with every block in each of those modes (as
-            per-block options, inside checkpointed segments too: two levels) and search those
+            per-block options, at any level of the schedule) and search those
             schedules (default True; each mode costs a profile).
 
     A budget at or above the plain model's peak checkpoints nothing. A budget below the lowest
@@ -272,11 +285,12 @@ def solve_measured(model: nn.Module, example_input: torch.Tensor,
                    budget: int | float, modes: list[ModeCost], inner: list[ChainProfile],
                    tries: int = 6) -> Plan:
     """:func:`solve_profile`, with the chosen schedule measured (one fake step) before it is
-    returned, so the budget is met as measured. The one-level model is within a percent of
-    MemTracker (exact on most chains); a plan over by some bytes is searched again with that
-    much less room. The two-level model is not exact yet (nested ``zoo.checkpoint`` regions
-    keep their inputs through the outer forward), so a two-level plan over budget drops its
-    profile. The plan reports the measured peak."""
+    returned, so the budget is met as measured. The model of plain blocks, nested or not, is
+    byte-exact on the zoo's chains (tests/test_planner_nested.py). Blocks in intra-block modes
+    are predicted from memory levels, and mixing modes between neighbours can be lighter than
+    measured (up to 15% on ResNet-20): such a plan over budget is dropped and the plain blocks
+    are planned again. A plan over budget by some bytes is searched again with that much less
+    room. The plan reports the measured peak."""
     room, reached = budget, None  # reached: the least peak a plan tried here measured
     for _ in range(tries):
         try:
@@ -296,11 +310,11 @@ def solve_measured(model: nn.Module, example_input: torch.Tensor,
         if peak <= budget:
             result.predicted_peak = peak
             break
-        if result.block_mode is not None:
-            inner = [q for q in inner if q is not result.profile]
-        else:
-            reached = peak if reached is None else min(reached, peak)
-            room -= peak - result.predicted_peak
+        if result.block_modes is not None:  # mixed block modes are predicted, not exact:
+            inner = []  # plan again over plain blocks, whose model is exact
+            continue
+        reached = peak if reached is None else min(reached, peak)
+        room -= peak - result.predicted_peak
     else:
         raise BudgetTooSmallError(budget, reached or result.smallest_peak, result.plain_peak)
     return dataclasses.replace(result, budget=budget)
@@ -327,5 +341,5 @@ def _no_limit(model: nn.Module, example_input: torch.Tensor,
     plan still reports the plain peak)."""
     p = profile_chain(model, example_input, loss_fn)
     plain = predict_peak(p, [(0, p.n_units, False)])
-    return Plan([(0, p.n_blocks, False)], float("inf"), plain, plain, smallest_peak(p), 0,
+    return Plan([(0, p.n_blocks, False)], float("inf"), plain, plain, least_peak([p]), 0,
                 p.step_flops, p)

@@ -65,7 +65,8 @@ class ChainProfile:
     head leaves during the chain's backward: its parameters' gradients), ``step_flops`` (a plain
     step's FLOPs), and the measured peaks of the two profiling runs. With ``block_mode`` every
     block runs in that intra-block checkpoint mode; ``inner_flops`` is what the blocks' own
-    checkpoints recompute whatever the schedule (``recompute_flops`` counts beyond it).
+    checkpoints recompute whatever the schedule (``recompute_flops`` counts beyond it), per unit
+    ``unit_inner_flops``.
     """
 
     block_names: list[str]
@@ -91,6 +92,7 @@ class ChainProfile:
     measured_ckpt_peak: int = 0
     block_mode: str | None = None
     inner_flops: int = 0
+    unit_inner_flops: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -359,6 +361,7 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
         # beyond what the blocks' own checkpoints (``block_mode``) recompute in a stored run
         prof.recompute_flops.append(sum(ckpt.rflops.get(("B", j), 0)
                                         - plain.rflops.get(("B", j), 0) for j in blocks))
+        prof.unit_inner_flops.append(sum(plain.rflops.get(("B", j), 0) for j in blocks))
     prof.act[0] = 0  # the chain's input lives in ``base`` for the whole step
     prof.dgrad[0] = 0
     prof.base = plain.mark[("F", 0)]
@@ -370,6 +373,8 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
     prof.measured_plain_peak = plain_peak
     prof.measured_ckpt_peak = ckpt_peak
     prof.block_mode = block_mode
+    if block_mode is not None:
+        _add_unseen(prof, plain)
     last = units[-1][1] - 1
     if ("B", last) in plain.mark:
         held = _plain_held(prof)
@@ -377,6 +382,25 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
     else:
         prof.notes.append("the chain's output gets no gradient: nothing to plan")
     return prof
+
+
+def _add_unseen(p: ChainProfile, plain: _Trace) -> None:
+    """Bytes a unit keeps that no saved-tensor hook showed, read off the memory levels.
+
+    A block running its own checkpoints (``block_mode``) keeps each region's input in the region,
+    not through autograd's saved tensors, so the hooks miss it. After unit ``u``'s forward the
+    level must be its start plus its output and what it saves; any excess is kept too. And the
+    unit's input must be freed when the next unit starts unless someone keeps it; if it is not
+    freed, the unit keeps it."""
+    n = p.n_units
+    after = [plain.mark[("G", b - 1)] if ("G", b - 1) in plain.mark else plain.mark[("head",)]
+             for _, b in p.units]
+    for u, (a, _) in enumerate(p.units):
+        unseen = after[u] - plain.mark[("F", a)] - p.act[u + 1] - p.saved[u]
+        p.saved[u] += max(0, unseen)
+        if 0 < u < n - 1 and not p.keeps_input[u] and not p.keeps_output[u - 1]:
+            freed = after[u] - plain.mark[("F", p.units[u + 1][0])]
+            p.keeps_input[u] = freed < p.act[u]
 
 
 def _plain_held(p: ChainProfile) -> int:

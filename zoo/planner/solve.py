@@ -224,11 +224,11 @@ def solve(p: ChainProfile, budget: int,
         return None
     choice = options[-1]  # need ascending, cost descending: the last that fits is the cheapest
     segments: Segments = []
-    a, s = 0, False
+    a = 0
     while choice[2] is not None:
         b, ck, s2, idx = choice[2]
         segments.append((a, b, ck))
-        a, s, choice = b, s2, front[b][s2][idx]
+        a, choice = b, front[b][s2][idx]
     segments = normalise(segments)
     return segments, predict_peak(p, segments)
 
