@@ -87,6 +87,21 @@ def test_nesting_lowers_the_floor_and_meets_the_budget_as_measured():
                    for m in model.modules())
 
 
+def test_a_flat_sequential_of_blocks_is_nested_in_slices():
+    """The model itself a plain ``nn.Sequential`` of blocks (ViT's ``blocks``): its floor is
+    reached by checkpointing slices of it around the checkpointed blocks."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*(Block() for _ in range(9))), torch.randn(1024, 16)
+    plain = copy.deepcopy(model)
+    with pytest.raises(BudgetTooSmallError) as caught:
+        zoo.plan(model, x, 1)
+    result = zoo.plan(model, x, caught.value.smallest)
+    assert result.nested and all(r.startswith("[") for r in result.nested)
+    assert isinstance(model, SegmentedSequential)
+    assert measure_step(model, x)[0] == result.predicted_peak < result.every_block_peak
+    assert_trains_exactly(plain, model, x)
+
+
 def test_a_timm_model_is_planned_within_its_budget_and_trains_as_plain():
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)

@@ -106,10 +106,10 @@ def _callable_container(model: nn.Module, name: str) -> str:
     return name
 
 
-def _slicings(name: str, n: int) -> list[list[str]]:
+def _slicings(name: str, n: int, whole: bool = True) -> list[list[str]]:
     """Ways to checkpoint a plain Sequential of ``n`` children: whole, and in contiguous
     slices of about sqrt(n) and n/2 children (the two-level schedule's best is near sqrt)."""
-    options = [[name]]
+    options = [[name]] if whole else []
     for size in sorted({math.ceil(math.sqrt(n)), math.ceil(n / 2)}):
         if 1 < size < n:
             options.append([f"{name}[{i}:{min(i + size, n)}]" for i in range(0, n, size)])
@@ -117,22 +117,24 @@ def _slicings(name: str, n: int) -> list[list[str]]:
 
 
 def outer_candidates(model: nn.Module, blocks: list[str]) -> list[list[list[str]]]:
-    """Per container holding two or more blocks (not the model itself), its ways to be an outer
-    region, each a list of region names: a plain ``nn.Sequential`` whole or in slices, any
-    other module whole (a ModuleList's blocks are looped by its parent: that parent whole)."""
+    """Per container holding two or more blocks, its ways to be an outer region, each a list of
+    region names: a plain ``nn.Sequential`` whole or in slices (the model itself in slices
+    only), any other module whole (a ModuleList's blocks are looped by its parent: that parent
+    whole, unless it is the model)."""
     counts: dict[str, int] = {}
     for b in blocks:
         parent = _callable_container(model, b.rpartition(".")[0])
-        if parent:
-            counts[parent] = counts.get(parent, 0) + 1
+        counts[parent] = counts.get(parent, 0) + 1
     candidates = []
     for name, count in counts.items():
         module = model.get_submodule(name)
-        if count < 2 or any(name.startswith(f"{b}.") or name == b for b in blocks):
+        if count < 2:
             continue
-        plain_seq = type(module) is nn.Sequential
-        candidates.append(_slicings(name, len(module)) if plain_seq else [[name]])
-    return candidates
+        if type(module) is nn.Sequential:
+            candidates.append(_slicings(name, len(module), whole=bool(name)))
+        elif name:
+            candidates.append([[name]])
+    return [ways for ways in candidates if ways]
 
 
 Measure = Callable[[list[str]], tuple[int, int]]
