@@ -128,6 +128,8 @@ def test_a_flat_sequential_of_blocks_is_nested_in_slices():
     assert isinstance(model, SegmentedSequential)
     assert measure_step(model, x)[0] == result.predicted_peak < result.every_block_peak
     assert_trains_exactly(plain, model, x)
+    zoo.set_grad_checkpointing(model, False)  # undoes the slices too
+    assert type(model) is nn.Sequential and not any(map(is_checkpointed, model.modules()))
 
 
 def test_a_timm_model_is_planned_within_its_budget_and_trains_as_plain():

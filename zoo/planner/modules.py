@@ -141,16 +141,16 @@ def plan_module(model: nn.Module, example_input: Any, budget: int | float,
     greedily. Raises ``BudgetTooSmallError`` (from the package) naming the least peak reached
     (the nested floor) when nothing fits. The model is left as it was; call
     :meth:`ModulePlan.apply`."""
+    segmented = clear_nested(model, [])  # plan from the plain model (wrapping changes types)
     wrapped = {m: dict(m._zoo_checkpoint_options) for m in model.modules() if is_checkpointed(m)}
-    for m in wrapped:  # plan from the plain model (a wrapped block changes its type)
+    for m in wrapped:
         checkpoint_module(m, False)
-    segmented = clear_nested(model, [])
     try:
         return _plan_plain(model, example_input, budget, loss_fn, modules)
     finally:
-        restore_nested(segmented)
         for m, options in wrapped.items():
             checkpoint_module(m, True, **options)
+        restore_nested(segmented)
 
 
 Step = Callable[..., tuple[int, int]]

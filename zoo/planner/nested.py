@@ -35,13 +35,16 @@ def _run(modules: tuple[nn.Module, ...], x: Any) -> Any:
 
 class SegmentedSequential(nn.Sequential):
     """An ``nn.Sequential`` whose children ``start:stop`` run as one ``zoo.checkpoint`` per
-    segment in ``_zoo_segments`` (sorted, disjoint); the state_dict is the Sequential's."""
+    segment in ``_zoo_checkpoint_options["segments"]`` (sorted, disjoint); the state_dict is
+    the Sequential's. ``zoo.blocks.is_checkpointed`` is true of it and
+    ``checkpoint_module(m, False)`` gives back the plain Sequential, so
+    ``zoo.set_grad_checkpointing(model, False)`` undoes a nested plan too."""
 
-    _zoo_segments: list[tuple[int, int]]
+    _zoo_checkpointed_from = nn.Sequential
 
     def forward(self, input: Any) -> Any:  # noqa: A002 (nn.Sequential's name)
         mods, done = tuple(self), 0
-        for start, stop in self._zoo_segments:
+        for start, stop in self._zoo_checkpoint_options["segments"]:
             input = _run(mods[done:start], input)
             input = checkpoint(_run, mods[start:stop], input)
             done = stop
@@ -72,7 +75,7 @@ def set_nested(model: nn.Module, regions: list[str]) -> None:
             raise ValueError(f"{name} is a {type(modules[name]).__name__}, not a plain "
                              "nn.Sequential: only those are checkpointed in slices")
         modules[name].__class__ = SegmentedSequential
-        modules[name]._zoo_segments = sorted(spans)
+        modules[name]._zoo_checkpoint_options = {"segments": sorted(spans)}
 
 
 def clear_nested(model: nn.Module, blocks: list[str]) -> list[tuple[nn.Module, Any]]:
@@ -81,8 +84,8 @@ def clear_nested(model: nn.Module, blocks: list[str]) -> list[tuple[nn.Module, A
     undone: list[tuple[nn.Module, Any]] = []
     for name, m in model.named_modules():
         if isinstance(m, SegmentedSequential):
-            undone.append((m, m.__dict__.pop("_zoo_segments")))
-            m.__class__ = nn.Sequential
+            undone.append((m, m._zoo_checkpoint_options["segments"]))
+            checkpoint_module(m, False)
         elif is_checkpointed(m) and any(b.startswith(f"{name}.") or not name for b in blocks):
             undone.append((m, dict(m._zoo_checkpoint_options)))
             checkpoint_module(m, False)
@@ -93,7 +96,7 @@ def restore_nested(undone: list[tuple[nn.Module, Any]]) -> None:
     """Put back what :func:`clear_nested` undid."""
     for m, state in undone:
         if isinstance(state, list):
-            m.__class__, m._zoo_segments = SegmentedSequential, state
+            m.__class__, m._zoo_checkpoint_options = SegmentedSequential, {"segments": state}
         else:
             checkpoint_module(m, True, **state)
 
