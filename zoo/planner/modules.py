@@ -8,7 +8,9 @@ bytes autograd saves inside it and its forward FLOPs. Checkpointing a block free
 saved bytes for one recompute of its forward, so blocks are taken greedily by bytes freed per
 FLOP (the knapsack's greedy order, as in torch's ``activation_memory_budget`` greedy solver),
 and the fewest of them whose step fits is found by bisection on measured fake steps: the budget
-is met as measured, never only as predicted.
+is met as measured, never only as predicted. Below "every block checkpointed", containers of
+blocks are checkpointed around them too (``zoo.planner.nested``: a stage keeps one input through
+the forward), added greedily by measured peak down to the nested floor.
 """
 from __future__ import annotations
 
@@ -33,7 +35,12 @@ __all__ = ["ModulePlan", "plan_module", "block_costs"]
 
 @dataclass
 class ModulePlan:
-    """Which blocks of a module to checkpoint, with the step's measured peak and recompute."""
+    """Which blocks of a module to checkpoint, with the step's measured peak and recompute.
+
+    ``nested`` are the outer regions checkpointed around the blocks (``"layer1"``, or
+    ``"blocks[0:4]"`` for a slice of a plain ``nn.Sequential``); ``every_block_peak`` is the
+    peak with every block checkpointed and no outer region; ``smallest_peak`` the least peak
+    this planning measured (the nested floor when the budget needed nesting to the end)."""
 
     blocks: list[str]
     checkpointed: list[str]
