@@ -9,7 +9,7 @@ saved bytes for one recompute of its forward, so blocks are taken greedily by by
 FLOP (the knapsack's greedy order, as in torch's ``activation_memory_budget`` greedy solver),
 and the fewest of them whose step fits is found by bisection on measured fake steps: the budget
 is met as measured, never only as predicted. Below "every block checkpointed", containers of
-blocks are checkpointed around them too (``zoo.planner.nested``: a stage keeps one input through
+blocks are checkpointed around them too (``zoo.planner.module_nesting``: a stage keeps one input through
 the forward), added greedily by measured peak down to the nested floor.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ..memory import format_bytes
 from .errors import BudgetTooSmallError
 from .fake import default_loss, fake_state
 from .measure import measure_step
-from .nested import clear_nested, nest, outer_candidates, restore_nested, set_nested
+from .module_nesting import clear_nested, nest, outer_candidates, restore_nested, set_nested
 
 __all__ = ["ModulePlan", "plan_module", "block_costs"]
 
@@ -144,7 +144,7 @@ def plan_module(model: nn.Module, example_input: Any, budget: int | float,
                 modules: Any = None) -> ModulePlan:
     """The fewest of ``model``'s blocks (``find_blocks(model, modules)``), taken in order of
     bytes saved per forward FLOP, whose checkpointing makes a fake step fit ``budget``; when
-    even every block does not fit, outer regions around them (``zoo.planner.nested``) added
+    even every block does not fit, outer regions around them (``zoo.planner.module_nesting``) added
     greedily. Raises ``BudgetTooSmallError`` (from the package) naming the least peak reached
     (the nested floor) when nothing fits. The model is left as it was; call
     :meth:`ModulePlan.apply`."""
