@@ -8,7 +8,9 @@ bytes autograd saves inside it and its forward FLOPs. Checkpointing a block free
 saved bytes for one recompute of its forward, so blocks are taken greedily by bytes freed per
 FLOP (the knapsack's greedy order, as in torch's ``activation_memory_budget`` greedy solver),
 and the fewest of them whose step fits is found by bisection on measured fake steps: the budget
-is met as measured, never only as predicted.
+is met as measured, never only as predicted. Below "every block checkpointed", containers of
+blocks are checkpointed around them too (``zoo.planner.module_nesting``: a stage keeps one input through
+the forward), added greedily by measured peak down to the nested floor.
 """
 from __future__ import annotations
 
@@ -26,13 +28,19 @@ from ..memory import format_bytes
 from .errors import BudgetTooSmallError
 from .fake import default_loss, fake_state
 from .measure import measure_step
+from .module_nesting import clear_nested, nest, outer_candidates, restore_nested, set_nested
 
 __all__ = ["ModulePlan", "plan_module", "block_costs"]
 
 
 @dataclass
 class ModulePlan:
-    """Which blocks of a module to checkpoint, with the step's measured peak and recompute."""
+    """Which blocks of a module to checkpoint, with the step's measured peak and recompute.
+
+    ``nested`` are the outer regions checkpointed around the blocks (``"layer1"``, or
+    ``"blocks[0:4]"`` for a slice of a plain ``nn.Sequential``); ``every_block_peak`` is the
+    peak with every block checkpointed and no outer region; ``smallest_peak`` the least peak
+    this planning measured (the nested floor when the budget needed nesting to the end)."""
 
     blocks: list[str]
     checkpointed: list[str]
@@ -43,27 +51,35 @@ class ModulePlan:
     recompute_flops: int
     step_flops: int
     saved: dict[str, int] = field(default_factory=dict)
+    nested: list[str] = field(default_factory=list)
+    every_block_peak: int | None = None
 
     @property
     def overhead(self) -> float:
         return self.recompute_flops / self.step_flops if self.step_flops else 0.0
 
     def apply(self, model: nn.Module) -> None:
-        """Checkpoint exactly ``checkpointed`` among ``blocks`` (the others run plainly)."""
+        """Checkpoint exactly ``checkpointed`` among ``blocks`` (the others run plainly) and,
+        around them, exactly the outer regions ``nested``."""
+        clear_nested(model, self.blocks)
         modules = dict(model.named_modules())
         for name in self.blocks:
             checkpoint_module(modules[name], name in self.checkpointed)
+        set_nested(model, self.nested)
 
     def __str__(self) -> str:
         lines = ["| block | saves in a plain step | checkpointed |", "|---|---:|---|"]
         lines += [f"| {n} | {format_bytes(self.saved.get(n, 0))} | "
                   f"{'yes' if n in self.checkpointed else ''} |" for n in self.blocks]
         budget = "inf (no limit)" if self.budget == float("inf") else format_bytes(self.budget)
+        every = self.smallest_peak if self.every_block_peak is None else self.every_block_peak
         lines += ["", f"budget {budget}: measured peak {format_bytes(self.predicted_peak)} "
                   f"(plain {format_bytes(self.plain_peak)}, every block checkpointed "
-                  f"{format_bytes(self.smallest_peak)})",
+                  f"{format_bytes(every)}, least reached {format_bytes(self.smallest_peak)})",
                   f"{len(self.checkpointed)} of {len(self.blocks)} blocks checkpointed: "
                   f"+{100 * self.overhead:.1f}% FLOPs recomputed"]
+        if self.nested:
+            lines.append(f"nested: {', '.join(self.nested)} checkpointed around their blocks")
         return "\n".join(lines)
 
 
@@ -127,17 +143,36 @@ def plan_module(model: nn.Module, example_input: Any, budget: int | float,
                 loss_fn: Callable[[Any], torch.Tensor] | None = None,
                 modules: Any = None) -> ModulePlan:
     """The fewest of ``model``'s blocks (``find_blocks(model, modules)``), taken in order of
-    bytes saved per forward FLOP, whose checkpointing makes a fake step fit ``budget``.
-    Raises ``BudgetTooSmallError`` (from the package) when not even every block fits. The
-    model is left as it was; call :meth:`ModulePlan.apply`."""
+    bytes saved per forward FLOP, whose checkpointing makes a fake step fit ``budget``; when
+    even every block does not fit, outer regions around them (``zoo.planner.module_nesting``) added
+    greedily. Raises ``BudgetTooSmallError`` (from the package) naming the least peak reached
+    (the nested floor) when nothing fits. The model is left as it was; call
+    :meth:`ModulePlan.apply`."""
+    segmented = clear_nested(model, [])  # plan from the plain model (wrapping changes types)
     wrapped = {m: dict(m._zoo_checkpoint_options) for m in model.modules() if is_checkpointed(m)}
-    for m in wrapped:  # plan from the plain model (a wrapped block changes its type)
+    for m in wrapped:
         checkpoint_module(m, False)
     try:
         return _plan_plain(model, example_input, budget, loss_fn, modules)
     finally:
         for m, options in wrapped.items():
             checkpoint_module(m, True, **options)
+        restore_nested(segmented)
+
+
+Step = Callable[..., tuple[int, int]]
+
+
+def _fewest(step: Step, n: int, measured: dict[int, tuple[int, int]], budget: int | float
+            ) -> int:
+    """The fewest blocks (in the planner's order) whose step fits, by bisection: step(0) does
+    not fit and step(n) does."""
+    lo, hi = 0, n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        measured[mid] = step(mid)
+        lo, hi = (lo, mid) if measured[mid][0] <= budget else (mid, hi)
+    return hi
 
 
 def _plan_plain(model: nn.Module, example_input: Any, budget: int | float,
@@ -147,30 +182,34 @@ def _plan_plain(model: nn.Module, example_input: Any, budget: int | float,
     saved, flops = block_costs(model, blocks, example_input, loss_fn)
     order = sorted(names, key=lambda n: (-saved[n] / max(flops[n], 1), names.index(n)))
 
-    def step(k: int) -> tuple[int, int]:
+    def step(k: int, regions: list[str] | None = None) -> tuple[int, int]:
         chosen = set(order[:k])
+        clear_nested(model, names)
         for n, m in blocks:
             checkpoint_module(m, n in chosen)
+        set_nested(model, regions or [])
         return measure_step(model, example_input, loss_fn)
 
+    k, nested = len(order), []
     try:
-        measured = {0: step(0), len(order): step(len(order))}
+        measured = {0: step(0), k: step(k)}
         plain_peak, plain_flops = measured[0]
+        every = measured[k][0]
         if budget >= plain_peak:
             k = 0
+        elif every <= budget:
+            k = _fewest(step, k, measured, budget)
         else:
-            if measured[len(order)][0] > budget:
-                raise BudgetTooSmallError(budget, measured[len(order)][0], plain_peak)
-            lo, hi = 0, len(order)  # step(lo) does not fit, step(hi) does
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                measured[mid] = step(mid)
-                lo, hi = (lo, mid) if measured[mid][0] <= budget else (mid, hi)
-            k = hi
+            nested, measured[k] = nest(outer_candidates(model, names),
+                                       lambda regions: step(k, regions), measured[k], budget)
+            if measured[k][0] > budget:
+                raise BudgetTooSmallError(budget, measured[k][0], plain_peak)
         smallest = min(peak for peak, _ in measured.values())
     finally:
+        clear_nested(model, names)
         for _, m in blocks:
             checkpoint_module(m, False)
     peak, step_flops = measured[k]
     return ModulePlan(names, [n for n in names if n in set(order[:k])], budget, peak,
-                      plain_peak, smallest, step_flops - plain_flops, plain_flops, saved)
+                      plain_peak, smallest, step_flops - plain_flops, plain_flops, saved,
+                      nested, every)
