@@ -43,7 +43,6 @@ from zoo.planner import (ChainProfile, measure_step, predict_peak,
                          profile_chain, recompute_flops, smallest_peak, solve_profile,
                          uniform_segments)
 from zoo.planner.batch import extrapolate, largest_feasible
-from zoo.planner.solve import fronts
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -147,9 +146,8 @@ def bench_model(name: str, batch: int, device: str, points: int) -> dict[str, An
     started = time.perf_counter()
     p = profile_chain(model, x)
     profile_s = time.perf_counter() - started
-    front = fronts(p)
     plain = predict_peak(p, [(0, p.n_units, False)])
-    low = smallest_peak(p, front)
+    low = smallest_peak(p)  # the one-level floor: the curve compares one-level schedules
     uniform = uniform_schedules(p)
     plain_measured, plain_flops = measure_step(model, x)
     model.set_grad_checkpointing(True)
@@ -165,7 +163,7 @@ def bench_model(name: str, batch: int, device: str, points: int) -> dict[str, An
                      | ({blanket_peak} if low <= blanket_peak <= plain else set()))
     curve = []
     for budget in budgets:
-        plan = solve_profile(p, budget, front)
+        plan = solve_profile(p, budget)
         uni = best_uniform(uniform, budget)
         curve.append({"budget": budget, "planner": plan.overhead,
                       "planner_peak": plan.predicted_peak,
@@ -177,7 +175,7 @@ def bench_model(name: str, batch: int, device: str, points: int) -> dict[str, An
     s0 = max(1, round(math.sqrt(p.n_units)))
     sqrt_peak = next(u["peak"] for u in uniform if u["segments"] == s0 and not u["skip_last"])
     sqrt_uniform = best_uniform(uniform, sqrt_peak)
-    sqrt_plan = solve_profile(p, sqrt_peak, front)
+    sqrt_plan = solve_profile(p, sqrt_peak)
     no_worse = all(c["uniform"] is None or c["planner"] <= c["uniform"] + 1e-12 for c in curve)
     cheaper = 1 - sqrt_plan.overhead / sqrt_uniform["overhead"] if sqrt_uniform["overhead"] else 0.0
     largest = max_batches(model, name, device, batch, p, {"11GiB": parse_bytes("11GiB"),

@@ -81,6 +81,10 @@ class _SaveInputs(torch.autograd.Function):
 
 _SAVED = object()  # stands in a nested region's arguments for an input the outer region keeps
 
+# Called with (args, kwargs) of every region that keeps its own inputs (one not nested in another
+# region): the planner's profiler counts them as kept, as autograd's saved tensors are.
+observers: list[Callable[[tuple, dict], None]] = []
+
 
 def _inside_region() -> int:
     """How many zoo regions are running their forward or recompute on this thread."""
@@ -101,6 +105,9 @@ class _Region:
         self.saver: Any = None
         if _inside_region():
             self.save_through_outer()
+        elif observers:
+            for observe in observers:
+                observe(args, kwargs)
         self.slots: list[weakref.ref[_Slot]] = []
         self.filled = 0
         self.in_forward = True

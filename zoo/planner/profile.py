@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import region
 from ..checkpoint import checkpoint, is_recomputing
 from .fake import default_loss, fake_state
 
@@ -199,6 +200,13 @@ class _Trace:
                 self.saved.setdefault(self.phase[1], {})[key] = _storage_bytes(t)
         return t
 
+    def region_inputs(self, args: tuple, kwargs: dict) -> None:
+        """A block's own checkpoint keeps its inputs itself, out of autograd's sight: count them
+        as saved by the block, as ``pack`` counts saved tensors."""
+        for t in (*args, *kwargs.values()):
+            if isinstance(t, torch.Tensor):
+                self.pack(t)
+
     def call_block(self, j: int, block: Callable, x: torch.Tensor) -> torch.Tensor:
         if is_recomputing():  # a recompute runs inside block j's backward phase: leave it be
             return block(x)
@@ -269,6 +277,7 @@ def _traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], tor
     previous = model.checkpoint_plan
     model.set_checkpoint_plan(segments)
     model.run_chain = run_chain  # instance attribute: shadows ZooModel.run_chain for this step
+    region.observers.append(trace.region_inputs)
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(fake)
@@ -286,6 +295,7 @@ def _traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], tor
             del loss
         peak = sum(int(d["Total"]) for d in tracker.get_tracker_snapshot("peak").values())
     finally:
+        region.observers.remove(trace.region_inputs)
         del model.run_chain
         model.set_checkpoint_plan(previous)
     if trace.n_blocks == 0:
@@ -373,8 +383,6 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
     prof.measured_plain_peak = plain_peak
     prof.measured_ckpt_peak = ckpt_peak
     prof.block_mode = block_mode
-    if block_mode is not None:
-        _add_unseen(prof, plain)
     last = units[-1][1] - 1
     if ("B", last) in plain.mark:
         held = _plain_held(prof)
@@ -382,25 +390,6 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
     else:
         prof.notes.append("the chain's output gets no gradient: nothing to plan")
     return prof
-
-
-def _add_unseen(p: ChainProfile, plain: _Trace) -> None:
-    """Bytes a unit keeps that no saved-tensor hook showed, read off the memory levels.
-
-    A block running its own checkpoints (``block_mode``) keeps each region's input in the region,
-    not through autograd's saved tensors, so the hooks miss it. After unit ``u``'s forward the
-    level must be its start plus its output and what it saves; any excess is kept too. And the
-    unit's input must be freed when the next unit starts unless someone keeps it; if it is not
-    freed, the unit keeps it."""
-    n = p.n_units
-    after = [plain.mark[("G", b - 1)] if ("G", b - 1) in plain.mark else plain.mark[("head",)]
-             for _, b in p.units]
-    for u, (a, _) in enumerate(p.units):
-        unseen = after[u] - plain.mark[("F", a)] - p.act[u + 1] - p.saved[u]
-        p.saved[u] += max(0, unseen)
-        if 0 < u < n - 1 and not p.keeps_input[u] and not p.keeps_output[u - 1]:
-            freed = after[u] - plain.mark[("F", p.units[u + 1][0])]
-            p.keeps_input[u] = freed < p.act[u]
 
 
 def _plain_held(p: ChainProfile) -> int:
