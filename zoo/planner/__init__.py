@@ -39,7 +39,7 @@ from .modules import ModulePlan, plan_module
 from .profile import ChainProfile, profile_chain
 from .timing import time_profile
 from .nested import least_peak, solve_nested
-from .solve import predict_peak, recompute_flops, smallest_peak
+from .solve import predict_peak, recompute_flops, smallest_peak, solve
 
 __all__ = ["plan", "Plan", "BudgetTooSmallError", "ChainProfile", "profile_chain", "solve_profile",
            "predict_peak", "recompute_flops", "smallest_peak", "uniform_segments",
@@ -198,12 +198,19 @@ def solve_profile(profile: ChainProfile, memory_budget: int | float | str,
     p, modes = profile, tuple(modes)
     variants = [p, *(q for q in block_profiles if q.units == p.units and q.act == p.act)]
     plain = predict_peak(p, [(0, p.n_units, False)])
-    smallest = min([least_peak(variants), *(m.peak for m in modes)])
+    # the least peak named to the user: plain blocks (exact) or a hand mode (measured); block
+    # modes are predicted, so a plan with them below it is returned only if it measures in
+    smallest = min([least_peak([p]), *(m.peak for m in modes)])
     if budget >= plain:
         return Plan(_block_plan(p, [(0, p.n_units, None)]), budget, plain, plain, smallest, 0,
                     p.step_flops, p, None, modes)
     candidates = [Plan([], budget, m.peak, plain, smallest, m.recompute_flops, p.step_flops, p,
                        m.mode, modes) for m in modes if m.peak <= budget]
+    one_level = solve(p, int(budget))  # exact; the grid's rounding may cost a little more
+    if one_level is not None:
+        segments, peak = one_level
+        candidates.append(Plan(p.block_segments(segments), budget, peak, plain, smallest,
+                               recompute_flops(p, segments), p.step_flops, p, None, modes))
     found = solve_nested(variants, budget, slots)
     if found is not None:
         schedule, chosen, peak, cost = found
