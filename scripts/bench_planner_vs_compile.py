@@ -120,9 +120,9 @@ def markdown(results: Sequence[dict[str, Any]]) -> str:
                        f"{_pct(row['torch_recompute_flops'], p)} | {_mib(row['zoo_peak_bytes'])}"
                        f" | {_pct(row['zoo_recompute_flops'], p)} | {row['zoo_plan']} |")
         t, z = r["torch_least"], r["zoo_least"]
-        out.append(f"| {name} | **least** | {format_bytes(t['torch_peak_bytes'])} (f={t['fraction']:g})"
-                   f" | {_pct(t['torch_recompute_flops'], p)} | {_mib(z['peak_bytes'])} | "
-                   f"{_pct(z['recompute_flops'], p)} | {z['plan']} |")
+        out.append(f"| {name} | **least** | {format_bytes(t['torch_peak_bytes'])} "
+                   f"(f={t['fraction']:g}) | {_pct(t['torch_recompute_flops'], p)} | "
+                   f"{_mib(z['peak_bytes'])} | {_pct(z['recompute_flops'], p)} | {z['plan']} |")
     return "\n".join(out)
 
 

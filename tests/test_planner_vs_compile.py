@@ -7,7 +7,6 @@ report every field the benchmark prints.
 """
 from __future__ import annotations
 
-import copy
 import importlib.util
 from pathlib import Path
 

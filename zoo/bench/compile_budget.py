@@ -115,7 +115,8 @@ def _check_replayable(model: nn.Module, x: torch.Tensor, args: tuple,
     if counts["graphs"] != 1 or counts["backward"] != 1:
         raise RuntimeError(f"expected one compiled graph with a backward, got {counts}")
     mine = {id(t) for t in [*model.parameters(), *model.buffers(), x]}
-    strange = [type(a).__name__ for a in args if not (isinstance(a, torch.Tensor) and id(a) in mine)]
+    strange = [type(a).__name__ for a in args
+               if not (isinstance(a, torch.Tensor) and id(a) in mine)]
     if strange:
         raise RuntimeError(f"the compiled graph takes inputs other than the model's tensors and "
                            f"the batch ({strange}); it cannot be replayed as the same step")
