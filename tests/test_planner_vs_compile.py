@@ -1,0 +1,85 @@
+"""zoo.bench.compile_budget and scripts/bench_planner_vs_compile.py on a tiny conv-bn-relu model.
+
+The compiled step (inductor's partitioner under ``activation_memory_budget``, graphs interpreted
+op by op) must be the plain model's step: same FLOPs and gradients at budget 1.0, BatchNorm
+statistics updated once; a small budget must trade memory for recompute; the comparison must
+report every field the benchmark prints.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from zoo.bench.compile_budget import compile_step, default_solver, measure_compiled
+from zoo.memory import count_flops, cpu_peak_bytes
+from zoo.planner import default_loss
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny() -> nn.Sequential:
+    """conv-bn-relu twice, pooled into a linear head: activations outweigh the parameters."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+
+def eager_step(model: nn.Module, x: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=True)
+    default_loss(model(x)).backward()
+
+
+def test_budget_one_is_the_plain_step() -> None:
+    x = torch.randn(4, 3, 16, 16, dtype=torch.float64)
+    plain, model = tiny().double().train(), tiny().double()
+    step = compile_step(model, x, 1.0, default_loss)  # one step: compiles
+    eager_step(plain, x)
+    for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
+    for (name, a), b in zip(plain.named_buffers(), model.buffers()):
+        torch.testing.assert_close(b, a, msg=name)  # running stats updated once
+    assert count_flops(step) == count_flops(lambda: eager_step(plain, x))
+    eager = cpu_peak_bytes(lambda: eager_step(plain, x), track=(plain,))
+    compiled = cpu_peak_bytes(step, track=(model,))
+    # the functionalized running-stat updates wait for AOTAutograd's epilogue: at most their bytes
+    stats = sum(b.nbytes for n, b in model.named_buffers() if n.endswith(("mean", "var")))
+    assert 0 <= compiled - eager <= stats
+    assert step.counts == {"forward": 3, "backward": 3, "graphs": 1}
+
+
+def test_small_budget_trades_memory_for_recompute() -> None:
+    x = torch.randn(4, 3, 16, 16)
+    full = measure_compiled(tiny(), x, 1.0, default_loss)
+    small = measure_compiled(tiny(), x, 0.3, default_loss)
+    assert small["peak_bytes"] < full["peak_bytes"]
+    assert small["flops"] > full["flops"]
+    assert full["solver"] == default_solver() == "dp"
+
+
+def test_budget_outside_zero_one_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        compile_step(tiny(), torch.randn(1, 3, 8, 8), 1.5, default_loss)
+
+
+def test_compare_reports_both_sides() -> None:
+    spec = importlib.util.spec_from_file_location(
+        "bench_planner_vs_compile", ROOT / "scripts" / "bench_planner_vs_compile.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    result = script.compare(tiny, batch=4, fractions=(1.0, 0.3), size=16)
+    first, second = result["rows"]
+    assert first["torch_recompute_flops"] == 0
+    assert second["torch_recompute_flops"] > 0
+    for row in result["rows"]:
+        assert set(row) >= {"fraction", "torch_peak_bytes", "torch_recompute_flops",
+                            "zoo_peak_bytes", "zoo_recompute_flops", "zoo_plan"}
+        if row["zoo_peak_bytes"] is not None:  # zoo's plan meets torch's peak as its budget
+            assert row["zoo_peak_bytes"] <= row["torch_peak_bytes"]
+    assert result["zoo_least"]["peak_bytes"] <= result["plain_peak_bytes"]
+    assert "| tiny (4) | 0.3 |" in script.markdown([result])

@@ -1,0 +1,137 @@
+"""A training step compiled under ``torch._functorch.config.activation_memory_budget``, measured
+exactly on the CPU: the figures zoo.plan is compared with (issue 14, item 5).
+
+torch.compile's answer to "fit this budget" lives in AOTAutograd's partitioner
+(``min_cut_rematerialization_partition``, the one inductor uses): given a fraction ``f`` of the
+activation memory its default partition saves for the backward, it solves a 0-1 knapsack
+(``activation_memory_budget_solver``, default ``"dp"``; runtimes estimated from FLOPs) over the
+recomputable forward ops and saves the rest. Which ops run, and what they keep, is decided there;
+inductor only generates kernels for those graphs afterwards.
+
+Here the partitioned forward and backward graphs run through ``torch.fx.Interpreter`` with the
+boxed calling convention (every value, inputs included, freed after its last use, as inductor's
+code frees them), so every op goes through the dispatcher and ``zoo.memory.cpu_peak_bytes``
+(MemTracker) and ``FlopCounterMode`` see a real step op by op. Dynamo refuses to run compiled
+code under a dispatch mode (it falls back to eager), so the step is measured by replaying the
+compiled graph's callable on the inputs Dynamo gave it on the first call (the model's parameters,
+buffers and the batch: the same tensors), outside Dynamo's frame evaluation. Counters on the
+graphs prove the compiled graphs, not eager code, ran in the measured step.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from zoo.memory import count_flops, cpu_peak_bytes
+
+__all__ = ["CompiledStep", "compile_step", "measure_compiled", "default_solver"]
+
+
+def default_solver() -> str:
+    """The knapsack solver torch's partitioner uses unless told otherwise (``"dp"`` in 2.15)."""
+    return torch._functorch.config.activation_memory_budget_solver
+
+
+def _interpreted(counts: dict[str, int], kind: str, gm: torch.fx.GraphModule,
+                 _example: Any) -> Callable[[list], Any]:
+    """An AOTAutograd graph compiler that runs ``gm`` op by op, freeing values after last use."""
+    def run(args: list) -> Any:
+        counts[kind] += 1
+        return torch.fx.Interpreter(gm).boxed_run(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]  # AOTAutograd passes a list it may clear
+    return run
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    """One compiled training step of ``model`` on ``x``: forward, loss, backward.
+
+    ``fn`` is what the AOTAutograd backend returned for Dynamo's one graph and ``args`` the
+    inputs Dynamo passed it (parameters, buffers, the batch); ``counts`` counts the forward and
+    backward graphs' runs."""
+
+    model: nn.Module
+    fn: Callable[..., Any]
+    args: tuple
+    counts: dict[str, int]
+    budget: float
+    solver: str
+
+    def __call__(self) -> None:
+        """Run the step from fresh (``None``) gradients, outside Dynamo's frame evaluation."""
+        self.model.zero_grad(set_to_none=True)
+        out = self.fn(*self.args)
+        loss = out[0] if isinstance(out, (tuple, list)) else out
+        loss.backward()
+
+
+def compile_step(model: nn.Module, x: torch.Tensor, budget: float,
+                 loss_fn: Callable[[Any], torch.Tensor], solver: str | None = None
+                 ) -> CompiledStep:
+    """Compile ``loss_fn(model(x))`` (model in train mode, one graph) with inductor's partitioner
+    under ``activation_memory_budget=budget`` and eager interpreted graphs, and run one step (the
+    one that compiles). Dynamo's caches are reset first, so each budget compiles afresh."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    if not 0.0 <= budget <= 1.0:
+        raise ValueError(f"activation_memory_budget must be in [0, 1], got {budget!r}")
+    counts = {"forward": 0, "backward": 0, "graphs": 0}
+    seen: dict[str, Any] = {}
+    aot = aot_autograd(fw_compiler=lambda g, e: _interpreted(counts, "forward", g, e),
+                       bw_compiler=lambda g, e: _interpreted(counts, "backward", g, e),
+                       partition_fn=min_cut_rematerialization_partition,
+                       keep_inference_input_mutations=True)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        counts["graphs"] += 1
+        fn = aot(gm, example_inputs)
+
+        def first(*args: Any) -> Any:
+            seen["fn"], seen["args"] = fn, args
+            return fn(*args)
+        return first
+
+    solver = solver or default_solver()
+    model.train()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda inp: loss_fn(model(inp)), backend=backend, fullgraph=True)
+    with torch._functorch.config.patch(activation_memory_budget=budget,
+                                       activation_memory_budget_solver=solver):
+        model.zero_grad(set_to_none=True)
+        compiled(x).backward()
+    _check_replayable(model, x, seen.get("args", ()), counts)
+    return CompiledStep(model, seen["fn"], seen["args"], counts, budget, solver)
+
+
+def _check_replayable(model: nn.Module, x: torch.Tensor, args: tuple,
+                      counts: dict[str, int]) -> None:
+    """The recorded inputs must be the model's own tensors and the batch, and one graph ran."""
+    if counts["graphs"] != 1 or counts["backward"] != 1:
+        raise RuntimeError(f"expected one compiled graph with a backward, got {counts}")
+    mine = {id(t) for t in [*model.parameters(), *model.buffers(), x]}
+    strange = [type(a).__name__ for a in args
+               if not (isinstance(a, torch.Tensor) and id(a) in mine)]
+    if strange:
+        raise RuntimeError(f"the compiled graph takes inputs other than the model's tensors and "
+                           f"the batch ({strange}); it cannot be replayed as the same step")
+
+
+def measure_compiled(model: nn.Module, x: torch.Tensor, budget: float,
+                     loss_fn: Callable[[Any], torch.Tensor], solver: str | None = None
+                     ) -> dict[str, Any]:
+    """Exact CPU peak bytes (model state tracked, as ``zoo.planner.measure_step`` does) and FLOPs
+    of the second step of ``model`` compiled under ``budget``; gradients left as that step set
+    them."""
+    step = compile_step(model, x, budget, loss_fn, solver)
+    runs = step.counts["forward"]
+    peak = cpu_peak_bytes(step, track=(model,))
+    flops = count_flops(step)
+    if step.counts["forward"] != runs + 2 or step.counts["backward"] != runs + 2:
+        raise RuntimeError(f"the measured steps did not run the compiled graphs: {step.counts}")
+    return {"budget": budget, "solver": step.solver, "peak_bytes": peak, "flops": flops}
