@@ -6,8 +6,9 @@ on the CPU (MemTracker bytes and FlopCounterMode FLOPs under FakeTensorMode: not
 Per model: the plain peak; the least peak of one-level schedules (the planner before) and of
 nested schedules, over plain blocks and with per-block modes; at each ``--budgets`` fraction of
 the plain peak (and at Chen's sqrt(n) uniform segmentation's peak) the plan one level deep and
-the multi-level plan, each applied and measured (peak and recompute FLOPs). Prints Markdown and
-writes docs/results/bench_planner_levels_cpu.json.
+the multi-level plan, each applied and measured (peak and recompute FLOPs); with block modes as
+``zoo.plan`` does it (``solve_measured``: a plan measured over budget falls back to plain
+blocks). Prints Markdown and writes docs/results/bench_planner_levels_cpu.json.
 """
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ import torch
 import zoo
 from zoo.bench.report import write_json
 from zoo.planner import (BudgetTooSmallError, least_peak, measure_step, predict_peak,
-                         profile_block_modes, profile_chain, smallest_peak, solve_profile)
+                         profile_block_modes, profile_chain, smallest_peak, solve_measured,
+                         solve_profile)
 from zoo.planner.solve import solve
 
 RESULT = "docs/results/bench_planner_levels_cpu.json"
+SIZES = {"bert_base": 128, "gpt2_small": 128}  # sequence lengths (images: the model's own)
 
 
 def _measure(model: Any, x: torch.Tensor, segments: list, block_modes: Any) -> tuple[int, int]:
@@ -46,12 +49,14 @@ def _row(model: Any, x: torch.Tensor, p: Any, inner: list, budget: int, plain: t
         peak, flops = _measure(model, x, p.block_segments(found[0]), None)
         row["one_level"] = {"peak": peak, "recompute": flops - plain[1]}
     for key, profiles in (("nested", []), ("nested_modes", inner)):
-        try:
-            plan = solve_profile(p, budget, block_profiles=profiles)
+        try:  # with block modes, as zoo.plan does it: measured, dropped if over
+            plan = solve_profile(p, budget) if not profiles else \
+                solve_measured(model, x, None, p, budget, [], profiles)
         except BudgetTooSmallError:
             continue
         peak, flops = _measure(model, x, plan.segments, plan.block_modes)
         row[key] = {"peak": peak, "predicted": plan.predicted_peak, "levels": plan.levels,
+                    "block_modes": plan.block_modes is not None,
                     "recompute": flops - plain[1], "predicted_recompute": plan.recompute_flops}
     return row
 
@@ -59,7 +64,7 @@ def _row(model: Any, x: torch.Tensor, p: Any, inner: list, budget: int, plain: t
 def bench_model(name: str, batch: int, budgets: list[float]) -> dict[str, Any]:
     torch.manual_seed(0)
     model = zoo.create_model(name)
-    x = model.example_input(batch)
+    x = model.example_input(batch, SIZES.get(name))
     started = time.perf_counter()
     p = profile_chain(model, x)
     inner = profile_block_modes(model, x)
@@ -81,6 +86,7 @@ def _cell(r: dict | None, plain: dict) -> str:
     if r is None:
         return "refused"
     levels = f", {r['levels']} levels" if "levels" in r else ""
+    levels += " (block modes)" if r.get("block_modes") else ""
     return (f"{r['peak'] / plain['plain_peak']:.3f}x, +{100 * r['recompute'] / plain['step_flops']:.1f}%"
             f"{levels}")
 
