@@ -52,7 +52,8 @@ def bench_model(name: str, batch: int) -> dict[str, Any]:
         after, plan = _cost(p, m.peak, modes=modes, block_profiles=inner)
         rows.append(dict(mode=m.mode, peak=m.peak, ratio=m.peak / plain,
                          mode_recompute=m.recompute_flops, chain_recompute=before,
-                         plan_recompute=after, plan_choice=plan.mode or plan.block_mode))
+                         plan_recompute=after,
+                         plan_choice=plan.mode or ("block modes" if plan.block_modes else "chain")))
     floors = {"chain, one level": (smallest_peak(p), []),
               **{f"every block {q.block_mode}, two levels": (smallest_peak(q), [q])
                  for q in inner}}

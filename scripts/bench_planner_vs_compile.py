@@ -53,7 +53,8 @@ def zoo_at(model: nn.Module, x: torch.Tensor, budget: int) -> dict[str, Any]:
                 "least_peak_bytes": e.smallest, "plan": "-"}
     what = getattr(p, "mode", None) or (
         f"{len(p.checkpointed_blocks)}/{p.profile.n_blocks} blocks"
-        + (f" in {p.block_mode}" if p.block_mode else "") if hasattr(p, "profile")
+        + f", {p.levels} levels" + (", block modes" if p.block_modes else "")
+        if hasattr(p, "profile")
         else f"{len(p.checkpointed)}/{len(p.blocks)} modules")
     return {"fits": True, "peak_bytes": p.predicted_peak, "recompute_flops": p.recompute_flops,
             "plan": what}
