@@ -187,8 +187,8 @@ class ZooModel(nn.Module):
     def set_checkpoint_block_modes(self, modes: Sequence[str | None] | None) -> None:
         """Run each block of a checkpoint plan's chain in an intra-block checkpoint mode
         (``None`` for plainly), one entry per block of ``checkpoint_chain()``: the planner's
-        per-block options, inside its segments too (a checkpointed segment's recompute then
-        checkpoints again inside each block: two levels). ``None`` removes them."""
+        per-block options, at every level of a nested plan (a checkpointed segment's recompute
+        then checkpoints again inside each block). ``None`` removes them."""
         if modes is not None:
             modes = list(modes)
             n = len(self.checkpoint_chain())

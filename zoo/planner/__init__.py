@@ -38,7 +38,7 @@ from .modes import ModeCost, profile_modes
 from .modules import ModulePlan, plan_module
 from .profile import ChainProfile, profile_chain
 from .timing import time_profile
-from .nested import least_peak, solve_nested
+from .nested import MAX_UNITS, chain_floor, least_peak, solve_nested
 from .solve import predict_peak, recompute_flops, smallest_peak, solve
 
 __all__ = ["plan", "Plan", "BudgetTooSmallError", "ChainProfile", "profile_chain", "solve_profile",
@@ -193,14 +193,16 @@ def solve_profile(profile: ChainProfile, memory_budget: int | float | str,
     """The cheapest plan under ``memory_budget`` (nothing applied): over the multi-level
     schedules of ``profile``'s chain (:mod:`.nested`) whose blocks each run plainly or in one of
     the intra-block modes profiled in ``block_profiles`` (:func:`profile_block_modes`), and the
-    measured hand ``modes``. Ties go to the lower peak."""
+    measured hand ``modes``. Ties go to the lower peak. Chains longer than ``nested.MAX_UNITS``
+    units are planned one level deep."""
     budget = parse_budget(memory_budget)
     p, modes = profile, tuple(modes)
     variants = [p, *(q for q in block_profiles if q.units == p.units and q.act == p.act)]
     plain = predict_peak(p, [(0, p.n_units, False)])
     # the least peak named to the user: plain blocks (exact) or a hand mode (measured); block
     # modes are predicted, so a plan with them below it is returned only if it measures in
-    smallest = min([least_peak([p]), *(m.peak for m in modes)])
+    nested = p.n_units <= MAX_UNITS
+    smallest = min([chain_floor(p), *(m.peak for m in modes)])
     if budget >= plain:
         return Plan(_block_plan(p, [(0, p.n_units, None)]), budget, plain, plain, smallest, 0,
                     p.step_flops, p, None, modes)
@@ -211,7 +213,7 @@ def solve_profile(profile: ChainProfile, memory_budget: int | float | str,
         segments, peak = one_level
         candidates.append(Plan(p.block_segments(segments), budget, peak, plain, smallest,
                                recompute_flops(p, segments), p.step_flops, p, None, modes))
-    found = solve_nested(variants, budget, slots)
+    found = solve_nested(variants, budget, slots) if nested else None
     if found is not None:
         schedule, chosen, peak, cost = found
         names = [q.block_mode for q in variants]
@@ -348,5 +350,5 @@ def _no_limit(model: nn.Module, example_input: torch.Tensor,
     plan still reports the plain peak)."""
     p = profile_chain(model, example_input, loss_fn)
     plain = predict_peak(p, [(0, p.n_units, False)])
-    return Plan([(0, p.n_blocks, False)], float("inf"), plain, plain, least_peak([p]), 0,
+    return Plan([(0, p.n_blocks, False)], float("inf"), plain, plain, chain_floor(p), 0,
                 p.step_flops, p)

@@ -37,8 +37,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from .profile import ChainProfile
+from .solve import smallest_peak
 
-__all__ = ["Nested", "NestedModel", "solve_nested", "schedule_cost"]
+__all__ = ["Nested", "NestedModel", "solve_nested", "schedule_cost", "least_peak",
+           "chain_floor", "MAX_UNITS"]
+
+# Longer chains are planned one level deep (ResNet-1202's 602 units: the programme is cubic in
+# the units, and its fronts take units^2 x slots floats; the slots shrink past ~110 units so
+# that stays under 400 MB).
+MAX_UNITS = 200
 
 Nested = list  # [(a, b, None | Nested)]: None = stored units, a list = checkpointed, its inner plan
 INF = float("inf")
@@ -214,6 +221,7 @@ def solve_nested(profiles: Sequence[ChainProfile], budget: int | float, slots: i
     if room < 0 or max(p.pre_peak, p.tail_peak) > budget or room == INF:
         return None
     m = NestedModel(profiles)
+    slots = min(slots, max(500, int(5e7 // m.n ** 2)))
     grid = _Grid(m, room, step or max(1, math.ceil(room / slots)))
     variants = [0] * p.n_units
     if math.isfinite(grid.T[0][False][-1]):
@@ -275,6 +283,12 @@ class _Least:
 def least_peak(profiles: Sequence[ChainProfile]) -> int:
     """The lowest peak any nested schedule (any variants) reaches."""
     return _Least(NestedModel(profiles)).peak
+
+
+def chain_floor(p: ChainProfile) -> int:
+    """The lowest peak the planner reaches on ``p``'s plain blocks: nested schedules, or one
+    level deep beyond ``MAX_UNITS`` units."""
+    return least_peak([p]) if p.n_units <= MAX_UNITS else smallest_peak(p)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -18,8 +18,11 @@ storage (an in-place ReLU) is merged with the block before it into one *unit*: t
 cuts between them (cutting there saves nothing: both are the same memory).
 
 The memory model is rotor's (Beaumont et al. 2019, "Optimal checkpointing for heterogeneous
-chains: how to train deep neural networks with limited memory", arXiv:1911.13214) with one level
-of checkpointing, which is what ``ZooModel.set_checkpoint_plan`` can run.
+chains: how to train deep neural networks with limited memory", arXiv:1911.13214): these per-unit
+figures are what :mod:`.solve` (one level) and :mod:`.nested` (checkpoints inside recomputes,
+as ``ZooModel.set_checkpoint_plan`` runs them) need. A block running its own checkpoints
+(``block_mode``) keeps their inputs in the regions, not as autograd saved tensors; the profiler
+counts them too (``zoo.region.observers``).
 """
 from __future__ import annotations
 
@@ -329,7 +332,7 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
     Runs two training steps under ``FakeTensorMode`` (nothing is computed, nothing is changed in
     ``model``: parameters, buffers and its checkpoint plan are left as they were).
     ``block_mode``: every block runs in that intra-block checkpoint mode
-    (``model.run_chain_block``), stored or inside a checkpointed segment (two levels).
+    (``model.run_chain_block``), stored or inside a checkpointed segment.
     """
     loss_fn = loss_fn or default_loss
     chain = list(model.checkpoint_chain())
