@@ -87,21 +87,23 @@ def _cell(r: dict | None, plain: dict) -> str:
         return "refused"
     levels = f", {r['levels']} levels" if "levels" in r else ""
     levels += " (block modes)" if r.get("block_modes") else ""
-    return (f"{r['peak'] / plain['plain_peak']:.3f}x, +{100 * r['recompute'] / plain['step_flops']:.1f}%"
-            f"{levels}")
+    share = 100 * r["recompute"] / plain["step_flops"]
+    return f"{r['peak'] / plain['plain_peak']:.3f}x, +{share:.1f}%{levels}"
 
 
 def markdown(result: dict[str, Any]) -> str:
     plain = result["plain_peak"]
     lines = [f"**{result['model']}**, batch {result['batch']}, {result['units']} units, plain peak "
-             f"{plain / 2**20:.1f} MiB; least peak: one level {result['least_one_level'] / plain:.3f}x, "
+             f"{plain / 2**20:.1f} MiB; least peak: one level "
+             f"{result['least_one_level'] / plain:.3f}x, "
              f"nested {result['least_nested'] / plain:.3f}x, nested with block modes "
              f"{result['least_nested_modes'] / plain:.3f}x (predicted)", "",
              "| budget | one level: peak, recompute | nested: peak, recompute, depth "
              "| nested + block modes |", "|---|---|---|---|"]
     for row in result["rows"]:
         lines.append(f"| {row['budget']} ({row['budget_bytes'] / plain:.3f}x) | "
-                     f"{_cell(row.get('one_level'), result)} | {_cell(row.get('nested'), result)} | "
+                     f"{_cell(row.get('one_level'), result)} | "
+                     f"{_cell(row.get('nested'), result)} | "
                      f"{_cell(row.get('nested_modes'), result)} |")
     return "\n".join(lines)
 

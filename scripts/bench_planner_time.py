@@ -1,6 +1,7 @@
 """The planner's time plan against its FLOP plan at the same budgets (issue 14, item 4).
 
-    python scripts/bench_planner_time.py --device cuda --models resnet110,densenet_bc_100 --batch 128
+    python scripts/bench_planner_time.py --device cuda --models resnet110,densenet_bc_100 \
+        --batch 128
     python scripts/bench_planner_time.py --smoke          # CPU, resnet20 batch 4: checks it runs
 
 Per model and budget (``--budgets``: fractions of the plain peak, between the least peak and

@@ -16,7 +16,9 @@ recomputes more than a hand mode that fits the same budget.
 Files, each importing only those listed before it (no circles): ``fake.py`` (fake state, the
 default loss), ``measure.py`` (one fake step's peak and FLOPs), ``modes.py`` (hand modes as
 candidates), ``profile.py`` (what each block costs), ``solve.py`` (the one-level memory model
-and its DP), ``nested.py`` (multi-level schedules and their DP), ``batch.py``; this file holds the user-facing :func:`plan` and :class:`Plan`.
+and its DP), ``nested.py`` (multi-level schedules and their DP), ``batch.py``,
+``module_nesting.py`` and ``modules.py`` (any ``nn.Module``); this file holds the user-facing
+:func:`plan` and :class:`Plan`.
 """
 from __future__ import annotations
 
@@ -235,10 +237,11 @@ def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | flo
 
     Args:
         model: any ``nn.Module``. A zoo model is planned over its chain of blocks, its hand
-            modes and multi-level schedules with per-block modes; any other module (torchvision, timm,
-            Hugging Face, yours) over its repeated blocks (``zoo.blocks.find_blocks``: the ones
-            ``zoo.set_grad_checkpointing`` takes; ``modules`` overrides them), returning a
-            :class:`ModulePlan` whose peak is measured (:func:`plan_module`).
+            modes and multi-level schedules with per-block modes; any other module (torchvision,
+            timm, Hugging Face, yours) over its repeated blocks (``zoo.blocks.find_blocks``: the
+            ones ``zoo.set_grad_checkpointing`` takes; ``modules`` overrides them), nested in
+            containers where every block alone does not fit, returning a :class:`ModulePlan`
+            whose peak is measured (:func:`plan_module`).
         example_input: one batch as training will see it (shape, dtype and device decide the
             figures; its values do not matter). Nothing is computed on it: the model is
             profiled under ``FakeTensorMode``.

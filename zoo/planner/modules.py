@@ -9,8 +9,8 @@ saved bytes for one recompute of its forward, so blocks are taken greedily by by
 FLOP (the knapsack's greedy order, as in torch's ``activation_memory_budget`` greedy solver),
 and the fewest of them whose step fits is found by bisection on measured fake steps: the budget
 is met as measured, never only as predicted. Below "every block checkpointed", containers of
-blocks are checkpointed around them too (``zoo.planner.module_nesting``: a stage keeps one input through
-the forward), added greedily by measured peak down to the nested floor.
+blocks are checkpointed around them too (``zoo.planner.module_nesting``: a stage keeps one input
+through the forward), added greedily by measured peak down to the nested floor.
 """
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -156,7 +157,7 @@ class _Grid:
     def _solve(self, e: int | None) -> list[list[np.ndarray]]:
         n, size = self.m.n, self.slots + 1
         last = n if e is None else e
-        F: list[list[np.ndarray]] = [[None, None] for _ in range(last + 1)]  # type: ignore[list-item]
+        F: list[list[Any]] = [[None, None] for _ in range(last + 1)]
         for s in (False, True):
             F[last][s] = np.full(size, np.inf)
             F[last][s][min(size, self.slot(self.m.end(s, e))):] = 0.0
