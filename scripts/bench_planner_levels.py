@@ -21,7 +21,7 @@ import fire
 import torch
 
 import zoo
-from zoo.bench.report import write_json
+from zoo.bench.report import comma_list, write_json
 from zoo.planner import (BudgetTooSmallError, least_peak, measure_step, predict_peak,
                          profile_block_modes, profile_chain, smallest_peak, solve_measured,
                          solve_profile)
@@ -108,16 +108,11 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _items(value: Any) -> list[str]:
-    """A comma list as fire passes it (a string, or already a tuple)."""
-    return [str(v) for v in value] if isinstance(value, (list, tuple)) else str(value).split(",")
-
-
 def main(models: str = "resnet110,densenet_bc_100", batch: int = 32,
          budgets: str = "0.3,0.2,0.171,0.145,0.14,0.13") -> None:
-    fractions = [float(f) for f in _items(budgets)]
+    fractions = [float(f) for f in comma_list(budgets)]
     results = []
-    for name in _items(models):
+    for name in comma_list(models):
         results.append(bench_model(name, batch, fractions))
         print(markdown(results[-1]) + "\n", flush=True)
     write_json(RESULT, {"machine": platform.processor() or platform.machine(),

@@ -23,15 +23,11 @@ import torch
 
 import zoo
 from zoo.bench.measure import measure_flops, measure_memory, measure_times
-from zoo.bench.report import command_line, machine_info, write_json
+from zoo.bench.report import comma_list, command_line, machine_info, write_json
 from zoo.bench.variants import Variant
 from zoo.planner import BudgetTooSmallError
 
 SIZES = {"bert_base": 128, "gpt2_small": 128}
-
-
-def _items(value: Any) -> list[str]:
-    return [str(v) for v in value] if isinstance(value, (list, tuple)) else str(value).split(",")
 
 
 def bench_model(name: str, batch: int, device: str, fractions: list[float],
@@ -91,8 +87,8 @@ def main(models: str = "resnet110,densenet_bc_100", batch: int = 128, device: st
     if smoke:
         models, batch, device, budgets, repeats = "resnet20", 4, "cpu", "0.5", 2
     rows = []
-    for name in _items(models):
-        rows += bench_model(name, batch, device, [float(f) for f in _items(budgets)], repeats)
+    for name in comma_list(models):
+        rows += bench_model(name, batch, device, [float(f) for f in comma_list(budgets)], repeats)
     print("\n" + markdown(rows))
     if not smoke:
         write_json(f"docs/results/bench_planner_time_{device.split(':')[0]}.json",

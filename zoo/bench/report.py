@@ -41,6 +41,11 @@ def command_line() -> str:
     return "python " + " ".join(shlex.quote(a) for a in sys.argv)
 
 
+def comma_list(value: Any) -> list[str]:
+    """A script's comma-separated option as fire passes it (a string, or already a tuple)."""
+    return [str(v) for v in value] if isinstance(value, (list, tuple)) else str(value).split(",")
+
+
 def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
     """Write ``payload`` (with its machine and command) to ``path``, creating folders."""
     path = Path(path)

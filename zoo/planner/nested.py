@@ -66,6 +66,13 @@ class NestedModel:
         self.n = p.n_units
         self.grads_after = [sum(p.grads[b:]) for b in range(self.n + 1)]
         self.rise_ckpt = [max(q.fwd_rise_ckpt[u] for q in self.profiles) for u in range(self.n)]
+        self.flops_before = [0, *itertools.accumulate(p.flops)]
+        self.fwd_ckpt = [[0] * (self.n + 1) for _ in range(self.n + 1)]  # unsaved forward peaks
+        for a in range(self.n):
+            top = 0
+            for b in range(a + 1, self.n + 1):
+                top = max(top, (p.act[b - 1] if b - 1 > a else 0) + self.rise_ckpt[b - 1])
+                self.fwd_ckpt[a][b] = top
 
     def offset(self, e: int | None) -> int:
         """What is alive above the level while a recompute of a segment ending at ``e`` runs
@@ -91,11 +98,9 @@ class NestedModel:
     def checkpointed(self, a: int, b: int, s: bool, e: int | None) -> tuple[int, int, int]:
         """(hold, forward local peak, cost without the inner schedule) of segment ``[a, b)``
         checkpointed in a recompute ending at ``e`` (``None``: top level)."""
-        act = self.profiles[0].act
-        hold = 0 if s else act[a]
-        local = self.offset(e) + hold + max((act[u] if u > a else 0) + self.rise_ckpt[u]
-                                            for u in range(a, b))
-        cost = 0 if e is None else sum(self.profiles[0].flops[a:b])
+        hold = 0 if s else self.profiles[0].act[a]
+        local = self.offset(e) + hold + self.fwd_ckpt[a][b]
+        cost = 0 if e is None else self.flops_before[b] - self.flops_before[a]
         return hold, local, cost
 
     def end(self, s: bool, e: int | None) -> int:
@@ -122,14 +127,7 @@ class _Grid:
     def __init__(self, m: NestedModel, room: float, step: int):
         self.m, self.step = m, max(1, int(step))
         self.slots = int(room // self.step) if room != INF else 0
-        n, act = m.n, m.profiles[0].act
-        self.flops = [0, *itertools.accumulate(m.profiles[0].flops)]
-        self.fwd_ckpt = [[0] * (n + 1) for _ in range(n + 1)]  # forward peak of [a, b) unsaved
-        for a in range(n):
-            top = 0
-            for b in range(a + 1, n + 1):
-                top = max(top, (act[b - 1] if b - 1 > a else 0) + m.rise_ckpt[b - 1])
-                self.fwd_ckpt[a][b] = top
+        n = m.n
         self.R: list[list[list[np.ndarray]]] = [[] for _ in range(n + 1)]
         for e in range(1, n + 1):
             self.R[e] = self._solve(e)
@@ -147,9 +145,7 @@ class _Grid:
             hold, local, s2, cost = m.stored(a, v, s, e)
             out.append((("s", v, s2), self.slot(local), self.slot(hold), cost, [F[a + 1][s2]]))
         for b in range(a + 1, last + (1 if e is None else 0)):
-            hold = 0 if s else m.profiles[0].act[a]
-            local = m.offset(e) + hold + self.fwd_ckpt[a][b]
-            cost = 0 if e is None else self.flops[b] - self.flops[a]
+            hold, local, cost = m.checkpointed(a, b, s, e)
             out.append((("c", b), self.slot(local), self.slot(hold), cost,
                         [self.R[b][a][True], F[b][False]]))
         return out
@@ -242,8 +238,7 @@ class _Least:
 
     def __init__(self, m: NestedModel):
         self.m = m
-        n, act = m.n, m.profiles[0].act
-        self.top = [0] * (n + 1)
+        n = m.n
         self.tables: dict[int | None, list[list[tuple[int, tuple]]]] = {}
         for e in [*range(1, n + 1), None]:
             last = n if e is None else e
@@ -255,12 +250,10 @@ class _Least:
                     for v in range(len(m.profiles)):
                         hold, local, s2, _ = m.stored(a, v, s, e)
                         best = min(best, (max(local, hold + F[a + 1][s2][0]), ("s", v, s2)))
-                    top = 0
                     for b in range(a + 1, last + (1 if e is None else 0)):
-                        top = max(top, (act[b - 1] if b - 1 > a else 0) + m.rise_ckpt[b - 1])
-                        hold = 0 if s else act[a]
+                        hold, local, _ = m.checkpointed(a, b, s, e)
                         rest = max(self.tables[b][a][1][0], F[b][0][0])
-                        best = min(best, (max(m.offset(e) + hold + top, hold + rest), ("c", b)))
+                        best = min(best, (max(local, hold + rest), ("c", b)))
                     F[a][s] = best  # type: ignore[assignment]
             self.tables[e] = F
         p = m.profiles[0]
