@@ -4,7 +4,8 @@
     python train.py --model densenet --efficient True --dataset cifar10 --data_dir data
     torchrun --nproc_per_node 2 train.py --model resnet --dataset cifar10
 
-The loop is ``zoo.training.fit``; this file only turns flags into a config and errors into messages.
+The loop is ``zoo.train.loop.fit``; this file only turns flags into a config and errors into
+messages.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def main(*args: Any, **flags: Any) -> None:
     to fit), optimizer (sgd, adamw), lr, momentum, nesterov, weight_decay, schedule (step, cosine,
     constant), milestones, gamma, warmup_iters, warmup_lr, label_smoothing, seed, device (auto, cpu,
     cuda, cuda:N), amp, compile, data_parallel, out_dir, resume, overwrite (True: a new run may
-    replace the run in out_dir). See zoo/config.py for what each means. --debug True shows
+    replace the run in out_dir). See zoo/train/config.py for what each means. --debug True shows
     tracebacks. Exit status: 0 done, 1 failed (divergence, disk), 2 bad input, 130/143 stopped by
     SIGINT/SIGTERM after saving.
     """
@@ -62,9 +63,9 @@ def main(*args: Any, **flags: Any) -> None:
 def _train(args: tuple[Any, ...], flags: dict[str, Any]) -> None:
     import torch.distributed as dist
 
-    from zoo.config import ConfigError, resolve_config
-    from zoo.run_dir import load_checkpoint
-    from zoo.training import fit
+    from zoo.train.config import ConfigError, resolve_config
+    from zoo.train.run_dir import load_checkpoint
+    from zoo.train.loop import fit
 
     if args:
         raise ConfigError(f"unexpected argument(s) {' '.join(map(str, args))}: every option is "
@@ -83,8 +84,8 @@ def _train(args: tuple[Any, ...], flags: dict[str, Any]) -> None:
 
 def _report(e: Exception) -> int:
     """Print ``e`` as one line on stderr; return the exit status."""
-    from zoo.config import ConfigError
-    from zoo.training import RunStopped
+    from zoo.train.config import ConfigError
+    from zoo.train.loop import RunStopped
 
     if isinstance(e, RunStopped):
         message, code = str(e), e.exit_code

@@ -19,7 +19,7 @@ sequence 128 by default; ``--batches``) the chain is profiled once under ``FakeT
   the batch and 4x the batch extrapolated on a line; planner and blanket found by secant steps
   on real profiles / fake steps, so their batches are checked to fit.
 
-Planner and uniform figures are the planner's predictions (tests/test_planner.py checks them
+Planner and uniform figures are the planner's predictions (tests/planner/test_planner.py checks them
 against measured peaks within 5%); recompute FLOPs are exact. Writes
 docs/results/bench_planner_<device>.json and docs/img/planner_<device>.png, prints Markdown.
 """

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zoo
-from zoo.config import TrainConfig
+from zoo.train.config import TrainConfig
 from zoo.memory import cpu_peak_bytes
 
 

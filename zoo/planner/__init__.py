@@ -298,7 +298,8 @@ def solve_measured(model: nn.Module, example_input: torch.Tensor,
                    tries: int = 6) -> Plan:
     """:func:`solve_profile`, with the chosen schedule measured (one fake step) before it is
     returned, so the budget is met as measured. The model of plain blocks, nested or not, is
-    byte-exact on the zoo's chains (tests/test_planner_nested.py). Blocks in intra-block modes
+    byte-exact on the zoo's chains (tests/planner/test_planner_nested.py). Blocks in intra-block
+    modes
     are predicted on the heavy side (within 10% on ResNet-20), checked on few combinations: a
     plan with block modes measured over budget is dropped and the plain blocks are planned
     again. A plan over budget by some bytes is searched again with that much less room. The

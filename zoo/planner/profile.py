@@ -22,7 +22,7 @@ chains: how to train deep neural networks with limited memory", arXiv:1911.13214
 figures are what :mod:`.solve` (one level) and :mod:`.nested` (checkpoints inside recomputes,
 as ``ZooModel.set_checkpoint_plan`` runs them) need. A block running its own checkpoints
 (``block_mode``) keeps their inputs in the regions, not as autograd saved tensors; the profiler
-counts them too (``zoo.region.observers``).
+counts them too (``zoo.checkpoint.region.observers``).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import region
+from ..checkpoint import region
 from ..checkpoint import checkpoint, is_recomputing
 from .fake import default_loss, fake_state
 

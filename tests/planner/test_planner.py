@@ -26,7 +26,7 @@ from zoo.planner import (BudgetTooSmallError, ChainProfile, default_loss, least_
                          solve_profile)
 from zoo.planner.solve import solve
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -55,7 +55,7 @@ def test_the_time_against_flops_benchmark_reports_both_plans_within_the_budget()
     """scripts/bench_planner_time.py (the GPU comparison of item 4) end to end on the CPU."""
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_planner_time.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_planner_time.py"
     spec = importlib.util.spec_from_file_location("bench_planner_time", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from zoo.config import ConfigError
-from zoo.training import fit
+from zoo.train.config import ConfigError
+from zoo.train.loop import fit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(model="cifar_cnn", dataset="shapes", train_size=16, test_size=8, batch_size=8,
             epochs=1, seed=2)
 
@@ -41,7 +41,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
-    from zoo.config import TrainConfig
+    from zoo.train.config import TrainConfig
 
     run = tmp_path_factory.mktemp("finished") / "run"
     fit(TrainConfig(**TINY, out_dir=str(run)), log=lambda _m: None)

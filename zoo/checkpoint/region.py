@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from zoo import checkpoint_keywords as keywords
+from . import keywords
 
 from .recompute import _ForwardContext, _local, _RecomputeContext
 

@@ -16,7 +16,7 @@ import torch
 
 import zoo
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _script(name: str):

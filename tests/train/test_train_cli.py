@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from zoo.config import ConfigError, TrainConfig, config_keys, load_yaml, resolve_config
+from zoo.train.config import ConfigError, TrainConfig, config_keys, load_yaml, resolve_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "configs"
 TINY = ["--dataset", "shapes", "--train_size", "16", "--test_size", "8", "--batch_size", "8",
         "--epochs", "1"]

@@ -2,7 +2,8 @@
 with SIGTERM/SIGINT between two steps, then ``--resume``: the run must end bit for bit where an
 uninterrupted run ends (weights, optimizer, schedule, RNG states, metrics.jsonl lines).
 
-The process is killed from inside, at a named point (``ZOO_FAULT``, read by zoo.run_dir), so the
+The process is killed from inside, at a named point (``ZOO_FAULT``, read by zoo.train.run_dir), so
+the
 test is deterministic: SIGKILL after the temporary checkpoint is written (before the rename),
 after the rename (before best.pt and metrics.jsonl), after the metrics line; SIGTERM and SIGINT
 after a given optimizer step, which makes train.py save a mid-epoch checkpoint and exit 143/130.
@@ -20,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from zoo.run_dir import load_checkpoint
+from zoo.train.run_dir import load_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # 48 images in batches of 16: 3 steps an epoch, 3 epochs.
 TINY = ["--model", "cnn", "--dataset", "shapes", "--train_size", "48", "--test_size", "16",
         "--batch_size", "16", "--epochs", "3", "--lr", "0.05", "--seed", "5", "--device", "cpu"]
@@ -122,7 +123,7 @@ def test_sigterm_before_any_step_says_nothing_was_saved(tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", (
-        "import os, signal, sys, zoo.training as t\n"
+        "import os, signal, sys, zoo.train.loop as t\n"
         "real = t.build_run\n"
         "def build(*a, **k):\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"

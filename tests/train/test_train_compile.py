@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from zoo.config import ConfigError, TrainConfig
-from zoo.run_dir import load_checkpoint
-from zoo.training import fit
+from zoo.train.config import ConfigError, TrainConfig
+from zoo.train.run_dir import load_checkpoint
+from zoo.train.loop import fit
 from helpers import quiet, tiny_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 

@@ -1,4 +1,4 @@
-"""A training run's state, and the first steps of :func:`zoo.training.fit`: where the run lives
+"""A training run's state, and the first steps of :func:`zoo.train.loop.fit`: where the run lives
 (:func:`locate_run`: the checkpoint to resume, config drift, the directory to write), what it
 trains (:func:`build_run`: data, model, optimizer, schedule, restored state) and its directory
 (:func:`run_directory`: lock, config, metrics), plus what a checkpoint holds
@@ -25,7 +25,7 @@ from torch.utils.data import Dataset, DistributedSampler
 from .config import SAFE_ON_RESUME, ConfigError, TrainConfig, config_drift, to_yaml
 from .data import build_datasets
 from .run_dir import RunDir, check_run_dir, find_checkpoint, load_checkpoint, set_rng_state
-from .train_setup import (Distributed, all_sum, build_model, build_optimizer, lr_factor,
+from .setup import (Distributed, all_sum, build_model, build_optimizer, lr_factor,
                           plan_memory)
 
 __all__ = ["Run", "EpochStats", "locate_run", "build_run", "run_directory", "checkpoint_state"]
@@ -216,7 +216,7 @@ def _resumed_the_best_epoch(run: Run) -> bool:
 
 def checkpoint_state(run: Run, rngs: list[dict[str, Any]],
                      position: dict[str, Any] | None) -> dict[str, Any]:
-    """What --resume needs to continue bitwise (the file format: see zoo.run_dir)."""
+    """What --resume needs to continue bitwise (the file format: see zoo.train.run_dir)."""
     cfg = run.cfg
     return {"model_name": cfg.model,
             "model_args": {"num_classes": run.num_classes, "efficient": cfg.efficient,

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from zoo.config import SAFE_ON_RESUME, ConfigError
-from zoo.run_dir import CorruptCheckpointError, RunDir, atomic_write, load_checkpoint
-from zoo.run_lock import RunBusyError, RunLock
-from zoo.training import RunStopped, fit
+from zoo.train.config import SAFE_ON_RESUME, ConfigError
+from zoo.train.run_dir import CorruptCheckpointError, RunDir, atomic_write, load_checkpoint
+from zoo.train.run_lock import RunBusyError, RunLock
+from zoo.train.loop import RunStopped, fit
 from helpers import quiet, tiny_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 tiny = tiny_run  # tiny(path, **overrides): a tiny run
@@ -91,7 +91,7 @@ def test_a_new_run_refuses_a_directory_with_files_unless_overwrite(tmp_path):
 
 HOLD = """\
 import sys, time
-from zoo.run_lock import RunLock
+from zoo.train.run_lock import RunLock
 lock = RunLock(sys.argv[1]); lock.acquire(); print("held", flush=True); time.sleep(120)
 """
 

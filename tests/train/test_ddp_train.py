@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from zoo.config import resolve_config
-from zoo.run_dir import load_checkpoint
-from zoo.training import fit
+from zoo.train.config import resolve_config
+from zoo.train.run_dir import load_checkpoint
+from zoo.train.loop import fit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = """\
 model: cifar_cnn
 model_kwargs: {batch_norm: false, drop_rate: 0.0}

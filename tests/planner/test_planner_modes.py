@@ -3,7 +3,8 @@ same budget (issue 14, item 1), predicted and measured, on a small member of eve
 
 A mode's peak is measured (``measure_step``: one training step under ``FakeTensorMode``,
 MemTracker's exact bytes and FlopCounterMode's FLOPs, byte-identical to a real CPU step as
-tests/test_planner.py checks); that peak is given as the budget; the plan is applied and its step
+tests/planner/test_planner.py checks); that peak is given as the budget; the plan is applied and
+its step
 measured the same way: within the budget, and its recompute (step FLOPs beyond the plain step's)
 at most the mode's.
 """

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils import _python_dispatch
 from torch.utils import checkpoint as torch_checkpoint
 
-from zoo import checkpoint_keywords as keywords
+from . import keywords
 
 # --------------------------------------------------------------------------------------------
 # Recompute state: a per-thread depth (autograd runs backward on one thread per device, and

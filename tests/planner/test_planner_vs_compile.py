@@ -19,7 +19,7 @@ from zoo.memory import count_flops, cpu_peak_bytes
 from zoo.planner import default_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny() -> nn.Sequential:

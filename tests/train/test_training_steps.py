@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from zoo.config import TrainConfig
-from zoo.run_dir import load_checkpoint
-from zoo.train_setup import Distributed
-from zoo.training import (RunStopped, StopSignal, build_run, finish_epoch, locate_run,
+from zoo.train.config import TrainConfig
+from zoo.train.run_dir import load_checkpoint
+from zoo.train.setup import Distributed
+from zoo.train.loop import (RunStopped, StopSignal, build_run, finish_epoch, locate_run,
                           run_directory, save_epoch, train_epoch)
 
 

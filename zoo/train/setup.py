@@ -2,7 +2,7 @@
 the model, the optimizer, the learning-rate schedule, the memory plan, the memory meter, and the
 few collectives the loop needs across ranks.
 
-``zoo.training`` composes them into the loop; each is a plain function of the config.
+``zoo.train.loop`` composes them into the loop; each is a plain function of the config.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ConfigError, TrainConfig
-from .models import UnknownModelError, create_model
+from ..models import UnknownModelError, create_model
 from .run_dir import rng_state
 
 __all__ = ["Distributed", "setup_distributed", "resolve_device", "build_model", "lr_factor",
@@ -132,8 +132,8 @@ def plan_memory(cfg: TrainConfig, model: nn.Module, world_size: int, side: int,
     with ``--batch_size auto`` first pick the largest batch that fits. Returns ``cfg`` with the
     batch resolved. The optimizer's state (SGD momentum: one copy of the parameters, AdamW two)
     is taken off the budget first: the planner counts parameters, gradients and activations."""
-    from .memory import format_bytes, parse_bytes
-    from .planner import BudgetTooSmallError, largest_batch, plan, solve_profile
+    from ..memory import format_bytes, parse_bytes
+    from ..planner import BudgetTooSmallError, largest_batch, plan, solve_profile
 
     budget = parse_bytes(cfg.memory_budget)
     copies = 2 if cfg.optimizer == "adamw" else int(cfg.momentum > 0)

@@ -84,7 +84,7 @@ class TrainConfig:
             raise ConfigError("--batch_size auto picks the largest batch that fits a memory budget: "
                               "give one, e.g. --memory_budget 10GB (or set a number: --batch_size 64)")
         if self.memory_budget is not None:
-            from .memory import parse_bytes
+            from ..memory import parse_bytes
             try:
                 parse_bytes(self.memory_budget)
             except ValueError as e:

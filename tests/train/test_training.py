@@ -1,4 +1,5 @@
-"""The training loop (zoo.training.fit) on tiny runs of real zoo models: the run directory, bitwise
+"""The training loop (zoo.train.loop.fit) on tiny runs of real zoo models: the run directory,
+bitwise
 resume (also after a crash mid-epoch), atomic writes, the learning-rate schedules, and checkpointed
 training equal to plain training."""
 from __future__ import annotations
@@ -10,11 +11,11 @@ import os
 import pytest
 import torch
 
-import zoo.data
-import zoo.run_dir
-from zoo.config import ConfigError, TrainConfig
-from zoo.run_dir import atomic_save, load_checkpoint
-from zoo.training import fit, lr_factor
+import zoo.train.data
+import zoo.train.run_dir
+from zoo.train.config import ConfigError, TrainConfig
+from zoo.train.run_dir import atomic_save, load_checkpoint
+from zoo.train.loop import fit, lr_factor
 
 TIMING_KEYS = {"images_per_s", "epoch_time_s", "peak_memory_bytes"}
 
@@ -88,7 +89,7 @@ def test_resume_after_a_crash_mid_epoch_is_bitwise_the_straight_run(tmp_path, mo
     fit(straight, log=quiet)
 
     crashed = tiny(tmp_path, "crashed")
-    calls, real_getitem = [0], zoo.data.ShapesDataset.__getitem__
+    calls, real_getitem = [0], zoo.train.data.ShapesDataset.__getitem__
 
     def crash_in_epoch_two(self, index):
         calls[0] += 1
@@ -96,7 +97,7 @@ def test_resume_after_a_crash_mid_epoch_is_bitwise_the_straight_run(tmp_path, mo
             raise RuntimeError("simulated crash")
         return real_getitem(self, index)
 
-    monkeypatch.setattr(zoo.data.ShapesDataset, "__getitem__", crash_in_epoch_two)
+    monkeypatch.setattr(zoo.train.data.ShapesDataset, "__getitem__", crash_in_epoch_two)
     with pytest.raises(RuntimeError, match="simulated crash"):
         fit(crashed, log=quiet)
     monkeypatch.undo()
@@ -150,7 +151,7 @@ def test_atomic_save_keeps_the_old_file_when_the_write_fails(tmp_path, monkeypat
     def broken_replace(src, dst):
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(zoo.run_dir.os, "replace", broken_replace)
+    monkeypatch.setattr(zoo.train.run_dir.os, "replace", broken_replace)
     with pytest.raises(OSError, match="disk full"):
         atomic_save({"epoch": 2}, path)
     monkeypatch.undo()

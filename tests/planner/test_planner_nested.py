@@ -207,7 +207,8 @@ def test_zoo_plan_goes_below_the_one_level_floor_and_prints_the_levels(resnet32)
 
 def test_block_mode_profiles_count_what_the_blocks_own_checkpoints_keep():
     """A block in ``halves`` or ``block`` mode keeps its input in its own region, out of
-    autograd's sight; the profiler counts it (``zoo.region.observers``). A checkpointed segment
+    autograd's sight; the profiler counts it (``zoo.checkpoint.region.observers``). A checkpointed
+    segment
     followed by such a block (whose input nobody else keeps) is then predicted byte-exact, for
     every pair of modes; all blocks stored in one mode is predicted at or above the measured peak
     (within 10%)."""

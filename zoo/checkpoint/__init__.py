@@ -34,22 +34,23 @@ matters on models made of many small layers), and adds:
   region becomes torch's ``tag_activation_checkpoint`` subgraph and AOTAutograd's partitioner
   does the recompute inside the backward graph, where the contract holds by construction
   (BatchNorm statistics are written once, by the forward graph; dropout masks are kept, not
-  redrawn; ``save_ops`` become torch's selective-checkpoint policy). tests/test_compile.py
+  redrawn; ``save_ops`` become torch's selective-checkpoint policy).
+  tests/checkpoint/test_compile.py
   checks it against the eager plain model;
 * errors that name the cause and the fix: an input changed in place before the recompute, a
   region that saves different tensors when recomputed.
 
 It is a drop-in for ``torch.utils.checkpoint.checkpoint``: it takes torch's keywords (their
-meaning for a zoo region: :mod:`zoo.checkpoint_keywords`) and passes PyTorch's own
-non-reentrant checkpoint tests (ported in tests/test_checkpoint_torch_*.py), except for the
-deliberate differences listed in :func:`checkpoint`.
+meaning for a zoo region: :mod:`zoo.checkpoint.keywords`) and passes PyTorch's own
+non-reentrant checkpoint tests (ported in tests/checkpoint/test_checkpoint_torch_*.py), except for
+the deliberate differences listed in :func:`checkpoint`.
 
 Under ``torch.no_grad()`` / ``inference_mode`` it simply calls ``fn``: nothing is saved and
 nothing is recomputed, so there is nothing to pay.
 
-Files: this one holds the public calls; :mod:`zoo.region` the saved-tensor region;
-:mod:`zoo.recompute` the recompute flag, normalisation guard and RNG/autocast contexts;
-:mod:`zoo.checkpoint_keywords` torch's keywords.
+Files: this one holds the public calls; :mod:`zoo.checkpoint.region` the saved-tensor region;
+:mod:`zoo.checkpoint.recompute` the recompute flag, normalisation guard and RNG/autocast contexts;
+:mod:`zoo.checkpoint.keywords` torch's keywords.
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ import torch
 from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
-from zoo import checkpoint_keywords as keywords
+from . import keywords
 
 from .recompute import (_Both, _ForwardContext, _RecomputeContext, _cuda_devices,
                         is_recomputing, state_bookkeeping)
@@ -125,11 +126,12 @@ def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | N
         use_reentrant, preserve_rng_state, context_fn, determinism_check, debug, early_stop:
             ``torch.utils.checkpoint.checkpoint``'s keywords, so that zoo.checkpoint can be handed
             to any library that calls torch's; their meaning for a zoo region is in
-            :mod:`zoo.checkpoint_keywords` (``use_reentrant`` is ignored: always non-reentrant).
+            :mod:`zoo.checkpoint.keywords` (``use_reentrant`` is ignored: always non-reentrant).
 
     Under ``torch.no_grad()`` or ``inference_mode`` it is exactly ``fn(*args, **kwargs)``. Under
     ``torch.compile`` (``fullgraph=True`` works) the region is one checkpoint subgraph of the
-    compiled graph, with the same contract (:func:`_traced_checkpoint`, tests/test_compile.py).
+    compiled graph, with the same contract (:func:`_traced_checkpoint`,
+    tests/checkpoint/test_compile.py).
 
     Backward raises RuntimeError, saying why, when a tensor input was changed in place after the
     call (the recompute would read other values), when the recompute saves other tensors than
@@ -137,7 +139,8 @@ def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | N
     unpacks a saved tensor twice (a custom Function reading ``ctx.saved_tensors`` twice).
 
     Deliberate differences from torch's non-reentrant checkpoint (each pinned by a test in
-    tests/test_checkpoint.py or tests/test_checkpoint_torch_*.py): BatchNorm statistics are
+    tests/checkpoint/test_checkpoint.py or tests/checkpoint/test_checkpoint_torch_*.py): BatchNorm
+    statistics are
     updated once, not twice; the RNG is also replayed on the current CUDA device and on the
     region's parameters' device; ``use_reentrant=True`` still gives non-reentrant semantics and
     no call warns; recomputed tensors a backward call did not use are freed when that call ends
@@ -215,7 +218,8 @@ def checkpoint_sequential(blocks: Sequence[Callable[[Any], Any]] | nn.Sequential
     Unlike ``torch.utils.checkpoint.checkpoint_sequential`` the last segment is checkpointed too
     (the reason seed 000 saw "almost no memory improvement" with few segments) unless
     ``skip_last=True``, which keeps its activations because backward needs them first anyway.
-    This is a deliberate difference from torch's (tests/test_checkpoint_torch_utils.py pins it).
+    This is a deliberate difference from torch's (tests/checkpoint/test_checkpoint_torch_utils.py
+    pins it).
 
     Args:
         blocks: an ``nn.Sequential`` or any sequence of callables, applied in order.

@@ -2,7 +2,7 @@
 
 The contract (DESIGN.md, *Run directories*):
 
-- One run per directory: a lock (:mod:`zoo.run_lock`) for the run's life; a new run refuses a
+- One run per directory: a lock (:mod:`zoo.train.run_lock`) for the run's life; a new run refuses a
   directory that holds files unless told ``overwrite``.
 - Every file is written to a temporary file in the same folder, fsynced, and moved over the old
   one with ``os.replace`` (atomic on POSIX and Windows): a crash leaves the old file or the new one.

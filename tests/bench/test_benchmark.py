@@ -28,7 +28,7 @@ from zoo.bench.variants import Variant, build_variant, canonical_name
 from zoo.memory import cpu_peak_bytes
 from zoo.models.densenet import DenseNet
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "cifar_cnn"
 EFFICIENT = "zoo halves"
 VARIANTS = ("plain", "official", EFFICIENT)

@@ -5,7 +5,7 @@ torchvision checks each CIFAR file against the md5 sum of the published file, wh
 files cannot match. The CIFAR tests therefore replace exactly one function, the md5 check
 ``torchvision.datasets.cifar.check_integrity``, by "the file exists"; everything else (the
 ``download=True`` path that returns early when the files are there, unpickling, reshaping to HWC,
-PIL conversion, augmentation, normalisation) is torchvision's and zoo.data's real code.
+PIL conversion, augmentation, normalisation) is torchvision's and zoo.train.data's real code.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import pytest
 import torch
 import torchvision.datasets.cifar as tv_cifar
 
-from zoo.config import ConfigError
-from zoo.data import (CIFAR_STATS, DatasetNotFoundError, ShapesDataset, SyntheticDataset,
+from zoo.train.config import ConfigError
+from zoo.train.data import (CIFAR_STATS, DatasetNotFoundError, ShapesDataset, SyntheticDataset,
                       build_datasets, draw_shape)
 
 

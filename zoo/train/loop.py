@@ -3,7 +3,7 @@
 :func:`fit` reads as the list of its named steps, each testable alone: :func:`locate_run` (which
 checkpoint to resume, config drift, which directory to write), :func:`build_run` (data, model,
 optimizer, restored state), :func:`run_directory` (lock, files) -- these three in
-``zoo.run_state`` -- then :func:`train_epoch` (the step
+``zoo.train.run_state`` -- then :func:`train_epoch` (the step
 loop, whole in one function as in nanoGPT), :func:`finish_epoch` (divergence check, evaluation),
 :func:`save_epoch`. Under ``torchrun`` (RANK/WORLD_SIZE/LOCAL_RANK in the environment) it runs
 DistributedDataParallel, gloo on CPU and nccl on GPU, with a DistributedSampler; only rank 0
@@ -35,7 +35,7 @@ from .run_dir import fault_point
 from .run_state import (EpochStats, Run, build_run, checkpoint_state, locate_run,
                         run_directory)
 from .stopping import RunStopped, StopSignal
-from .train_setup import (Distributed, all_sum, build_model, gather_floats, gather_rng,
+from .setup import (Distributed, all_sum, build_model, gather_floats, gather_rng,
                           lr_factor, peak_memory, ranks_identical, resolve_device,
                           setup_distributed)
 
