@@ -66,7 +66,7 @@ from . import keywords
 
 from .recompute import (_Both, _ForwardContext, _RecomputeContext, _cuda_devices,
                         is_recomputing, state_bookkeeping)
-from .region import _Region
+from .region import _inside_region, _Region, recorders
 
 __all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing", "split_segments",
            "state_bookkeeping"]
@@ -150,6 +150,9 @@ def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | N
         return fn(*args, **kwargs)
     if torch.compiler.is_compiling():
         return _traced_checkpoint(fn, args, kwargs, save_ops, context_fn)
+    if recorders and not _inside_region():
+        for record in recorders:
+            record(fn, args, kwargs, save_ops)
     opts = keywords.options(preserve_rng_state, context_fn, determinism_check, debug, early_stop)
 
     if not save_ops:

@@ -85,6 +85,11 @@ _SAVED = object()  # stands in a nested region's arguments for an input the oute
 # region): the planner's profiler counts them as kept, as autograd's saved tensors are.
 observers: list[Callable[[tuple, dict], None]] = []
 
+# Called with (fn, args, kwargs, save_ops) of every region not nested in another, before its
+# forward: the host-cost benchmark (zoo.bench.host_cost) replays each region on its own to count
+# the ops its recompute must redo.
+recorders: list[Callable[[Callable, tuple, dict, Any], None]] = []
+
 
 def _inside_region() -> int:
     """How many zoo regions are running their forward or recompute on this thread."""

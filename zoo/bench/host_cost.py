@@ -1,0 +1,236 @@
+"""Host cost of a checkpointed training step: the aten ops it dispatches and its time on ``meta``.
+
+On a GPU, a step of a model made of many small layers is host-bound: the GPU waits while Python
+and the dispatcher issue the ops, so every op a checkpointed region adds beyond its recompute is
+time the user pays. Both sides of that cost are measured here without a GPU:
+
+* **ops**: the aten ops one training step (forward, ``square().mean()`` loss, backward) dispatches,
+  counted by a ``TorchDispatchMode`` (:class:`OpCounter`), per op name. Exact: the same count every
+  run, so tests may pin it. A dispatch mode also sees the tensor shallow copies autograd makes when
+  it hands saved tensors back (as ``aten.detach``); they are host work too.
+* **host time**: the same step on the ``meta`` device, where no kernel runs and only the host's
+  work is left: medians of interleaved steps, as ratios to the plain model of the same run.
+* **floor**: what a region cannot avoid: the plain step's ops plus, for every region, the forward
+  ops its recompute must redo, counted on their own (:func:`recompute_ops`: the region's forward
+  up to the last tensor it saves for backward, without the running-statistics update and without
+  the ops a selective region keeps). ``ops - floor`` is what the checkpoint itself costs.
+
+:mod:`.host_peers` builds what is compared (the zoo's modes and their peers);
+:func:`run_host_cost` is the command (``scripts/benchmark.py host-cost``).
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from zoo.checkpoint import region
+
+__all__ = ["OpCounter", "count_ops", "Entry", "recorded_regions", "recompute_ops", "floor_ops",
+           "host_times", "measure", "loss_of"]
+
+
+_BELOW_AUTOGRAD = torch._C.DispatchKey.ADInplaceOrView
+_is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+COPY = "shallow copy (aten.detach.default)"
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched under it, by name (``aten.detach.default``), and in all.
+
+    Autograd makes shallow copies of tensors (a saved output, a saved tensor handed back by a
+    saved-tensor hook) in C++, without the dispatcher; only while a dispatch mode is active are
+    they routed through it, as ``aten.detach``. They reach the mode without having passed the
+    autograd keys, which is how they are told apart: counted under :data:`COPY` and in
+    ``copies``, so ``total - copies`` is what the dispatcher runs when no mode is watching.
+
+    ``exclude``: ops counted apart in ``excluded`` (a selective region's kept ops).
+    """
+
+    def __init__(self, exclude: Collection[Any] = ()) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.total = self.copies = self.excluded = 0
+        self.exclude = frozenset(exclude)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        self.total += 1
+        if func is torch.ops.aten.detach.default and not _is_excluded(_BELOW_AUTOGRAD):
+            self.copies += 1
+            self.ops[COPY] += 1
+        else:
+            self.ops[str(func)] += 1
+        if func in self.exclude:
+            self.excluded += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(step: Callable[[], Any]) -> Counter[str]:
+    """The aten ops ``step()`` dispatches, by name."""
+    with OpCounter() as counter:
+        step()
+    return counter.ops
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """The benchmark's loss: ``square().mean()`` of the output (of a Hugging Face model's
+    ``last_hidden_state``), in float32."""
+    if not isinstance(out, torch.Tensor):
+        out = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return out.float().square().mean()
+
+
+@dataclass
+class Entry:
+    """One measured way to train: ``step()`` is one training step of ``model``.
+
+    ``group`` names the plain entry its ratios are taken against (peers built on another library's
+    model have their own plain row); ``floor`` is computed for the zoo's checkpoint modes only.
+    """
+
+    name: str
+    group: str
+    model: nn.Module
+    step: Callable[[], Any]
+    note: str = ""
+    floor: bool = False
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------
+# The floor: each region's forward replayed on its own.
+# --------------------------------------------------------------------------------------------
+Region = tuple[Callable, tuple, dict, Any]
+
+
+def recorded_regions(step: Callable[[], Any]) -> list[Region]:
+    """(fn, args, kwargs, save_ops) of every zoo.checkpoint region ``step()`` opens (nested
+    regions are part of their outer one)."""
+    regions: list[Region] = []
+
+    def record(fn: Callable, args: tuple, kwargs: dict, save_ops: Any) -> None:
+        regions.append((fn, args, kwargs, save_ops))
+
+    region.recorders.append(record)
+    try:
+        step()
+    finally:
+        region.recorders.remove(record)
+    return regions
+
+
+@contextmanager
+def _statistics_frozen(model: nn.Module) -> Iterator[None]:
+    """Normalisation layers without running statistics while a region is replayed: a recompute
+    must not update them, so their update is not part of the floor."""
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
+             and m.track_running_stats]
+    for m in norms:
+        m.track_running_stats = False
+    try:
+        yield
+    finally:
+        for m in norms:
+            m.track_running_stats = True
+
+
+def recompute_ops(fn: Callable, args: tuple, kwargs: dict, save_ops: Any = None) -> int:
+    """The ops a recompute of ``fn(*args, **kwargs)`` must redo: those of its forward up to the
+    one that saves the last tensor for backward (what comes after is not needed), less those whose
+    outputs a selective region keeps (``save_ops``). Run it inside :func:`_statistics_frozen`."""
+    at_pack: list[tuple[int, int]] = []
+    with torch.enable_grad(), OpCounter(save_ops or ()) as counter:
+        def pack(tensor: torch.Tensor) -> None:
+            at_pack.append((counter.total, counter.excluded))
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
+            fn(*args, **kwargs)
+    if not at_pack:
+        return 0
+    total, kept = at_pack[-1]
+    return total - kept
+
+
+def floor_ops(model: nn.Module, step: Callable[[], Any], plain_ops: int) -> tuple[int, int]:
+    """(floor ops, regions) of ``step()``: ``plain_ops`` plus every region's
+    :func:`recompute_ops`."""
+    regions = recorded_regions(step)
+    with _statistics_frozen(model):
+        redo = sum(recompute_ops(*r) for r in regions)
+    return plain_ops + redo, len(regions)
+
+
+# --------------------------------------------------------------------------------------------
+# Host time: interleaved steps, medians.
+# --------------------------------------------------------------------------------------------
+def host_times(steps: dict[str, Callable[[], Any]], repeats: int = 15, warmup: int = 2,
+               cuda: bool = False, seed: int = 0) -> dict[str, list[float]]:
+    """Seconds per step of each of ``steps``: ``warmup`` rounds, then ``repeats`` rounds that run
+    every step once in a shuffled order (so drift on a shared machine hits all alike)."""
+    rng = random.Random(seed)
+    names = list(steps)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for round_ in range(warmup + repeats):
+        rng.shuffle(names)
+        for name in names:
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            steps[name]()
+            if cuda:
+                torch.cuda.synchronize()
+            if round_ >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def measure(entries: Sequence[Entry], repeats: int = 15, warmup: int = 2,
+            time_steps: bool = True) -> list[dict[str, Any]]:
+    """Ops, floor and host time of every entry; ratios against the plain entry of its group."""
+    for entry in entries:
+        entry.step()  # a first step outside the count (lazy initialisation, caches)
+        ops = count_ops(entry.step)
+        total = sum(ops.values())
+        entry.result.update(ops=total, dispatched=total - ops[COPY],
+                            by_op=dict(sorted(ops.items())))
+    plain = {e.group: e for e in entries if e.name == e.group}
+    for entry in entries:
+        if entry.floor:
+            base = plain[entry.group].result
+            floor, regions = floor_ops(entry.model, entry.step, base["ops"])
+            entry.result.update(floor=floor, regions=regions,
+                                floor_dispatched=floor - base["ops"] + base["dispatched"])
+    if time_steps:
+        cuda = any(p.device.type == "cuda" for e in entries for p in e.model.parameters())
+        times = host_times({e.name: e.step for e in entries}, repeats, warmup, cuda=cuda)
+        for entry in entries:
+            entry.result["seconds"] = statistics.median(times[entry.name])
+            entry.result["all_seconds"] = times[entry.name]
+    rows = []
+    for entry in entries:
+        base, r = plain[entry.group].result, entry.result
+        row = {"variant": entry.name, "group": entry.group, "note": entry.note, **r,
+               "ops_ratio": r["ops"] / base["ops"],
+               "dispatched_ratio": r["dispatched"] / base["dispatched"]}
+        if "floor" in r:
+            regions = max(r["regions"], 1)
+            row.update(floor_ratio=r["floor"] / base["ops"],
+                       extra_per_region=(r["ops"] - r["floor"]) / regions,
+                       extra_dispatched_per_region=(r["dispatched"] - r["floor_dispatched"])
+                       / regions)
+        if "seconds" in r:
+            row["time_ratio"] = r["seconds"] / base["seconds"]
+            if "floor" in r:
+                row["time_vs_floor"] = row["time_ratio"] / row["floor_ratio"]
+        rows.append(row)
+    return rows
