@@ -144,7 +144,8 @@ def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | N
     updated once, not twice; the RNG is also replayed on the current CUDA device and on the
     region's parameters' device; ``use_reentrant=True`` still gives non-reentrant semantics and
     no call warns; recomputed tensors a backward call did not use are freed when that call ends
-    (torch keeps them until the graph is freed).
+    (torch keeps them until the graph is freed); the recompute dispatches no detach of the tensors
+    it rebuilds, and a module's parameters saved by the region are kept, not rebuilt.
     """
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
