@@ -13,7 +13,9 @@ time the user pays. Both sides of that cost are measured here without a GPU:
 * **floor**: what a region cannot avoid: the plain step's ops plus, for every region, the forward
   ops its recompute must redo, counted on their own (:func:`recompute_ops`: the region's forward
   up to the last tensor it saves for backward, without the running-statistics update and without
-  the ops a selective region keeps). ``ops - floor`` is what the checkpoint itself costs.
+  the ops a selective region keeps). ``ops - floor`` is what the checkpoint itself costs. The
+  floor is timed too, as a step of its own: the plain step, then each region's rerun replayed
+  (:class:`Floor`).
 
 :mod:`.host_peers` builds what is compared (the zoo's modes and their peers);
 :func:`run_host_cost` is the command (``scripts/benchmark.py host-cost``).
@@ -35,8 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from zoo.checkpoint import region
 
-__all__ = ["OpCounter", "count_ops", "Entry", "recorded_regions", "recompute_ops", "floor_ops",
-           "host_times", "measure", "loss_of"]
+__all__ = ["OpCounter", "COPY", "count_ops", "loss_of", "Entry", "recorded_regions",
+           "recompute_ops", "replay", "Floor", "floor_of", "host_times", "measure"]
 
 
 _BELOW_AUTOGRAD = torch._C.DispatchKey.ADInplaceOrView
@@ -144,10 +146,12 @@ def _statistics_frozen(model: nn.Module) -> Iterator[None]:
             m.track_running_stats = True
 
 
-def recompute_ops(fn: Callable, args: tuple, kwargs: dict, save_ops: Any = None) -> int:
-    """The ops a recompute of ``fn(*args, **kwargs)`` must redo: those of its forward up to the
-    one that saves the last tensor for backward (what comes after is not needed), less those whose
-    outputs a selective region keeps (``save_ops``). Run it inside :func:`_statistics_frozen`."""
+def recompute_ops(fn: Callable, args: tuple, kwargs: dict, save_ops: Any = None
+                  ) -> tuple[int, int]:
+    """(ops, saved tensors) a recompute of ``fn(*args, **kwargs)`` must redo: the ops of its
+    forward up to the one that saves the last tensor for backward (what comes after is not
+    needed), less those whose outputs a selective region keeps (``save_ops``), and how many
+    tensors that part saves. Run it inside :func:`_statistics_frozen`."""
     at_pack: list[tuple[int, int]] = []
     with torch.enable_grad(), OpCounter(save_ops or ()) as counter:
         def pack(tensor: torch.Tensor) -> None:
@@ -156,18 +160,59 @@ def recompute_ops(fn: Callable, args: tuple, kwargs: dict, save_ops: Any = None)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
             fn(*args, **kwargs)
     if not at_pack:
-        return 0
+        return 0, 0
     total, kept = at_pack[-1]
-    return total - kept
+    return total - kept, len(at_pack)
 
 
-def floor_ops(model: nn.Module, step: Callable[[], Any], plain_ops: int) -> tuple[int, int]:
-    """(floor ops, regions) of ``step()``: ``plain_ops`` plus every region's
-    :func:`recompute_ops`."""
+class _LastSaved(Exception):
+    """Ends a replay at the region's last saved tensor."""
+
+
+def replay(fn: Callable, args: tuple, kwargs: dict, saved: int) -> None:
+    """Rerun a region's forward up to its ``saved``-th saved tensor and no further: what its
+    recompute must do, with nothing of a checkpoint around it (the floor's host time)."""
+    if not saved:
+        return
+    count = [0]
+
+    def pack(tensor: torch.Tensor) -> None:
+        count[0] += 1
+        if count[0] == saved:
+            raise _LastSaved
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
+        try:
+            fn(*args, **kwargs)
+        except _LastSaved:
+            pass
+
+
+@dataclass
+class Floor:
+    """What a step's regions must redo: ``ops`` beyond the plain step, and the regions with the
+    number of tensors each saves up to where its recompute may stop (to replay them)."""
+
+    ops: int
+    regions: list[Region]
+    saved: list[int]
+
+    def step(self, plain_step: Callable[[], Any], model: nn.Module) -> Callable[[], None]:
+        """The floor as a step: the plain step, then every region's recompute replayed."""
+        def run() -> None:
+            plain_step()
+            with _statistics_frozen(model):
+                for (fn, args, kwargs, _), saved in zip(self.regions, self.saved):
+                    replay(fn, args, kwargs, saved)
+        return run
+
+
+def floor_of(model: nn.Module, step: Callable[[], Any]) -> Floor:
+    """The :class:`Floor` of ``step()``, a training step of ``model``."""
     regions = recorded_regions(step)
     with _statistics_frozen(model):
-        redo = sum(recompute_ops(*r) for r in regions)
-    return plain_ops + redo, len(regions)
+        counts = [recompute_ops(*r) for r in regions]
+    return Floor(sum(ops for ops, _ in counts), regions, [saved for _, saved in counts])
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,7 +241,13 @@ def host_times(steps: dict[str, Callable[[], Any]], repeats: int = 15, warmup: i
 
 def measure(entries: Sequence[Entry], repeats: int = 15, warmup: int = 2,
             time_steps: bool = True) -> list[dict[str, Any]]:
-    """Ops, floor and host time of every entry; ratios against the plain entry of its group."""
+    """Ops, floor and host time of every entry; ratios against the plain entry of its group.
+
+    An entry with a floor is also timed against it: its plain step plus the regions' recomputes
+    replayed on their own, in the same interleaved rounds (per-op costs differ a hundredfold on
+    ``meta``, where some kernels are Python decompositions, so the floor's time is measured, not
+    scaled from its ops).
+    """
     for entry in entries:
         entry.step()  # a first step outside the count (lazy initialisation, caches)
         ops = count_ops(entry.step)
@@ -204,33 +255,38 @@ def measure(entries: Sequence[Entry], repeats: int = 15, warmup: int = 2,
         entry.result.update(ops=total, dispatched=total - ops[COPY],
                             by_op=dict(sorted(ops.items())))
     plain = {e.group: e for e in entries if e.name == e.group}
+    steps = {e.name: e.step for e in entries}
     for entry in entries:
         if entry.floor:
-            base = plain[entry.group].result
-            floor, regions = floor_ops(entry.model, entry.step, base["ops"])
-            entry.result.update(floor=floor, regions=regions,
-                                floor_dispatched=floor - base["ops"] + base["dispatched"])
+            base, floor = plain[entry.group], floor_of(entry.model, entry.step)
+            entry.result.update(floor=base.result["ops"] + floor.ops, regions=len(floor.regions),
+                                floor_dispatched=base.result["dispatched"] + floor.ops)
+            steps[f"{entry.name} (floor)"] = floor.step(base.step, entry.model)
     if time_steps:
         cuda = any(p.device.type == "cuda" for e in entries for p in e.model.parameters())
-        times = host_times({e.name: e.step for e in entries}, repeats, warmup, cuda=cuda)
+        times = {name: statistics.median(t) for name, t in
+                 host_times(steps, repeats, warmup, cuda=cuda).items()}
         for entry in entries:
-            entry.result["seconds"] = statistics.median(times[entry.name])
-            entry.result["all_seconds"] = times[entry.name]
-    rows = []
-    for entry in entries:
-        base, r = plain[entry.group].result, entry.result
-        row = {"variant": entry.name, "group": entry.group, "note": entry.note, **r,
-               "ops_ratio": r["ops"] / base["ops"],
-               "dispatched_ratio": r["dispatched"] / base["dispatched"]}
-        if "floor" in r:
-            regions = max(r["regions"], 1)
-            row.update(floor_ratio=r["floor"] / base["ops"],
-                       extra_per_region=(r["ops"] - r["floor"]) / regions,
-                       extra_dispatched_per_region=(r["dispatched"] - r["floor_dispatched"])
-                       / regions)
-        if "seconds" in r:
-            row["time_ratio"] = r["seconds"] / base["seconds"]
-            if "floor" in r:
-                row["time_vs_floor"] = row["time_ratio"] / row["floor_ratio"]
-        rows.append(row)
-    return rows
+            entry.result["seconds"] = times[entry.name]
+            if entry.floor:
+                entry.result["floor_seconds"] = times[f"{entry.name} (floor)"]
+    return [_row(entry, plain[entry.group].result) for entry in entries]
+
+
+def _row(entry: Entry, base: dict[str, Any]) -> dict[str, Any]:
+    """An entry's results with its ratios to ``base`` (its plain entry's results)."""
+    r = entry.result
+    row = {"variant": entry.name, "group": entry.group, "note": entry.note, **r,
+           "ops_ratio": r["ops"] / base["ops"],
+           "dispatched_ratio": r["dispatched"] / base["dispatched"]}
+    if "floor" in r:
+        regions = max(r["regions"], 1)
+        row.update(floor_ratio=r["floor"] / base["ops"],
+                   extra_per_region=(r["ops"] - r["floor"]) / regions,
+                   extra_dispatched_per_region=(r["dispatched"] - r["floor_dispatched"]) / regions)
+    if "seconds" in r:
+        row["time_ratio"] = r["seconds"] / base["seconds"]
+        if "floor_seconds" in r:
+            row.update(floor_time_ratio=r["floor_seconds"] / base["seconds"],
+                       time_vs_floor=r["seconds"] / r["floor_seconds"])
+    return row

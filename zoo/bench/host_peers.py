@@ -54,10 +54,12 @@ def zoo_entries(name: str, batch_size: int, size: int | None = None, device: str
                 modes: Sequence[str] | None = None, peers: bool = True,
                 seed: int = 0) -> list[Entry]:
     """``plain`` and ``zoo <mode>`` for each of ``modes`` (default: all the model's), then the
-    peers. Built on the CPU from ``seed`` and moved to ``device``."""
+    peers. Built on the CPU from ``seed`` and moved to ``device``; on ``meta`` without peers,
+    built there (no weights to draw: only ops and host time are measured)."""
     torch.manual_seed(seed)
-    model = zoo.create_model(name)
-    x = model.example_input(batch_size, size)
+    with torch.device("meta" if device == "meta" and not peers else "cpu"):
+        model = zoo.create_model(name)
+        x = model.example_input(batch_size, size)
     modes = list(model.checkpoint_modes if modes is None else modes)
     entries = [_entry("plain", "plain", copy.deepcopy(model).to(device), x.to(device),
                       "no checkpointing")]
@@ -109,14 +111,21 @@ def hf_bert(layers: int = 12, width: int = 768, heads: int = 12) -> nn.Module:
     return BertModel(config)
 
 
+def _hf_enable(model: nn.Module) -> None:
+    """Hugging Face's own switch (``activation_checkpointing_enable`` in newer versions)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) \
+        or model.gradient_checkpointing_enable
+    enable()
+
+
 def _hf_bert_entries(ids: torch.Tensor, device: str) -> list[Entry]:
     plain = hf_bert()
     checkpointed = copy.deepcopy(plain)
-    checkpointed.gradient_checkpointing_enable()
+    _hf_enable(checkpointed)
     return [_entry("HF plain", "HF plain", plain.to(device), ids.to(device),
                    "transformers BertModel"),
             _entry("HF gradient_checkpointing", "HF plain", checkpointed.to(device),
-                   ids.to(device), "gradient_checkpointing_enable() (torch's checkpoint)")]
+                   ids.to(device), "its own gradient checkpointing (torch's checkpoint)")]
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,43 +161,47 @@ def chain_entries(regions: int = 100, width: int = 8, batch_size: int = 1, devic
         twin = copy.deepcopy(plain)
         twin.wrap = wrap
         entries.append(_entry(name, "plain", twin, x.to(device),
-                              f"{name}, one region per block", floor=True))
+                              f"{name}, one region per block", floor=name == "zoo"))
     return entries
 
 
 # --------------------------------------------------------------------------------------------
 # Models from outside the zoo.
 # --------------------------------------------------------------------------------------------
-def _outside_model(which: str) -> tuple[nn.Module, torch.Tensor, Callable[[nn.Module], Any]]:
-    """(plain model, input, its library's own switch) for ``which``."""
+def _outside_model(which: str, small: bool = False
+                   ) -> tuple[nn.Module, torch.Tensor, Callable[[nn.Module], Any]]:
+    """(plain model, input, its library's own switch) for ``which``; ``small``: a shrunk one of
+    the same family (one block per stage, two dense or transformer layers, narrow)."""
     if which == "timm resnet50":
-        import timm
-        return (timm.create_model("resnet50", pretrained=False), torch.randn(4, 3, 64, 64),
-                lambda m: m.set_grad_checkpointing(True))
+        from timm.models.resnet import Bottleneck, ResNet
+        model = ResNet(Bottleneck, [1, 1, 1, 1], num_classes=10) if small else ResNet(
+            Bottleneck, [3, 4, 6, 3])
+        return model, torch.randn(4, 3, 64, 64), lambda m: m.set_grad_checkpointing(True)
     if which == "torchvision densenet121":
-        from torchvision.models import densenet121
+        from torchvision.models import DenseNet
 
         def own(m: nn.Module) -> None:
             for layer in m.modules():
                 if hasattr(layer, "memory_efficient"):
                     layer.memory_efficient = True
-        return densenet121(), torch.randn(2, 3, 64, 64), own
+        model = DenseNet(8, (2, 2), 16, num_classes=10) if small else DenseNet(32, (6, 12, 24, 16))
+        return model, torch.randn(2, 3, 64, 64), own
     if which == "HF bert":
-        return (hf_bert(), torch.randint(0, 30522, (2, 16)),
-                lambda m: m.gradient_checkpointing_enable())
+        model = hf_bert(2, 32, 2) if small else hf_bert()
+        return model, torch.randint(0, 1000, (2, 16)), _hf_enable
     raise ValueError(f"unknown outside model {which!r}; expected one of {OUTSIDE}")
 
 
 OUTSIDE = ("timm resnet50", "torchvision densenet121", "HF bert")
 
 
-def outside_entries(models: Sequence[str] = OUTSIDE, device: str = "meta",
-                    seed: int = 0) -> list[Entry]:
+def outside_entries(models: Sequence[str] = OUTSIDE, device: str = "meta", seed: int = 0,
+                    small: bool = False) -> list[Entry]:
     """For each model: plain, its library's own checkpointing, zoo.set_grad_checkpointing."""
     entries = []
     for which in models:
         torch.manual_seed(seed)
-        plain, x, own = _outside_model(which)
+        plain, x, own = _outside_model(which, small)
         mine, theirs = copy.deepcopy(plain), copy.deepcopy(plain)
         own(theirs)
         zoo.set_grad_checkpointing(mine)
