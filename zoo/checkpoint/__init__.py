@@ -157,7 +157,8 @@ def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | N
     opts = keywords.options(preserve_rng_state, context_fn, determinism_check, debug, early_stop)
 
     if not save_ops:
-        devices = _cuda_devices(fn, (*args, *kwargs.values())) if opts.preserve_rng else []
+        devices = _cuda_devices(fn, (*args, *kwargs.values())) \
+            if opts.preserve_rng and torch.cuda.is_initialized() else []
         with _ForwardContext(devices, opts.preserve_rng) as forward:
             return _Region(fn, args, kwargs, forward, opts).run()
     return _selective(fn, args, kwargs, save_ops, opts)

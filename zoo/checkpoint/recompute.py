@@ -127,6 +127,8 @@ def _guard_norm(module: nn.Module, args: Any) -> None:
 
 def _unguard_norms(guarded: dict[int, _Guarded]) -> None:
     """Put back what :func:`_guard_norm` changed, as if the recompute never ran the layers."""
+    if not guarded:
+        return
     with torch.no_grad(), state_bookkeeping():
         for entry in guarded.values():
             module = entry.module
