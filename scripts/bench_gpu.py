@@ -1,4 +1,4 @@
-"""Every GPU figure of issue 11 item 5 (and item 3 on CUDA), one command:
+"""Every GPU figure (the checkpoint's overhead, the models, the largest batch), one command:
 
     PYTHONPATH=. python scripts/bench_gpu.py                     # all parts, one process each
     PYTHONPATH=. python scripts/bench_gpu.py --part densenet_b64 # one part (each < 10 minutes)

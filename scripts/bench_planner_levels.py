@@ -1,5 +1,5 @@
-"""How low multi-level schedules take the planner, and what they cost (issue 14, item 2), exact
-on the CPU (MemTracker bytes and FlopCounterMode FLOPs under FakeTensorMode: nothing runs).
+"""How low multi-level schedules take the planner, and what they cost, exact on the CPU
+(MemTracker bytes and FlopCounterMode FLOPs under FakeTensorMode: nothing runs).
 
     python scripts/bench_planner_levels.py --models resnet110,densenet_bc_100,bert_base --batch 32
 

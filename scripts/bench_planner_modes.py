@@ -1,11 +1,11 @@
-"""The planner against each model's own checkpoint modes, and how low it reaches (issue 14,
-items 1 and 2), exact on the CPU (MemTracker bytes and FlopCounterMode FLOPs under
+"""The planner against each model's own checkpoint modes, and how low it reaches, exact on the
+CPU (MemTracker bytes and FlopCounterMode FLOPs under
 FakeTensorMode: nothing runs).
 
     python scripts/bench_planner_modes.py --models resnet110,densenet_bc_100 --batch 32
 
 Per model, at ``--batch``: the plain step's peak; per hand mode its peak and recompute, and the
-plan's recompute at exactly that peak, chain schedules only (before issue 14) and with every
+plan's recompute at exactly that peak, chain schedules only (whole blocks) and with every
 candidate (hand modes, and the chain with every block in each mode: two levels); the least
 feasible peak of each search; the plan at the lowest budget applied and measured. Prints Markdown
 and writes docs/results/bench_planner_modes_cpu.json.

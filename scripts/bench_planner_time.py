@@ -1,4 +1,4 @@
-"""The planner's time plan against its FLOP plan at the same budgets (issue 14, item 4).
+"""The planner's time plan against its FLOP plan at the same budgets.
 
     python scripts/bench_planner_time.py --device cuda --models resnet110,densenet_bc_100 \
         --batch 128

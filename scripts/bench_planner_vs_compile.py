@@ -1,5 +1,5 @@
-"""zoo.plan side by side with torch.compile's ``activation_memory_budget`` (issue 14, item 5),
-exact on the CPU: MemTracker peak bytes and FlopCounterMode recompute FLOPs of one training step.
+"""zoo.plan side by side with torch.compile's ``activation_memory_budget``, exact on the CPU:
+MemTracker peak bytes and FlopCounterMode recompute FLOPs of one training step.
 
     python scripts/bench_planner_vs_compile.py --models resnet20,cifar_cnn --batch 32
 

@@ -212,7 +212,7 @@ def test_failing_variant_is_a_row_not_a_crash() -> None:
 
 
 def test_bench_gpu_smoke_writes_every_part(tmp_path: Path) -> None:
-    """scripts/bench_gpu.py --smoke: every part of issue 11's GPU command runs on the CPU with
+    """scripts/bench_gpu.py --smoke: every part of the GPU command runs on the CPU with
     tiny sizes and writes its JSON (machine, command, rows, goals) and Markdown."""
     threads = torch.get_num_threads()
     try:

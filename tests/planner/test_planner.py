@@ -220,7 +220,7 @@ _PROFILED: dict[str, tuple[ZooModel, torch.Tensor, ChainProfile]] = {}
 
 
 def profiled_model(name: str) -> tuple[ZooModel, torch.Tensor, ChainProfile]:
-    """(model, batch of 2, profile), profiled once per test session (profiling takes seconds)."""
+    """(model, batch of 2, profile), profiled once per pytest run (profiling takes seconds)."""
     if name not in _PROFILED:
         torch.manual_seed(0)
         model = zoo.create_model(name)

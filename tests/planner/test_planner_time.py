@@ -1,4 +1,4 @@
-"""``zoo.plan(..., cost="time")`` (issue 14, item 4): the chain's costs as measured time on the
+"""``zoo.plan(..., cost="time")``: the chain's costs as measured time on the
 input's device (here the CPU; on a GPU the same code times CUDA kernels), planned by the same
 dynamic programme: within the budget as measured, and no dearer in time than the FLOP plan.
 """
@@ -52,7 +52,7 @@ def test_plan_with_cost_time_fits_as_measured(resnet20):
 
 
 def test_the_time_against_flops_benchmark_reports_both_plans_within_the_budget():
-    """scripts/bench_planner_time.py (the GPU comparison of item 4) end to end on the CPU."""
+    """scripts/bench_planner_time.py (the time plan's GPU comparison) end to end on the CPU."""
     import importlib.util
     from pathlib import Path
     path = Path(__file__).resolve().parents[2] / "scripts" / "bench_planner_time.py"

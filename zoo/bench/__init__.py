@@ -13,6 +13,6 @@ reuse them:
 * :mod:`.segments` sweeps the number of segments of ``checkpoint_sequential`` (seed 000);
 * :mod:`.overhead` times a checkpoint's own work per region on a chain of 100 tiny regions,
   eager and compiled (``scripts/bench_checkpoint.py --overhead``);
-* :mod:`.suite` is issue 11's set of GPU figures in parts (``scripts/bench_gpu.py``);
+* :mod:`.suite` is the set of GPU figures, in parts (``scripts/bench_gpu.py``);
 * :mod:`.report` prints Markdown tables and writes the JSON results.
 """
