@@ -253,7 +253,7 @@ def test_with_room_to_spare_the_plan_recomputes_less_than_blanket_checkpointing(
     """At the peak ResNet-110's blanket ``halves`` checkpointing reaches, the plan fits and
     recomputes fewer FLOPs (measured: FlopCounterMode over a step). (Its recommended ``tapered``
     mode, which mixes block regions with bn_relu recompute, is cheaper than any block-level plan
-    at its own peak: see docs/BENCHMARKS.md.)"""
+    at its own peak: see docs/benchmarks/planner.md.)"""
     model, x, p = profiled_model("resnet110")
     plain_peak, plain_flops = real_step(model, x)
     model.set_grad_checkpointing("halves")

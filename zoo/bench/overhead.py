@@ -200,7 +200,7 @@ def overhead_rows(combos: Sequence[Combo], regions: int) -> list[dict[str, Any]]
 
 
 def overhead_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The rows as the Markdown table of docs/BENCHMARKS.md."""
+    """The rows as the Markdown table of docs/benchmarks/checkpoint.md."""
     lines = ["| checkpoint | run as | median step | x eager none (IQR) | extra us/region vs none "
              "run the same way | BN count after 1 step | status |", "|---|---|---|---|---|---|---|"]
     for r in rows:
