@@ -11,9 +11,8 @@ checkout=$(pwd)
 venv=${1:-.venv}
 start=$SECONDS
 work=$(mktemp -d "${TMPDIR:-/tmp}/zoo-package-check.XXXXXX")
-trap 'rm -rf "$work"' EXIT
-
 step() { echo "package check: $* ($((SECONDS - start)) s)"; }
+trap 'rm -rf "$work"; step "removed $work"' EXIT
 
 step "building the sdist and the wheel"
 "$venv/bin/python" -m build --outdir "$work/dist" . >"$work/build.log" 2>&1 \

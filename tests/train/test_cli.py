@@ -8,21 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers import call_command
 from zoo.train.cli import command, recipes_dir
 from zoo.train.config import config_keys
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def call(main, capsys, **flags) -> tuple[int, str, str]:
-    """``main(**flags)`` as Fire calls it: (exit status, stdout, stderr)."""
-    code = 0
-    try:
-        main(**flags)
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_console_command_help_lists_every_key():
@@ -42,8 +32,8 @@ def test_console_command_help_lists_every_key():
     {"model": "cnn", "resume": "/nonexistent/run"},
 ])
 def test_script_and_console_give_the_same_output_and_status(capsys, tmp_path, flags):
-    script = call(command("train.py"), capsys, out_dir=str(tmp_path / "a"), **flags)
-    console = call(command("zoo-train"), capsys, out_dir=str(tmp_path / "a"), **flags)
+    script = call_command(command("train.py"), capsys, out_dir=str(tmp_path / "a"), **flags)
+    console = call_command(command("zoo-train"), capsys, out_dir=str(tmp_path / "a"), **flags)
     assert script[0] == console[0] and script[0] in (0, 2)
     as_console = [s.replace("python train.py", "zoo-train").replace("train.py:", "zoo-train:")
                   for s in script[1:]]
