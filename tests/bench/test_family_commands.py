@@ -15,7 +15,7 @@ import torch
 
 from zoo.bench import cli
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 def bench(out: Path, *args: object) -> list[dict]:

@@ -14,6 +14,8 @@ import torch
 
 from zoo.bench import cli
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # small CPU steps: one thread is fastest
+
 
 @pytest.fixture(autouse=True)
 def keep_threads() -> Iterator[None]:
