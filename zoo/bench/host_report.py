@@ -1,9 +1,9 @@
 """The host-cost command: measure (:mod:`.host_cost`) what :mod:`.host_peers` builds, print
 Markdown tables, write JSON.
 
-    python scripts/benchmark.py host-cost                      # the default workloads on meta
-    python scripts/benchmark.py host-cost --models densenet_bc_100:64 --chain False
-    python scripts/benchmark.py host-cost --device cuda        # on a GPU: ops and time on cuda
+    python -m zoo.bench host-cost                      # the default workloads, timed on meta
+    python -m zoo.bench host-cost --models densenet_bc_100:64 --nochain --nooutside
+    python -m zoo.bench host-cost --device cuda        # on a GPU: ops and time on cuda
 
 Every table names its machine and command; ratios are against the plain model of the same run.
 """
@@ -36,16 +36,26 @@ def _parse_workload(spec: str) -> tuple[str, int]:
 
 def run_host_cost(models: str | Sequence[str] = DEFAULT_MODELS, device: str = "meta",
                   repeats: int = 15, warmup: int = 2, peers: bool = True, chain: bool = True,
-                  outside: bool = True, times: bool = True,
-                  out: str | None = "docs/results/host_cost_cpu.json",
-                  markdown: str | None = None) -> dict[str, Any]:
-    """Ops, floor and host time of each workload (``MODEL:BATCH``), the chain of 100 tiny
-    regions and the models from outside the zoo; prints the tables, writes JSON to ``out`` and
-    the Markdown to ``markdown`` (either None: not written). ``times=False`` counts only."""
+                  outside: bool = True, times: bool = True, json_out: str | None = None,
+                  markdown_out: str | None = None) -> dict[str, Any]:
+    """Host cost of a training step: aten ops, their floor, host time on meta, beside the peers.
+
+    For each workload (``MODEL:BATCH``), the chain of 100 tiny regions and the models from
+    outside the zoo: ops per step under a dispatch mode and dispatched, the floor (plain plus
+    every region's recompute) and the extra ops per region beyond it, host time on ``device``
+    (``meta`` by default; ``cuda`` on a GPU) against plain and against the timed floor, and the
+    ops by name. Prints Markdown; ``--json_out`` writes JSON, ``--markdown_out`` the tables;
+    ``--notimes`` counts only."""
+    dev = torch.device(device)
+    if dev.type not in ("meta", "cpu", "cuda"):
+        raise ValueError(f"--device must be meta, cpu or cuda (cuda:N), got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but torch sees no CUDA device; use --device meta (host "
+                         "time without kernels) or cpu")
     specs = report.comma_list(models) if models else []
     results: dict[str, Any] = {"command": report.command_line(),
-                               "machine": report.machine_info(torch.device(
-                                   "cpu" if device == "meta" else device)),
+                               "machine": report.machine_info(
+                                   torch.device("cpu") if dev.type == "meta" else dev),
                                "timed_on": device, "repeats": repeats, "workloads": []}
     for spec in specs:
         name, batch = _parse_workload(spec)
@@ -61,10 +71,10 @@ def run_host_cost(models: str | Sequence[str] = DEFAULT_MODELS, device: str = "m
             for which in OUTSIDE]
     text = markdown_report(results)
     print(text)
-    if out:
-        report.write_json(out, results)
-    if markdown:
-        with open(markdown, "w") as f:
+    if json_out:
+        report.write_json(json_out, results)
+    if markdown_out:
+        with open(markdown_out, "w") as f:
             f.write(text)
     return results
 
@@ -157,9 +167,3 @@ def markdown_report(results: dict[str, Any]) -> str:
     for o in results.get("outside", ()):
         parts.append(f"### {o['model']}\n\n{workload_table(o['rows'])}")
     return "\n\n".join(parts) + "\n"
-
-
-if __name__ == "__main__":
-    import fire
-
-    fire.Fire(run_host_cost)
