@@ -28,7 +28,7 @@ def _depth() -> int:
 
 
 def is_recomputing() -> bool:
-    """True only while a :func:`checkpoint` region is being recomputed for backward, on this thread.
+    """True only while a :func:`checkpoint` region is recomputed for backward, on this thread.
 
     Layers with side effects (running statistics, counters, logging) use it to act once per
     training step instead of once per forward *and* once per recompute. While ``torch.compile``

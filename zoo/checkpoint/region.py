@@ -119,7 +119,7 @@ class _Region:
         elif observers:
             for observe in observers:
                 observe(args, kwargs)
-        self.slots: list[weakref.ref[_Slot]] = []
+        self.slots: list[weakref.ref[_Slot] | None] = []  # None: a parameter, kept as it is
         self.filled = 0
         self.in_forward = True
         self.last: weakref.ref[torch.Tensor] | None = None
@@ -286,7 +286,7 @@ class _Region:
         raise RuntimeError(f"zoo.checkpoint: {message}{self.opts.debug_report()}")
 
 
-def _empty_slots(slots: list[weakref.ref[_Slot]]) -> None:
+def _empty_slots(slots: list[weakref.ref[_Slot] | None]) -> None:
     """Drop what a backward call recomputed but did not use (called when that call ends).
 
     It gets the region's slot list, not the region: holding the region would keep its inputs
