@@ -133,17 +133,32 @@ def recorded_regions(step: Callable[[], Any]) -> list[Region]:
 
 @contextmanager
 def _statistics_frozen(model: nn.Module) -> Iterator[None]:
-    """Normalisation layers without running statistics while a region is replayed: a recompute
-    must not update them, so their update is not part of the floor."""
+    """Normalisation layers that leave their running statistics as they are while a region is
+    replayed: a recompute must not update them, so their update is not part of the floor.
+
+    Each runs the same op with the same arguments as in the forward (its running statistics
+    passed in), at momentum 0 and with ``num_batches_tracked`` set aside, as the zoo's recompute
+    runs it: on ``meta`` a BatchNorm given running statistics costs the host a third more than
+    one without, so a floor timed without them would not be the forward's work. SyncBatchNorm,
+    whose forward insists on its counter, runs without running statistics instead.
+    """
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
              and m.track_running_stats]
+    saved = [(m.momentum, m._buffers.get("num_batches_tracked")) for m in norms]
     for m in norms:
-        m.track_running_stats = False
+        if isinstance(m, nn.SyncBatchNorm):
+            m.track_running_stats = False
+        else:
+            m.momentum = 0.0
+            if "num_batches_tracked" in m._buffers:
+                m._buffers["num_batches_tracked"] = None
     try:
         yield
     finally:
-        for m in norms:
-            m.track_running_stats = True
+        for m, (momentum, count) in zip(norms, saved):
+            m.track_running_stats, m.momentum = True, momentum
+            if "num_batches_tracked" in m._buffers:
+                m._buffers["num_batches_tracked"] = count
 
 
 def recompute_ops(fn: Callable, args: tuple, kwargs: dict, save_ops: Any = None
