@@ -20,7 +20,7 @@ from zoo.models.densenet import DenseNet
 
 GIANTS = {"densenet_bc_190", "densenet_bc_250", "densenet161", "densenet201", "densenet264",
           "resnet1202", "resnet101", "resnet152", "vit_base_patch16_224", "bert_base",
-          "gpt2_small"}
+          "gpt2_small", "revnet164", "rev_vit_base_patch16_224", "rev_bert_base"}
 SMALL = [n for n in zoo.list_models() if n not in GIANTS]
 
 

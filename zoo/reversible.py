@@ -1,0 +1,374 @@
+"""The zoo's one reversible coupling: a block's inputs rebuilt exactly from its outputs.
+
+A reversible block splits the activations into two streams and couples them additively
+(Gomez et al. 2017, "The Reversible Residual Network: Backpropagation Without Storing
+Activations", arXiv:1707.04585; the reversible ViT of Mangalam et al., CVPR 2022, and the
+Reformer's layers use the same coupling)::
+
+    y1 = x1 + F(x2)            x2 = y2 - G(y1)
+    y2 = x2 + G(y1)            x1 = y1 - F(x2)
+
+so backward can rebuild each block's inputs from its outputs instead of storing them, and the
+activations a sequence of blocks keeps do not grow with its depth. Done in floating point the
+inversion is not exact: ``(x1 + F(x2)) - F(x2) != x1`` after rounding, the rebuilt inputs drift
+from the real ones block after block, and so do the gradients (which is why the public
+implementations need gradient clipping at depth).
+
+Here the streams are **fixed-point integers** (as Maclaurin et al. 2015 and Momentum ResNets,
+Sander et al. 2021, make reversal exact): each stream is an ``int64`` tensor ``k`` holding the
+value ``k * 2**-FRAC_BITS``. ``F`` and ``G`` run in floating point on the stream's float view
+``from_fixed(k)``; their outputs are put on the grid by ``to_fixed`` (multiply by
+``2**FRAC_BITS``, truncate toward zero) and added as integers. Integer addition is exact and
+invertible, so ``x1 = y1 - to_fixed(F(x2))`` gives back ``x1`` bit for bit as long as ``F``
+recomputes the same output, which it does: it runs on the same float view, replaying the
+forward's random numbers and autocast state, with BatchNorm's running statistics left alone
+(zoo.checkpoint's recompute guard, :mod:`zoo.checkpoint.recompute`).
+
+Range and resolution (``FRAC_BITS = 32``): the grid step is ``2**-32`` (2.3e-10); a stream holds
+values in ``(-2**31, 2**31)``. ``to_fixed`` is exact for every float32 value of magnitude at
+least ``2**-9`` (float32 has 24 significant bits), and for float64 above ``2**-20``; smaller
+outputs lose the bits below ``2**-32``. The float view rounds the integer to the stream's float
+dtype, once, where float addition would have rounded too. An output of ``F`` or ``G`` (or an
+input) that is not finite or reaches ``LIMIT = 2**30`` in magnitude makes both outputs of the
+sequence NaN, so a diverging run is seen (a non-finite loss) instead of wrapping around; a
+stream that still grows past ``2**31`` (two outputs at that limit) wraps around.
+
+Gradients are straight-through: ``to_fixed`` and ``from_fixed`` count as the identity, so the
+gradient is the usual RevNet gradient of ``y1 = x1 + F(x2), y2 = x2 + G(y1)``. The network with
+``rebuild=False`` is *the same network*: the same integer forward, built from autograd
+Functions and storing ``F``'s and ``G``'s activations as any network does; ``rebuild=True``
+keeps only the last block's integer outputs and, in backward, rebuilds each block's inputs from
+its outputs, recomputing ``G`` and then ``F`` once each. Both give the same outputs, parameter
+and input gradients, BatchNorm buffers and dropout masks, bit for bit, in float32, float64 and
+under autocast (tests/test_reversible.py): the gradient sums the rebuild forms (``a + b`` of
+two contributions) are the ones autograd forms for the stored network, and float addition of
+two numbers does not depend on their order.
+
+Contract for a block (:class:`Coupling`, or any module with methods ``f`` and ``g``): ``f`` and
+``g`` are deterministic given their input, the random numbers and the autocast state, use only
+the block's own parameters (those of ``block.parameters()``), and return a tensor of their
+input's shape. Extra arguments (an attention mask) are passed to both and must not require
+grad.
+
+How it runs: ``rebuild=True`` is one autograd Function per sequence whose backward calls
+``torch.autograd.grad`` on each recomputed ``F`` and ``G`` (a nested backward: the rebuild needs
+each block's input-gradient before it can rebuild the block below). The parameters enter that
+Function as inputs and their gradients leave it as outputs, so they reach the outer graph once
+per step (DistributedDataParallel's hooks fire once; a hook on a parameter fires once: the
+recompute runs on detached aliases of the parameters). Under ``torch.no_grad()`` both settings
+run the plain forward and keep nothing. Under ``torch.compile`` the rebuilding Function is left
+to eager mode (a graph break: Dynamo cannot trace a backward that recomputes a forward and runs
+the autograd engine on it), and the rest of the model compiles; ``rebuild=False`` traces fully.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from .checkpoint.recompute import _cuda_devices, _ForwardContext, _RecomputeContext
+
+__all__ = ["Coupling", "ReversibleBlock", "reversible_sequence", "to_fixed", "from_fixed",
+           "STREAM_DTYPE", "FRAC_BITS", "LIMIT"]
+
+STREAM_DTYPE = torch.int64
+FRAC_BITS = 32
+LIMIT = 2.0 ** 30  # the largest magnitude an input or an F/G output may have
+_SCALE, _STEP = 2.0 ** FRAC_BITS, 2.0 ** -FRAC_BITS
+
+
+class ReversibleBlock(Protocol):
+    """What :func:`reversible_sequence` runs: an ``nn.Module`` with ``f`` and ``g``."""
+
+    def f(self, x: torch.Tensor, *args: Any) -> torch.Tensor: ...
+
+    def g(self, x: torch.Tensor, *args: Any) -> torch.Tensor: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+
+class Coupling(nn.Module):
+    """A reversible block made of two modules: ``f`` and ``g`` are its submodules (so the
+    state_dict names are ``f.*`` and ``g.*``); extra arguments are not passed on."""
+
+    def __init__(self, f: nn.Module, g: nn.Module) -> None:
+        super().__init__()
+        self.f, self.g = f, g
+
+
+# ------------------------------------------------------------------------------------------------
+# The fixed-point grid
+# ------------------------------------------------------------------------------------------------
+def to_fixed(x: torch.Tensor) -> torch.Tensor:
+    """``x`` on the grid: ``trunc(x * 2**FRAC_BITS)`` as ``int64`` (half floats widened first,
+    so that the scaling cannot overflow)."""
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x = x.float()
+    return (x * _SCALE).to(STREAM_DTYPE)
+
+
+def from_fixed(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float view of stream ``k``: ``k * 2**-FRAC_BITS`` rounded once to ``dtype``."""
+    return k.to(dtype).mul_(_STEP)
+
+
+def _magnitude(x: torch.Tensor) -> torch.Tensor:
+    """max |x| (NaN if x holds a NaN): what the range check of the sequence's outputs reads."""
+    return torch.linalg.vector_norm(x, float("inf"))
+
+
+def _add(k: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stream ``k`` plus ``out`` on the grid, and ``out``'s magnitude for the range check."""
+    return k + to_fixed(out), _magnitude(out)
+
+
+def _checked(v1: torch.Tensor, v2: torch.Tensor,
+             magnitudes: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs, NaN where an input or an F/G output was out of range (adding 0 changes no
+    value: a float view is never -0)."""
+    worst = torch.stack(magnitudes).amax()
+    bad = torch.where(worst < LIMIT, 0.0, float("nan"))
+    return v1 + bad, v2 + bad
+
+
+# ------------------------------------------------------------------------------------------------
+# rebuild=False: the network storing its activations, one autograd node per stream update
+# ------------------------------------------------------------------------------------------------
+class _Enter(torch.autograd.Function):
+    """A float tensor enters the grid: (stream, float view, magnitude); gradient straight through."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        k = to_fixed(x)
+        m = _magnitude(x)
+        ctx.mark_non_differentiable(k, m)
+        return k, from_fixed(k, x.dtype), m
+
+    @staticmethod
+    def backward(ctx: Any, _k: None, grad: torch.Tensor, _m: None) -> torch.Tensor:
+        return grad
+
+
+class _Add(torch.autograd.Function):
+    """Stream update ``k + to_fixed(out)``: (stream, float view, magnitude of ``out``); the view's
+    gradient goes straight through to the old view and to ``out``."""
+
+    @staticmethod
+    def forward(ctx: Any, k: torch.Tensor, view: torch.Tensor,
+                out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        k, m = _add(k, out)
+        ctx.mark_non_differentiable(k, m)
+        return k, from_fixed(k, view.dtype), m
+
+    @staticmethod
+    def backward(ctx: Any, _k: None, grad: torch.Tensor, _m: None) -> tuple[Any, ...]:
+        return None, grad, grad
+
+
+def _stored(blocks: Sequence[ReversibleBlock], x1: torch.Tensor, x2: torch.Tensor,
+            args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    k1, v1, m1 = _Enter.apply(x1)
+    k2, v2, m2 = _Enter.apply(x2)
+    magnitudes = [m1, m2]
+    for block in blocks:
+        k1, v1, m = _Add.apply(k1, v1, block.f(v2, *args))
+        magnitudes.append(m)
+        k2, v2, m = _Add.apply(k2, v2, block.g(v1, *args))
+        magnitudes.append(m)
+    return _checked(v1, v2, magnitudes)
+
+
+# ------------------------------------------------------------------------------------------------
+# rebuild=True: keep the last integer outputs, rebuild every block's inputs in backward
+# ------------------------------------------------------------------------------------------------
+class _Run:
+    """What the rebuilding Function needs besides tensors: the blocks, the extra arguments, each
+    block's trainable parameters (indices into the Function's parameter inputs), and the RNG /
+    autocast state each ``f`` and ``g`` ran under in the forward."""
+
+    def __init__(self, blocks: Sequence[ReversibleBlock], args: tuple, preserve_rng: bool):
+        self.blocks, self.args, self.preserve_rng = list(blocks), args, preserve_rng
+        index: dict[int, int] = {}
+        self.params: list[nn.Parameter] = []
+        self.block_params: list[dict[int, list[str]]] = []  # parameter index -> its names
+        for block in self.blocks:
+            names: dict[int, list[str]] = {}
+            for name, p in block.named_parameters(remove_duplicate=False):
+                if p.requires_grad:
+                    if id(p) not in index:
+                        index[id(p)] = len(self.params)
+                        self.params.append(p)
+                    names.setdefault(index[id(p)], []).append(name)
+            self.block_params.append(names)
+        self.contexts: list[tuple[_ForwardContext, _ForwardContext]] = []
+
+
+@contextlib.contextmanager
+def _aliased(module: nn.Module, names: dict[int, list[str]],
+             aliases: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Run ``module`` with its parameters replaced by ``aliases`` (detached, same storage), so
+    that gradients computed for a recompute never touch the real parameters or their hooks."""
+    swapped = []
+    for j, alias in aliases.items():
+        for name in names[j]:
+            owner_name, _, attr = name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            swapped.append((owner, attr, owner._parameters[attr]))
+            owner._parameters[attr] = alias
+    try:
+        yield
+    finally:
+        for owner, attr, param in swapped:
+            owner._parameters[attr] = param
+
+
+class _Rebuild(torch.autograd.Function):
+    """The whole sequence as one node: forward keeps only the last block's integer outputs;
+    backward rebuilds each block's inputs and recomputes ``G`` then ``F``, once each."""
+
+    @staticmethod
+    def forward(ctx: Any, run: _Run, x1: torch.Tensor, x2: torch.Tensor,
+                *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        devices = _cuda_devices(run.blocks[0], (x1, x2)) if run.preserve_rng else []
+        d1, d2 = x1.dtype, x2.dtype
+        k1, k2 = to_fixed(x1), to_fixed(x2)
+        magnitudes = [_magnitude(x1), _magnitude(x2)]
+        v2 = from_fixed(k2, d2)
+        for block in run.blocks:
+            with _ForwardContext(devices, run.preserve_rng) as at_f:
+                k1, m = _add(k1, block.f(v2, *run.args))
+            magnitudes.append(m)
+            v1 = from_fixed(k1, d1)
+            with _ForwardContext(devices, run.preserve_rng) as at_g:
+                k2, m = _add(k2, block.g(v1, *run.args))
+            magnitudes.append(m)
+            v2 = from_fixed(k2, d2)
+            run.contexts.append((at_f, at_g))
+        ctx.save_for_backward(k1, k2)
+        ctx.run, ctx.dtypes = run, (d1, d2)
+        return _checked(v1, v2, magnitudes)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, a1: torch.Tensor, a2: torch.Tensor) -> tuple[Any, ...]:
+        run, (d1, d2) = ctx.run, ctx.dtypes
+        try:
+            k1, k2 = ctx.saved_tensors
+        except RuntimeError as e:
+            if "inplace" not in str(e):
+                raise
+            raise RuntimeError("reversible_sequence: backward ran twice through a sequence with "
+                               "rebuild=True (retain_graph=True); its streams are rebuilt in "
+                               "place, so run the forward again, or use rebuild=False") from None
+        grads: list[torch.Tensor | None] = [None] * len(run.params)
+        for i in reversed(range(len(run.blocks))):
+            block, (at_f, at_g) = run.blocks[i], run.contexts[i]
+            named = run.block_params[i]
+            aliases = {j: run.params[j].detach().requires_grad_() for j in named}
+            with _aliased(block, named, aliases):
+                # G: its gradients, then x2 = y2 - G(y1) (in place: the streams are ours; after
+                # the gradients, so that the rebuild's temporaries do not meet G's graph)
+                g, y1 = _recompute(block.g, k1, d1, at_g, run.args)
+                got = _vjp(g, y1, aliases, a2)
+                del y1
+                k2.sub_(to_fixed(g))
+                del g
+                b1 = _sum(a1, got[0], a2)
+                del a1
+                _accumulate(grads, aliases, got[1:])
+                # F: its gradients, then x1 = y1 - F(x2)
+                f, x2 = _recompute(block.f, k2, d2, at_f, run.args)
+                got = _vjp(f, x2, aliases, b1)
+                del x2
+                k1.sub_(to_fixed(f))
+                del f
+                a1, a2 = b1, _sum(a2, got[0], b1)
+                _accumulate(grads, aliases, got[1:])
+                del got, b1
+        return (None, a1, a2, *grads)
+
+
+def _recompute(fn: Any, k: torch.Tensor, dtype: torch.dtype, at: _ForwardContext,
+               args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fn`` on the float view of ``k`` as a new leaf, under the forward's RNG and autocast
+    state and the recompute guard (BatchNorm statistics are not updated a second time)."""
+    view = from_fixed(k, dtype).requires_grad_()
+    with torch.enable_grad(), _RecomputeContext(at):
+        # a non-leaf input, as in the stored network: module hooks that watch their inputs'
+        # gradients (torch's ModTracker, under MemTracker) cannot watch a leaf during a nested
+        # torch.autograd.grad
+        out = fn(view.view_as(view), *args)
+    return out, view
+
+
+def _vjp(out: torch.Tensor, view: torch.Tensor, aliases: dict[int, torch.Tensor],
+         grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """Gradients of ``out`` (seeded with ``grad``, cast to ``out``'s dtype as autograd casts it)
+    for ``view`` and every alias (None where unused)."""
+    if grad.dtype != out.dtype:
+        grad = grad.to(out.dtype)
+    if not out.requires_grad:
+        return (None,) * (1 + len(aliases))
+    return torch.autograd.grad(out, [view, *aliases.values()], grad, allow_unused=True)
+
+
+def _sum(grad: torch.Tensor, extra: torch.Tensor | None, seed: torch.Tensor) -> torch.Tensor:
+    """``grad + extra`` as autograd sums two contributions (``extra`` None: ``grad``), written
+    into ``extra`` when it is a fresh tensor of ours (not the ``seed`` it was computed from)."""
+    if extra is None:
+        return grad
+    if extra.dtype != grad.dtype or extra.untyped_storage()._cdata == \
+            seed.untyped_storage()._cdata:
+        return grad + extra
+    return extra.add_(grad)
+
+
+def _accumulate(grads: list[torch.Tensor | None], aliases: dict[int, torch.Tensor],
+                got: Sequence[torch.Tensor | None]) -> None:
+    """Add a recompute's parameter gradients, in the order autograd would (G before F, later
+    blocks first), to the sums returned for the parameters."""
+    for j, grad in zip(aliases, got):
+        if grad is not None:
+            grads[j] = grad if grads[j] is None else grads[j] + grad
+
+
+@torch.compiler.disable
+def _rebuilt(blocks: Sequence[ReversibleBlock], x1: torch.Tensor, x2: torch.Tensor, args: tuple,
+             preserve_rng: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    run = _Run(blocks, args, preserve_rng)
+    return _Rebuild.apply(run, x1, x2, *run.params)
+
+
+def reversible_sequence(blocks: Sequence[ReversibleBlock], x1: torch.Tensor, x2: torch.Tensor,
+                        *args: Any, rebuild: bool = True,
+                        preserve_rng_state: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run reversible ``blocks`` on the streams ``(x1, x2)`` and return ``(y1, y2)``.
+
+    Each block computes ``y1 = x1 + F(x2), y2 = x2 + G(y1)`` on fixed-point streams (module
+    docstring). ``rebuild=True`` keeps only the last block's integer outputs and rebuilds every
+    block's inputs in backward (activation memory independent of the number of blocks);
+    ``rebuild=False`` is the same network storing its activations. Both give the same results
+    bit for bit. ``args`` are passed to every ``f`` and ``g`` (an attention mask); they must not
+    require grad. ``preserve_rng_state=False`` skips saving the RNG state before each ``f`` and
+    ``g`` (only for blocks that draw no random numbers).
+
+    The outputs have the dtypes of the inputs (float views of the streams; an out-of-range
+    value makes them NaN). Under ``torch.no_grad()`` nothing is kept either way.
+    """
+    blocks = list(blocks)
+    if x1.shape != x2.shape:
+        raise ValueError(f"reversible_sequence: the two streams must have one shape, got "
+                         f"{tuple(x1.shape)} and {tuple(x2.shape)}; split the input in halves")
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            raise ValueError("reversible_sequence: an extra argument requires grad, but only the "
+                             "two streams and the blocks' parameters get gradients; detach it or "
+                             "make it a parameter of a block")
+    if not blocks:
+        return x1, x2
+    if not rebuild or not torch.is_grad_enabled():
+        return _stored(blocks, x1, x2, args)
+    return _rebuilt(blocks, x1, x2, args, preserve_rng_state)
