@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zoo.memory import count_flops, cpu_peak_bytes
-from zoo.reversible import LIMIT, Coupling, from_fixed, reversible_sequence, to_fixed
+from zoo.reversible import Coupling, from_fixed, grid_for, reversible_sequence, to_fixed
 
 
 class DropPath(nn.Module):
@@ -188,7 +188,9 @@ def test_streams_are_exact_integers_and_gradients_straight_through():
     x1, x2 = stored.stem(x).chunk(2, dim=1)
     b = stored.blocks[0]
     y1, y2 = reversible_sequence([b], x1, x2, rebuild=False)
-    k1 = to_fixed(x1) + to_fixed(b.f(from_fixed(to_fixed(x2), torch.float64)))
+    grid = grid_for(torch.float64)
+    assert (grid.stream, grid.frac_bits) == (torch.int64, 32)
+    k1 = to_fixed(x1, grid) + to_fixed(b.f(from_fixed(to_fixed(x2, grid), grid)), grid)
     assert torch.equal(y1, k1.double() * 2.0 ** -32)
     params = list(b.parameters())
     grads = torch.autograd.grad((y1 * y2).sum(), params)
@@ -203,7 +205,7 @@ def test_out_of_range_values_make_the_outputs_nan():
         stored, rebuilt = twins()
         net = rebuilt if rebuild else stored
         with torch.no_grad():
-            net.stem.bias.fill_(2 * LIMIT)
+            net.stem.bias.fill_(grid_for(torch.float32).limit)
         out = net(images())
         assert out.isnan().all(), rebuild
 

@@ -1,0 +1,190 @@
+"""Reversible vs checkpointed, exact on the CPU: what rebuilding activations buys against the
+best checkpoint schedule of the non-reversible model of the same size.
+
+For each pair (a checkpointed model, its reversible counterpart) at one batch size:
+
+* the checkpointed model plain, and at its **zoo.plan floor**: the least peak any schedule
+  ``zoo.plan`` finds reaches (multi-level schedules, per-block modes, the model's own modes),
+  planned at exactly that budget;
+* the reversible model storing its activations (``efficient=False``) and rebuilding them
+  (``efficient=True``): the same network, bit for bit.
+
+Per row: the step's peak (MemTracker under FakeTensorMode, parameters and gradients included),
+its FLOPs and recompute (FlopCounterMode), the aten ops it dispatches (a TorchDispatchMode
+counting every op of one real CPU step, at batch 2: the host work a GPU step waits for), and the
+largest batch within the budget as the CPU predicts it: exact fake steps (``zoo.bench.max_batch``)
+for the plain, stored and rebuilt models, the planner's prediction (``zoo.planner.largest_batch``,
+the multi-level floor) for the checkpointed one. The published anchors are printed beside them.
+
+    python -m zoo.bench.reversible                      # the three pairs, batch 32, 11 GB
+    python -m zoo.bench.reversible --pairs resnet20:revnet38 --batch 8 --budget 1GB
+
+Prints Markdown and writes ``docs/results/bench_reversible_cpu.json``.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import zoo
+from zoo.bench.max_batch import PeakPredictor, largest_batch
+from zoo.bench.report import command_line, comma_list, machine_info, write_json
+from zoo.memory import format_bytes, parse_bytes
+from zoo.planner import BudgetTooSmallError, measure_step
+from zoo.planner import largest_batch as planned_largest_batch
+
+__all__ = ["PAIRS", "ANCHORS", "OpCounter", "count_ops", "pair_rows", "run_reversible",
+           "reversible_table", "main"]
+
+ROOT = Path(__file__).resolve().parents[2]
+PAIRS = "resnet110:revnet110,vit_cifar:rev_vit_cifar," \
+        "vit_small_patch16_224:rev_vit_small_patch16_224@224"
+ANCHORS = {
+    "revnet": "Gomez et al. 2017 (RevNet): activations independent of depth, ResNet-110's "
+              "parameters (1.73M) and accuracy; inputs rebuilt in floating point (inexact)",
+    "rev_vit": "Mangalam et al. 2022 (Rev-ViT): up to 15.5x less memory at ViT's FLOPs, "
+               "parameters and accuracy; inputs rebuilt in floating point (inexact)",
+}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched under it (forward, backward, recompute alike)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(model: nn.Module, x: torch.Tensor) -> int:
+    """Aten ops one training step of ``model`` on ``x`` dispatches (run for real on the CPU)."""
+    model.zero_grad(set_to_none=True)
+    with OpCounter() as counter:
+        model(x).float().square().mean().backward()
+    model.zero_grad(set_to_none=True)
+    return counter.ops
+
+
+def _figures(model: nn.Module, x: torch.Tensor, small: torch.Tensor) -> dict[str, Any]:
+    peak, flops = measure_step(model, x)
+    return {"peak_bytes": peak, "flops": flops, "ops": count_ops(model, small)}
+
+
+def _parse_pair(spec: str) -> tuple[str, str, int | None]:
+    names, _, size = spec.partition("@")
+    checkpointed, _, reversible = names.partition(":")
+    if not reversible:
+        raise ValueError(f"a pair is 'checkpointed:reversible[@size]', got {spec!r}")
+    return checkpointed, reversible, int(size) if size else None
+
+
+def _largest(name: str, variant: str, size: int | None, budget: int) -> int:
+    predict = PeakPredictor(name, size=size, allocator="cpu")
+    return largest_batch(lambda b: predict(variant, b), budget)[0]
+
+
+def _checkpointed_rows(name: str, batch: int, size: int | None, budget: int) -> list[dict]:
+    torch.manual_seed(0)
+    model = zoo.create_model(name)
+    x, small = model.example_input(batch, size), model.example_input(2, size)
+    plain = {"model": name, "variant": "plain", **_figures(model, x, small),
+             "largest_batch": _largest(name, "plain", size, budget)}
+    try:
+        zoo.plan(model, x, 1, apply=False)
+        raise AssertionError("a one-byte budget cannot fit")
+    except BudgetTooSmallError as e:
+        floor_budget = e.smallest
+    plan = zoo.plan(model, x, floor_budget)
+    what = plan.mode or f"{len(plan.checkpointed_blocks)} of {plan.profile.n_blocks} blocks, " \
+        f"{plan.levels} level(s)"
+    fresh = zoo.create_model(name)
+    floor = {"model": name, "variant": f"zoo.plan floor ({what})", **_figures(model, x, small),
+             "largest_batch": planned_largest_batch(
+                 fresh, lambda b: fresh.example_input(b, size), budget)[0]}
+    return [plain, floor]
+
+
+def _reversible_rows(name: str, batch: int, size: int | None, budget: int) -> list[dict]:
+    torch.manual_seed(0)
+    model = zoo.create_model(name)
+    x, small = model.example_input(batch, size), model.example_input(2, size)
+    stored = {"model": name, "variant": "stored (efficient=False)", **_figures(model, x, small),
+              "largest_batch": _largest(name, "plain", size, budget)}
+    model.set_grad_checkpointing(True)
+    rebuilt = {"model": name, "variant": "rebuilt (efficient=True)", **_figures(model, x, small),
+               "largest_batch": _largest(name, "zoo reversible", size, budget)}
+    return [stored, rebuilt]
+
+
+def pair_rows(pair: str, batch: int = 32, budget: int = int(11e9),
+              log: Callable[[str], None] = print) -> list[dict]:
+    """The four rows of one pair ``'checkpointed:reversible[@size]'``; ratios against the first
+    row of each model (plain, stored)."""
+    checkpointed, reversible, size = _parse_pair(pair)
+    rows = []
+    for build, name in ((_checkpointed_rows, checkpointed), (_reversible_rows, reversible)):
+        start = time.perf_counter()
+        part = build(name, batch, size, budget)
+        base = part[0]
+        for r in part:
+            r.update(batch=batch, size=size, peak_ratio=r["peak_bytes"] / base["peak_bytes"],
+                     recompute=r["flops"] / base["flops"] - 1, ops_ratio=r["ops"] / base["ops"],
+                     batch_ratio=r["largest_batch"] / base["largest_batch"])
+        rows += part
+        log(f"{name}: measured in {time.perf_counter() - start:.0f}s")
+    anchor = ANCHORS["rev_vit" if reversible.startswith("rev_vit") else "revnet"]
+    for r in rows:
+        r["anchor"] = anchor
+    return rows
+
+
+def reversible_table(rows: list[dict], budget: str) -> str:
+    """One row per (model, variant): peak, x own plain, FLOPs, recompute, ops, largest batch."""
+    head = (f"| model | variant | peak | x plain/stored | GFLOPs | recompute | aten ops | x ops "
+            f"| largest batch in {budget} | x plain/stored |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        size = f" @{r['size']}" if r["size"] else ""
+        lines.append(
+            f"| {r['model']}{size} | {r['variant']} | {format_bytes(r['peak_bytes'])} | "
+            f"{r['peak_ratio']:.3f} | {r['flops'] / 1e9:.1f} | {r['recompute']:+.1%} | "
+            f"{r['ops']} | {r['ops_ratio']:.2f} | {r['largest_batch']} | "
+            f"{r['batch_ratio']:.2f} |")
+    anchors = sorted({r["anchor"] for r in rows})
+    return "\n".join(lines + [""] + [f"Published: {a}." for a in anchors])
+
+
+def run_reversible(pairs: str | tuple = PAIRS, batch: int = 32, budget: str = "11GB",
+                   log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every pair's rows, with the machine and the command: the JSON payload."""
+    limit = parse_bytes(budget)
+    rows = [r for pair in comma_list(pairs) for r in pair_rows(pair, batch, limit, log)]
+    return {"machine": machine_info(torch.device("cpu")), "command": command_line(),
+            "batch": batch, "budget": budget, "budget_bytes": limit, "rows": rows}
+
+
+def main(pairs: str | tuple = PAIRS, batch: int = 32, budget: str = "11GB",
+         out: str | None = str(ROOT / "docs" / "results" / "bench_reversible_cpu.json")) -> None:
+    """Print the table of :func:`run_reversible` and write its JSON to ``out`` (None: don't)."""
+    payload = run_reversible(pairs, batch, budget)
+    print(f"reversible vs checkpointed, batch {batch}, CPU (exact bytes, FLOPs and ops), "
+          f"torch {torch.__version__}")
+    print(reversible_table(payload["rows"], budget))
+    if out:
+        print(f"wrote {write_json(out, payload)}")
+
+
+if __name__ == "__main__":
+    import fire
+
+    fire.Fire(main)
