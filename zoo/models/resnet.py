@@ -296,7 +296,9 @@ class CifarResNet(_ResNetBase):
         num_classes: classifier outputs.
         checkpoint_every: with the ``block`` mode, blocks per checkpointed region.
         efficient: checkpointing: ``False``, ``True`` (``"tapered"``) or a mode name.
-        in_chans, drop_rate, global_pool: as :class:`ResNet`'s.
+        in_chans: as :class:`ResNet`'s.
+        drop_rate: as :class:`ResNet`'s.
+        global_pool: as :class:`ResNet`'s.
     """
 
     checkpoint_modes = CIFAR_MODES

@@ -43,7 +43,10 @@ class VisionTransformer(TransformerModel):
     Args:
         img_size: the image side the position embeddings are made for.
         patch_size: side of each square patch.
-        embed_dim, depth, num_heads, mlp_ratio: width, number of blocks, heads, MLP width ratio.
+        embed_dim: width.
+        depth: number of blocks.
+        num_heads: attention heads.
+        mlp_ratio: MLP width as a multiple of ``embed_dim``.
         num_classes: classifier outputs.
         drop_rate: dropout after the position embedding and in every block (hidden dropout).
         attn_drop_rate: dropout on attention probabilities.
