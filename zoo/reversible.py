@@ -15,23 +15,29 @@ from the real ones block after block, and so do the gradients (which is why the 
 implementations need gradient clipping at depth).
 
 Here the streams are **fixed-point integers** (as Maclaurin et al. 2015 and Momentum ResNets,
-Sander et al. 2021, make reversal exact): each stream is an ``int64`` tensor ``k`` holding the
-value ``k * 2**-FRAC_BITS``. ``F`` and ``G`` run in floating point on the stream's float view
-``from_fixed(k)``; their outputs are put on the grid by ``to_fixed`` (multiply by
-``2**FRAC_BITS``, truncate toward zero) and added as integers. Integer addition is exact and
+Sander et al. 2021, make reversal exact): a stream is an integer tensor ``k`` holding the value
+``k * 2**-frac_bits`` (:class:`Grid`). ``F`` and ``G`` run in floating point on the stream's float
+view ``from_fixed(k)``; their outputs are put on the grid by ``to_fixed`` (multiply by
+``2**frac_bits``, truncate toward zero) and added as integers. Integer addition is exact and
 invertible, so ``x1 = y1 - to_fixed(F(x2))`` gives back ``x1`` bit for bit as long as ``F``
 recomputes the same output, which it does: it runs on the same float view, replaying the
 forward's random numbers and autocast state, with BatchNorm's running statistics left alone
 (zoo.checkpoint's recompute guard, :mod:`zoo.checkpoint.recompute`).
 
-Range and resolution (``FRAC_BITS = 32``): the grid step is ``2**-32`` (2.3e-10); a stream holds
-values in ``(-2**31, 2**31)``. ``to_fixed`` is exact for every float32 value of magnitude at
-least ``2**-9`` (float32 has 24 significant bits), and for float64 above ``2**-20``; smaller
-outputs lose the bits below ``2**-32``. The float view rounds the integer to the stream's float
-dtype, once, where float addition would have rounded too. An output of ``F`` or ``G`` (or an
-input) that is not finite or reaches ``LIMIT = 2**30`` in magnitude makes both outputs of the
-sequence NaN, so a diverging run is seen (a non-finite loss) instead of wrapping around; a
-stream that still grows past ``2**31`` (two outputs at that limit) wraps around.
+Range and resolution (:func:`grid_for`): a stream is as wide as the float it stands for.
+
+* float32 (and bfloat16/float16) streams are ``int32`` with 16 fractional bits: a step of
+  ``2**-16`` (1.5e-5, absolute) and values below ``2**14`` (16384) in magnitude. The same 4
+  bytes per value as float32, which is what keeps the reversible models' memory low (64-bit
+  streams would cost 1.2x more activation memory on RevNet-110); an output of ``F`` or ``G`` is
+  rounded to 1.5e-5, finer than bfloat16 or float16 for values above 4e-3 and 2e-2.
+* float64 streams are ``int64`` with 32 fractional bits: a step of ``2**-32`` (2.3e-10) and
+  values below ``2**30``.
+
+The float view rounds the integer to the float dtype once (float32 holds it exactly below 256).
+An input, a stream value or an ``F``/``G`` output that is not finite or reaches the limit makes
+both outputs of the sequence NaN: below the limit no addition can overflow, and a diverging run
+is seen (a non-finite loss) instead of wrapping around.
 
 Gradients are straight-through: ``to_fixed`` and ``from_fixed`` count as the identity, so the
 gradient is the usual RevNet gradient of ``y1 = x1 + F(x2), y2 = x2 + G(y1)``. The network with
@@ -64,6 +70,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -71,13 +78,41 @@ from torch import nn
 
 from .checkpoint.recompute import _cuda_devices, _ForwardContext, _RecomputeContext
 
-__all__ = ["Coupling", "ReversibleBlock", "reversible_sequence", "to_fixed", "from_fixed",
-           "STREAM_DTYPE", "FRAC_BITS", "LIMIT"]
+__all__ = ["Coupling", "ReversibleBlock", "Grid", "grid_for", "reversible_sequence", "to_fixed",
+           "from_fixed"]
 
-STREAM_DTYPE = torch.int64
-FRAC_BITS = 32
-LIMIT = 2.0 ** 30  # the largest magnitude an input or an F/G output may have
-_SCALE, _STEP = 2.0 ** FRAC_BITS, 2.0 ** -FRAC_BITS
+
+@dataclass(frozen=True)
+class Grid:
+    """A fixed-point stream format: ``stream`` integers counting steps of ``2**-frac_bits``,
+    with float views of dtype ``view``. ``limit`` is the largest magnitude a stream value or an
+    ``F``/``G`` output may reach: below it no addition can overflow."""
+
+    stream: torch.dtype
+    frac_bits: int
+    view: torch.dtype
+
+    @property
+    def scale(self) -> float:
+        return 2.0 ** self.frac_bits
+
+    @property
+    def step(self) -> float:
+        return 2.0 ** -self.frac_bits
+
+    @property
+    def limit(self) -> float:
+        return 2.0 ** (torch.iinfo(self.stream).bits - 2 - self.frac_bits)
+
+
+def grid_for(dtype: torch.dtype) -> Grid:
+    """The grid of streams whose float views are ``dtype``: 64-bit integers with 32 fractional
+    bits for float64, 32-bit integers with 16 fractional bits for float32 and narrower."""
+    if not dtype.is_floating_point:
+        raise TypeError(f"reversible streams are floating-point tensors, got {dtype}")
+    if dtype == torch.float64:
+        return Grid(torch.int64, 32, dtype)
+    return Grid(torch.int32, 16, dtype)
 
 
 class ReversibleBlock(Protocol):
@@ -102,17 +137,17 @@ class Coupling(nn.Module):
 # ------------------------------------------------------------------------------------------------
 # The fixed-point grid
 # ------------------------------------------------------------------------------------------------
-def to_fixed(x: torch.Tensor) -> torch.Tensor:
-    """``x`` on the grid: ``trunc(x * 2**FRAC_BITS)`` as ``int64`` (half floats widened first,
-    so that the scaling cannot overflow)."""
+def to_fixed(x: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """``x`` on the grid: ``trunc(x * 2**frac_bits)`` as stream integers (half floats widened
+    first, so that the scaling cannot overflow)."""
     if x.dtype in (torch.float16, torch.bfloat16):
         x = x.float()
-    return (x * _SCALE).to(STREAM_DTYPE)
+    return (x * grid.scale).to(grid.stream)
 
 
-def from_fixed(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The float view of stream ``k``: ``k * 2**-FRAC_BITS`` rounded once to ``dtype``."""
-    return k.to(dtype).mul_(_STEP)
+def from_fixed(k: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """The float view of stream ``k``: ``k * 2**-frac_bits``, rounded once to the view dtype."""
+    return k.to(grid.view).mul_(grid.step)
 
 
 def _magnitude(x: torch.Tensor) -> torch.Tensor:
@@ -120,17 +155,31 @@ def _magnitude(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, float("inf"))
 
 
-def _add(k: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stream ``k`` plus ``out`` on the grid, and ``out``'s magnitude for the range check."""
-    return k + to_fixed(out), _magnitude(out)
+def _enter(x: torch.Tensor, grid: Grid, checks: list[torch.Tensor]
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float tensor onto the grid: (stream, float view); its magnitude joins ``checks``."""
+    checks.append(_magnitude(x))
+    k = to_fixed(x, grid)
+    return k, from_fixed(k, grid)
 
 
-def _checked(v1: torch.Tensor, v2: torch.Tensor,
-             magnitudes: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The outputs, NaN where an input or an F/G output was out of range (adding 0 changes no
-    value: a float view is never -0)."""
-    worst = torch.stack(magnitudes).amax()
-    bad = torch.where(worst < LIMIT, 0.0, float("nan"))
+def _add(k: torch.Tensor, out: torch.Tensor, grid: Grid, checks: list[torch.Tensor]
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stream ``k`` plus ``out`` on the grid: (stream, float view); the magnitudes of ``out`` and
+    of the new view join ``checks`` (every addition then has both terms below the limit)."""
+    checks.append(_magnitude(out))
+    k = k + to_fixed(out, grid)
+    view = from_fixed(k, grid)
+    checks.append(_magnitude(view))
+    return k, view
+
+
+def _checked(v1: torch.Tensor, v2: torch.Tensor, grid: Grid,
+             checks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs, NaN if an input, a stream or an F/G output reached the limit or was not
+    finite (adding 0 changes no value: a float view is never -0)."""
+    worst = torch.stack(checks).amax()
+    bad = torch.where(worst < grid.limit, 0.0, float("nan"))
     return v1 + bad, v2 + bad
 
 
@@ -141,44 +190,45 @@ class _Enter(torch.autograd.Function):
     """A float tensor enters the grid: (stream, float view, magnitude); gradient straight through."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        k = to_fixed(x)
-        m = _magnitude(x)
-        ctx.mark_non_differentiable(k, m)
-        return k, from_fixed(k, x.dtype), m
+    def forward(ctx: Any, x: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, ...]:
+        checks: list[torch.Tensor] = []
+        k, view = _enter(x, grid, checks)
+        ctx.mark_non_differentiable(k, *checks)
+        return k, view, *checks
 
     @staticmethod
-    def backward(ctx: Any, _k: None, grad: torch.Tensor, _m: None) -> torch.Tensor:
-        return grad
+    def backward(ctx: Any, _k: None, grad: torch.Tensor, *_checks: None) -> tuple[Any, ...]:
+        return grad, None
 
 
 class _Add(torch.autograd.Function):
-    """Stream update ``k + to_fixed(out)``: (stream, float view, magnitude of ``out``); the view's
+    """Stream update ``k + to_fixed(out)``: (stream, float view, magnitudes); the view's
     gradient goes straight through to the old view and to ``out``."""
 
     @staticmethod
-    def forward(ctx: Any, k: torch.Tensor, view: torch.Tensor,
-                out: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        k, m = _add(k, out)
-        ctx.mark_non_differentiable(k, m)
-        return k, from_fixed(k, view.dtype), m
+    def forward(ctx: Any, k: torch.Tensor, view: torch.Tensor, out: torch.Tensor,
+                grid: Grid) -> tuple[torch.Tensor, ...]:
+        checks: list[torch.Tensor] = []
+        k, view = _add(k, out, grid, checks)
+        ctx.mark_non_differentiable(k, *checks)
+        return k, view, *checks
 
     @staticmethod
-    def backward(ctx: Any, _k: None, grad: torch.Tensor, _m: None) -> tuple[Any, ...]:
-        return None, grad, grad
+    def backward(ctx: Any, _k: None, grad: torch.Tensor, *_checks: None) -> tuple[Any, ...]:
+        return None, grad, grad, None
 
 
 def _stored(blocks: Sequence[ReversibleBlock], x1: torch.Tensor, x2: torch.Tensor,
-            args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    k1, v1, m1 = _Enter.apply(x1)
-    k2, v2, m2 = _Enter.apply(x2)
-    magnitudes = [m1, m2]
+            args: tuple, grid: Grid) -> tuple[torch.Tensor, torch.Tensor]:
+    k1, v1, *checks = _Enter.apply(x1, grid)
+    k2, v2, *more = _Enter.apply(x2, grid)
+    checks += more
     for block in blocks:
-        k1, v1, m = _Add.apply(k1, v1, block.f(v2, *args))
-        magnitudes.append(m)
-        k2, v2, m = _Add.apply(k2, v2, block.g(v1, *args))
-        magnitudes.append(m)
-    return _checked(v1, v2, magnitudes)
+        k1, v1, *more = _Add.apply(k1, v1, block.f(v2, *args), grid)
+        checks += more
+        k2, v2, *more = _Add.apply(k2, v2, block.g(v1, *args), grid)
+        checks += more
+    return _checked(v1, v2, grid, checks)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -189,8 +239,10 @@ class _Run:
     block's trainable parameters (indices into the Function's parameter inputs), and the RNG /
     autocast state each ``f`` and ``g`` ran under in the forward."""
 
-    def __init__(self, blocks: Sequence[ReversibleBlock], args: tuple, preserve_rng: bool):
-        self.blocks, self.args, self.preserve_rng = list(blocks), args, preserve_rng
+    def __init__(self, blocks: Sequence[ReversibleBlock], args: tuple, grid: Grid,
+                 preserve_rng: bool):
+        self.blocks, self.args, self.grid = list(blocks), args, grid
+        self.preserve_rng = preserve_rng
         index: dict[int, int] = {}
         self.params: list[nn.Parameter] = []
         self.block_params: list[dict[int, list[str]]] = []  # parameter index -> its names
@@ -233,28 +285,23 @@ class _Rebuild(torch.autograd.Function):
     def forward(ctx: Any, run: _Run, x1: torch.Tensor, x2: torch.Tensor,
                 *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         devices = _cuda_devices(run.blocks[0], (x1, x2)) if run.preserve_rng else []
-        d1, d2 = x1.dtype, x2.dtype
-        k1, k2 = to_fixed(x1), to_fixed(x2)
-        magnitudes = [_magnitude(x1), _magnitude(x2)]
-        v2 = from_fixed(k2, d2)
+        grid, checks = run.grid, []
+        k1, _ = _enter(x1, grid, checks)
+        k2, v2 = _enter(x2, grid, checks)
         for block in run.blocks:
             with _ForwardContext(devices, run.preserve_rng) as at_f:
-                k1, m = _add(k1, block.f(v2, *run.args))
-            magnitudes.append(m)
-            v1 = from_fixed(k1, d1)
+                k1, v1 = _add(k1, block.f(v2, *run.args), grid, checks)
             with _ForwardContext(devices, run.preserve_rng) as at_g:
-                k2, m = _add(k2, block.g(v1, *run.args))
-            magnitudes.append(m)
-            v2 = from_fixed(k2, d2)
+                k2, v2 = _add(k2, block.g(v1, *run.args), grid, checks)
             run.contexts.append((at_f, at_g))
         ctx.save_for_backward(k1, k2)
-        ctx.run, ctx.dtypes = run, (d1, d2)
-        return _checked(v1, v2, magnitudes)
+        ctx.run = run
+        return _checked(v1, v2, grid, checks)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, a1: torch.Tensor, a2: torch.Tensor) -> tuple[Any, ...]:
-        run, (d1, d2) = ctx.run, ctx.dtypes
+        run, grid = ctx.run, ctx.run.grid
         try:
             k1, k2 = ctx.saved_tensors
         except RuntimeError as e:
@@ -271,19 +318,19 @@ class _Rebuild(torch.autograd.Function):
             with _aliased(block, named, aliases):
                 # G: its gradients, then x2 = y2 - G(y1) (in place: the streams are ours; after
                 # the gradients, so that the rebuild's temporaries do not meet G's graph)
-                g, y1 = _recompute(block.g, k1, d1, at_g, run.args)
+                g, y1 = _recompute(block.g, k1, grid, at_g, run.args)
                 got = _vjp(g, y1, aliases, a2)
                 del y1
-                k2.sub_(to_fixed(g))
+                k2.sub_(to_fixed(g, grid))
                 del g
                 b1 = _sum(a1, got[0], a2)
                 del a1
                 _accumulate(grads, aliases, got[1:])
                 # F: its gradients, then x1 = y1 - F(x2)
-                f, x2 = _recompute(block.f, k2, d2, at_f, run.args)
+                f, x2 = _recompute(block.f, k2, grid, at_f, run.args)
                 got = _vjp(f, x2, aliases, b1)
                 del x2
-                k1.sub_(to_fixed(f))
+                k1.sub_(to_fixed(f, grid))
                 del f
                 a1, a2 = b1, _sum(a2, got[0], b1)
                 _accumulate(grads, aliases, got[1:])
@@ -291,11 +338,11 @@ class _Rebuild(torch.autograd.Function):
         return (None, a1, a2, *grads)
 
 
-def _recompute(fn: Any, k: torch.Tensor, dtype: torch.dtype, at: _ForwardContext,
+def _recompute(fn: Any, k: torch.Tensor, grid: Grid, at: _ForwardContext,
                args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """``fn`` on the float view of ``k`` as a new leaf, under the forward's RNG and autocast
     state and the recompute guard (BatchNorm statistics are not updated a second time)."""
-    view = from_fixed(k, dtype).requires_grad_()
+    view = from_fixed(k, grid).requires_grad_()
     with torch.enable_grad(), _RecomputeContext(at):
         # a non-leaf input, as in the stored network: module hooks that watch their inputs'
         # gradients (torch's ModTracker, under MemTracker) cannot watch a leaf during a nested
@@ -337,8 +384,8 @@ def _accumulate(grads: list[torch.Tensor | None], aliases: dict[int, torch.Tenso
 
 @torch.compiler.disable
 def _rebuilt(blocks: Sequence[ReversibleBlock], x1: torch.Tensor, x2: torch.Tensor, args: tuple,
-             preserve_rng: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    run = _Run(blocks, args, preserve_rng)
+             grid: Grid, preserve_rng: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    run = _Run(blocks, args, grid, preserve_rng)
     return _Rebuild.apply(run, x1, x2, *run.params)
 
 
@@ -359,9 +406,11 @@ def reversible_sequence(blocks: Sequence[ReversibleBlock], x1: torch.Tensor, x2:
     value makes them NaN). Under ``torch.no_grad()`` nothing is kept either way.
     """
     blocks = list(blocks)
-    if x1.shape != x2.shape:
-        raise ValueError(f"reversible_sequence: the two streams must have one shape, got "
-                         f"{tuple(x1.shape)} and {tuple(x2.shape)}; split the input in halves")
+    if x1.shape != x2.shape or x1.dtype != x2.dtype:
+        raise ValueError(f"reversible_sequence: the two streams must have one shape and dtype, "
+                         f"got {tuple(x1.shape)} {x1.dtype} and {tuple(x2.shape)} {x2.dtype}; "
+                         f"split one tensor in halves")
+    grid = grid_for(x1.dtype)
     for a in args:
         if isinstance(a, torch.Tensor) and a.requires_grad:
             raise ValueError("reversible_sequence: an extra argument requires grad, but only the "
@@ -370,5 +419,5 @@ def reversible_sequence(blocks: Sequence[ReversibleBlock], x1: torch.Tensor, x2:
     if not blocks:
         return x1, x2
     if not rebuild or not torch.is_grad_enabled():
-        return _stored(blocks, x1, x2, args)
-    return _rebuilt(blocks, x1, x2, args, preserve_rng_state)
+        return _stored(blocks, x1, x2, args, grid)
+    return _rebuilt(blocks, x1, x2, args, grid, preserve_rng_state)
