@@ -10,16 +10,13 @@ recompute are measured exactly (MemTracker, FlopCounterMode).
 from __future__ import annotations
 
 import copy
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from helpers import DDP_CONFIGS, run_gloo
 from zoo.memory import count_flops, cpu_peak_bytes
 from zoo.reversible import Coupling, from_fixed, grid_for, reversible_sequence, to_fixed
 
@@ -268,29 +265,13 @@ def test_compiled_stored_network_is_one_graph():
 
 
 # -- DistributedDataParallel ------------------------------------------------------------------------
-CONFIGS = [{"find_unused_parameters": False, "static_graph": False},
-           {"find_unused_parameters": True, "static_graph": False},
-           {"find_unused_parameters": False, "static_graph": True}]
-
-
-def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
-        x = images()[rank * 2:rank * 2 + 2]
-        results = []
-        for cfg in CONFIGS:
-            for net in twins():
-                results.append(train(DDP(net, **cfg), x, steps=2))
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _ddp_worker(rank: int, world: int) -> list:
+    """Each DistributedDataParallel setting, stored then rebuilt, on this rank's half batch."""
+    x = images()[rank * 2:rank * 2 + 2]
+    return [train(DDP(net, **cfg), x, steps=2) for cfg in DDP_CONFIGS for net in twins()]
 
 
 def test_ddp_two_processes_rebuilt_equals_stored():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_ddp_worker, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2, join=True)
-        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
-    for rank in ranks:
+    for rank in run_gloo(_ddp_worker):
         for i in range(0, len(rank), 2):
             assert_bitwise(rank[i], rank[i + 1])

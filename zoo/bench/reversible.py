@@ -93,10 +93,16 @@ def _largest(name: str, variant: str, size: int | None, budget: int) -> int:
     return largest_batch(lambda b: predict(variant, b), budget)[0]
 
 
-def _checkpointed_rows(name: str, batch: int, size: int | None, budget: int) -> list[dict]:
+def _model_and_inputs(name: str, batch: int, size: int | None
+                      ) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The model (seeded), its input at ``batch`` and a batch of 2 for counting ops."""
     torch.manual_seed(0)
     model = zoo.create_model(name)
-    x, small = model.example_input(batch, size), model.example_input(2, size)
+    return model, model.example_input(batch, size), model.example_input(2, size)
+
+
+def _checkpointed_rows(name: str, batch: int, size: int | None, budget: int) -> list[dict]:
+    model, x, small = _model_and_inputs(name, batch, size)
     plain = {"model": name, "variant": "plain", **_figures(model, x, small),
              "largest_batch": _largest(name, "plain", size, budget)}
     try:
@@ -115,9 +121,7 @@ def _checkpointed_rows(name: str, batch: int, size: int | None, budget: int) -> 
 
 
 def _reversible_rows(name: str, batch: int, size: int | None, budget: int) -> list[dict]:
-    torch.manual_seed(0)
-    model = zoo.create_model(name)
-    x, small = model.example_input(batch, size), model.example_input(2, size)
+    model, x, small = _model_and_inputs(name, batch, size)
     stored = {"model": name, "variant": "stored (efficient=False)", **_figures(model, x, small),
               "largest_batch": _largest(name, "plain", size, budget)}
     model.set_grad_checkpointing(True)

@@ -19,25 +19,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._base import ZooModel
 from ._registry import register_model
 from .bert import Bert
-from .rev_vit import MODE, RevBlock, ReversibleTower, fuse
+from .rev_vit import ReversibleTower, ReversibleTransformer, fuse
 
 __all__ = ["RevBert"]
 
 
-class RevBert(Bert):
+class RevBert(ReversibleTransformer, Bert):
     """:class:`zoo.models.bert.Bert` with reversible blocks and a final LayerNorm; the same
     arguments (``efficient``: ``False``, ``True`` or ``"reversible"``)."""
 
-    checkpoint_modes = (MODE,)
-    run_chain_block = ZooModel.run_chain_block  # the tower takes the block mode itself
-
     def __init__(self, *args: Any, efficient: bool | str = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        for block in self.blocks:
-            block.__class__ = RevBlock  # adds f and g; modules, names and weights unchanged
+        self.make_reversible()
         self.norm = nn.LayerNorm(self.num_features, eps=1e-12)
         self.set_grad_checkpointing(efficient)
 

@@ -30,7 +30,8 @@ from ._registry import register_model
 from ._transformer import Block, Step
 from .vit import VisionTransformer
 
-__all__ = ["RevBlock", "ReversibleTower", "RevVisionTransformer", "MODE", "fuse"]
+__all__ = ["RevBlock", "ReversibleTower", "ReversibleTransformer", "RevVisionTransformer",
+           "MODE", "fuse"]
 
 MODE = "reversible"
 
@@ -74,18 +75,27 @@ def fuse(blocks: nn.Sequential, x: torch.Tensor, mode: str | None, *args: Any) -
     return (y1 + y2) * 0.5
 
 
-class RevVisionTransformer(VisionTransformer):
+class ReversibleTransformer:
+    """Mixin of the reversible transformers: one checkpoint mode, ``"reversible"``, and
+    ``make_reversible`` to turn the built model's blocks into :class:`RevBlock` couplings."""
+
+    checkpoint_modes = (MODE,)
+    run_chain_block = ZooModel.run_chain_block  # the tower takes the block mode itself
+    blocks: nn.Sequential
+
+    def make_reversible(self) -> None:
+        for block in self.blocks:
+            block.__class__ = RevBlock  # adds f and g; modules, names and weights unchanged
+
+
+class RevVisionTransformer(ReversibleTransformer, VisionTransformer):
     """Rev-ViT: :class:`zoo.models.vit.VisionTransformer` with :class:`RevBlock` blocks on two
     streams. Same arguments as ViT; ``efficient``: ``False`` (store), ``True`` or
     ``"reversible"`` (rebuild)."""
 
-    checkpoint_modes = (MODE,)
-    run_chain_block = ZooModel.run_chain_block  # the tower takes the block mode itself
-
     def __init__(self, *args: Any, efficient: bool | str = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        for block in self.blocks:
-            block.__class__ = RevBlock  # adds f and g; modules, names and weights unchanged
+        self.make_reversible()
         self.set_grad_checkpointing(efficient)
 
     def forward_blocks(self, x: torch.Tensor, mode: str | None = None) -> torch.Tensor:

@@ -143,7 +143,9 @@ class RevNet(_ResNetBase):
         bottleneck: bottleneck residual functions (RevNet-164).
         num_classes: classifier outputs.
         efficient: ``False`` (store activations), ``True`` or ``"reversible"`` (rebuild them).
-        in_chans, drop_rate, global_pool: as ``zoo.models.resnet.CifarResNet``'s.
+        in_chans: input channels (3 for RGB).
+        drop_rate: dropout on the pooled features before the classifier.
+        global_pool: ``"avg"`` or ``""`` (no pooling: with ``num_classes=0``, feature maps out).
     """
 
     checkpoint_modes = (MODE,)
