@@ -3,7 +3,7 @@
 The step (forward, loss, backward) runs under ``FakeTensorMode`` with the model's parameters and
 buffers swapped for fake copies, inside ``zoo.memory.cpu_peak_bytes`` (MemTracker) and
 ``FlopCounterMode``. MemTracker's figure is byte-identical to a real CPU step, so this is the
-planner's independent check of its own predictions (tests, ``scripts/bench_planner.py``) and it
+planner's independent check of its own predictions (tests, ``python -m zoo.bench planner``) and it
 costs seconds even for batches this machine could not hold.
 """
 from __future__ import annotations
