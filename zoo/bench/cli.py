@@ -20,7 +20,7 @@ from typing import Any
 
 from . import (chain, families, gpu, model_commands, outside, overhead, planner_levels,
                planner_modes, planner_time, planner_vs_compile, planner_vs_uniform, plots,
-               primitive)
+               primitive, reversible)
 
 __all__ = ["SUBCOMMANDS", "usage", "main"]
 
@@ -42,6 +42,7 @@ SUBCOMMANDS: dict[str, Callable[..., Any]] = {
     "planner-time": planner_time.planner_time,
     "planner-vs-compile": planner_vs_compile.planner_vs_compile,
     "gpu": gpu.gpu,
+    "reversible": reversible.reversible,
 }
 
 

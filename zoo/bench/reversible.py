@@ -16,8 +16,8 @@ largest batch within the budget as the CPU predicts it: exact fake steps (``zoo.
 for the plain, stored and rebuilt models, the planner's prediction (``zoo.planner.largest_batch``,
 the multi-level floor) for the checkpointed one. The published anchors are printed beside them.
 
-    python -m zoo.bench.reversible                      # the three pairs, batch 32, 11 GB
-    python -m zoo.bench.reversible --pairs resnet20:revnet38 --batch 8 --budget 1GB
+    python -m zoo.bench reversible                      # the three pairs, batch 32, 11 GB
+    python -m zoo.bench reversible --pairs resnet20:revnet38 --batch 8 --budget 1GB
 
 Prints Markdown and writes ``docs/results/bench_reversible_cpu.json``.
 """
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,9 +39,8 @@ from zoo.planner import BudgetTooSmallError, measure_step
 from zoo.planner import largest_batch as planned_largest_batch
 
 __all__ = ["PAIRS", "ANCHORS", "OpCounter", "count_ops", "pair_rows", "run_reversible",
-           "reversible_table", "main"]
+           "reversible_table", "reversible"]
 
-ROOT = Path(__file__).resolve().parents[2]
 PAIRS = "resnet110:revnet110,vit_cifar:rev_vit_cifar," \
         "vit_small_patch16_224:rev_vit_small_patch16_224@224"
 ANCHORS = {
@@ -177,18 +175,18 @@ def run_reversible(pairs: str | tuple = PAIRS, batch: int = 32, budget: str = "1
             "batch": batch, "budget": budget, "budget_bytes": limit, "rows": rows}
 
 
-def main(pairs: str | tuple = PAIRS, batch: int = 32, budget: str = "11GB",
-         out: str | None = str(ROOT / "docs" / "results" / "bench_reversible_cpu.json")) -> None:
-    """Print the table of :func:`run_reversible` and write its JSON to ``out`` (None: don't)."""
+def reversible(pairs: str | tuple = PAIRS, batch: int = 32, budget: str = "11GB",
+               out: str | None = "docs/results/bench_reversible_cpu.json") -> list[dict]:
+    """Reversible vs checkpointed: peak, FLOPs, aten ops, largest batch, exact on the CPU.
+
+    ``pairs``: ``checkpointed:reversible[@image size]``, comma-separated. Per pair: the
+    checkpointed model plain and at its zoo.plan floor, the reversible model stored and rebuilt,
+    at ``batch``; the largest batch within ``budget``. Prints Markdown; writes ``out`` (JSON).
+    """
     payload = run_reversible(pairs, batch, budget)
     print(f"reversible vs checkpointed, batch {batch}, CPU (exact bytes, FLOPs and ops), "
           f"torch {torch.__version__}")
     print(reversible_table(payload["rows"], budget))
     if out:
         print(f"wrote {write_json(out, payload)}")
-
-
-if __name__ == "__main__":
-    import fire
-
-    fire.Fire(main)
+    return payload["rows"]
