@@ -323,18 +323,19 @@ class _Rebuild(torch.autograd.Function):
                 del y1
                 k2.sub_(to_fixed(g, grid))
                 del g
-                b1 = _sum(a1, got[0], a2)
-                del a1
+                if got[0] is not None:  # a1 is ours (_Fresh): b1 = a1 + G's input gradient
+                    a1.add_(got[0])
                 _accumulate(grads, aliases, got[1:])
                 # F: its gradients, then x1 = y1 - F(x2)
                 f, x2 = _recompute(block.f, k2, grid, at_f, run.args)
-                got = _vjp(f, x2, aliases, b1)
+                got = _vjp(f, x2, aliases, a1)
                 del x2
                 k1.sub_(to_fixed(f, grid))
                 del f
-                a1, a2 = b1, _sum(a2, got[0], b1)
+                if got[0] is not None:
+                    a2.add_(got[0])
                 _accumulate(grads, aliases, got[1:])
-                del got, b1
+                del got
         return (None, a1, a2, *grads)
 
 
@@ -362,17 +363,6 @@ def _vjp(out: torch.Tensor, view: torch.Tensor, aliases: dict[int, torch.Tensor]
     return torch.autograd.grad(out, [view, *aliases.values()], grad, allow_unused=True)
 
 
-def _sum(grad: torch.Tensor, extra: torch.Tensor | None, seed: torch.Tensor) -> torch.Tensor:
-    """``grad + extra`` as autograd sums two contributions (``extra`` None: ``grad``), written
-    into ``extra`` when it is a fresh tensor of ours (not the ``seed`` it was computed from)."""
-    if extra is None:
-        return grad
-    if extra.dtype != grad.dtype or extra.untyped_storage()._cdata == \
-            seed.untyped_storage()._cdata:
-        return grad + extra
-    return extra.add_(grad)
-
-
 def _accumulate(grads: list[torch.Tensor | None], aliases: dict[int, torch.Tensor],
                 got: Sequence[torch.Tensor | None]) -> None:
     """Add a recompute's parameter gradients, in the order autograd would (G before F, later
@@ -383,10 +373,24 @@ def _accumulate(grads: list[torch.Tensor | None], aliases: dict[int, torch.Tenso
 
 
 @torch.compiler.disable
+class _Fresh(torch.autograd.Function):
+    """The identity, whose backward hands on copies of the incoming gradients: the rebuild then
+    owns the gradients it receives and sums into them in place (the engine holds a node's
+    incoming gradients while the node runs, so working copies would double them)."""
+
+    @staticmethod
+    def forward(ctx: Any, y1: torch.Tensor, y2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return y1.detach(), y2.detach()  # not views: the outputs may be changed in place
+
+    @staticmethod
+    def backward(ctx: Any, a1: torch.Tensor, a2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return a1.clone(), a2.clone()
+
+
 def _rebuilt(blocks: Sequence[ReversibleBlock], x1: torch.Tensor, x2: torch.Tensor, args: tuple,
              grid: Grid, preserve_rng: bool) -> tuple[torch.Tensor, torch.Tensor]:
     run = _Run(blocks, args, grid, preserve_rng)
-    return _Rebuild.apply(run, x1, x2, *run.params)
+    return _Fresh.apply(*_Rebuild.apply(run, x1, x2, *run.params))
 
 
 def reversible_sequence(blocks: Sequence[ReversibleBlock], x1: torch.Tensor, x2: torch.Tensor,
