@@ -372,7 +372,6 @@ def _accumulate(grads: list[torch.Tensor | None], aliases: dict[int, torch.Tenso
             grads[j] = grad if grads[j] is None else grads[j] + grad
 
 
-@torch.compiler.disable
 class _Fresh(torch.autograd.Function):
     """The identity, whose backward hands on copies of the incoming gradients: the rebuild then
     owns the gradients it receives and sums into them in place (the engine holds a node's
@@ -387,6 +386,7 @@ class _Fresh(torch.autograd.Function):
         return a1.clone(), a2.clone()
 
 
+@torch.compiler.disable
 def _rebuilt(blocks: Sequence[ReversibleBlock], x1: torch.Tensor, x2: torch.Tensor, args: tuple,
              grid: Grid, preserve_rng: bool) -> tuple[torch.Tensor, torch.Tensor]:
     run = _Run(blocks, args, grid, preserve_rng)
