@@ -114,6 +114,26 @@ def test_under_autocast_bf16():
     assert_same_state(stored, rebuilt)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_models(dtype):
+    """A model in float16 or bfloat16 (its streams int32, its float views half): values beyond
+    float16's integer range pass through float32 on the way back."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Coupling(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.2)),
+                                    nn.Linear(8, 8)) for _ in range(3)).to(dtype)
+    x = (4 * torch.randn(4, 8)).to(dtype)
+    results = []
+    for rebuild in (False, True):
+        torch.manual_seed(1)
+        xs = x.clone().requires_grad_()
+        y1, y2 = reversible_sequence(blocks, xs * 1, xs * 1, rebuild=rebuild)
+        (y1.float() * y2.float()).sum().backward()
+        results.append([y1.detach(), y2.detach(), xs.grad, *[p.grad for p in blocks.parameters()]])
+        blocks.zero_grad(set_to_none=True)
+    assert results[0][0].isfinite().all() and results[0][0].dtype == dtype
+    assert_bitwise([results[0]], [results[1]])
+
+
 def test_dropout_masks_are_replayed_on_the_rebuild():
     """Without the forward's random numbers the rebuild differs: the replay is what makes it
     exact (``preserve_rng_state=False`` is for blocks that draw none)."""

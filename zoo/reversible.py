@@ -146,7 +146,10 @@ def to_fixed(x: torch.Tensor, grid: Grid) -> torch.Tensor:
 
 
 def from_fixed(k: torch.Tensor, grid: Grid) -> torch.Tensor:
-    """The float view of stream ``k``: ``k * 2**-frac_bits``, rounded once to the view dtype."""
+    """The float view of stream ``k``: ``k * 2**-frac_bits``, rounded once to the view dtype
+    (through float32 for float16, whose range the integers exceed)."""
+    if grid.view == torch.float16:
+        return k.float().mul_(grid.step).half()
     return k.to(grid.view).mul_(grid.step)
 
 
