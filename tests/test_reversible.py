@@ -253,7 +253,7 @@ def test_errors_are_one_line():
     assert "\n" not in str(err.value)
 
 
-# -- torch.compile ---------------------------------------------------------------------------------
+# -- torch.compile --------------------------------------------------------------------------------
 def test_compiled_rebuild_breaks_the_graph_once_and_trains_like_eager_stored():
     """The rebuilding Function runs eagerly (a graph break: its backward recomputes the forward
     and runs the autograd engine on it); the stem and head compile around it. Compared in
@@ -284,7 +284,7 @@ def test_compiled_stored_network_is_one_graph():
             torch.testing.assert_close(b, a)
 
 
-# -- DistributedDataParallel ------------------------------------------------------------------------
+# -- DistributedDataParallel ----------------------------------------------------------------------
 def _ddp_worker(rank: int, world: int) -> list:
     """Each DistributedDataParallel setting, stored then rebuilt, on this rank's half batch."""
     x = images()[rank * 2:rank * 2 + 2]

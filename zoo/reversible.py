@@ -190,7 +190,8 @@ def _checked(v1: torch.Tensor, v2: torch.Tensor, grid: Grid,
 # rebuild=False: the network storing its activations, one autograd node per stream update
 # ------------------------------------------------------------------------------------------------
 class _Enter(torch.autograd.Function):
-    """A float tensor enters the grid: (stream, float view, magnitude); gradient straight through."""
+    """A float tensor enters the grid: (stream, float view, magnitude); gradient straight
+    through."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, ...]:

@@ -114,7 +114,8 @@ def test_rev_bert_ignores_padding():
     other = ids.clone()
     other[0, 8:] = (other[0, 8:] + 1) % 50
     with torch.no_grad():
-        torch.testing.assert_close(model(ids, attention_mask=mask), model(other, attention_mask=mask))
+        torch.testing.assert_close(model(ids, attention_mask=mask),
+                                   model(other, attention_mask=mask))
 
 
 def test_compiled_reversible_model_trains_like_eager_stored():
@@ -136,7 +137,7 @@ def test_compiled_reversible_model_trains_like_eager_stored():
         torch.testing.assert_close(b, a, msg=key)
 
 
-# -- memory and recompute, exact, batch 32 ---------------------------------------------------------
+# -- memory and recompute, exact, batch 32 --------------------------------------------------------
 def _activations(model: torch.nn.Module, x: torch.Tensor) -> int:
     """A training step's exact peak less parameters, their gradients and the buffers."""
     state = 2 * sum(p.numel() * p.element_size() for p in model.parameters()) + \

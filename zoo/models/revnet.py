@@ -152,15 +152,16 @@ class RevNet(_ResNetBase):
     example_input = CifarResNet.example_input  # random 32x32 images
     data_cfg = CifarResNet.data_cfg  # CIFAR's size and statistics
 
-    def __init__(self, units: Sequence[int] = (9, 9, 9), channels: Sequence[int] = (32, 32, 64, 128),
-                 bottleneck: bool = False, num_classes: int = 10, efficient: bool | str = False,
-                 in_chans: int = 3, drop_rate: float = 0.0, global_pool: str = "avg") -> None:
+    def __init__(self, units: Sequence[int] = (9, 9, 9),
+                 channels: Sequence[int] = (32, 32, 64, 128), bottleneck: bool = False,
+                 num_classes: int = 10, efficient: bool | str = False, in_chans: int = 3,
+                 drop_rate: float = 0.0, global_pool: str = "avg") -> None:
         super().__init__()
         self._head_options(in_chans, drop_rate, global_pool)
         if len(units) != 3 or min(units) < 1 or len(channels) != 4 or min(channels) < 2 \
                 or any(c % 2 for c in channels):
-            raise ValueError(f"a CIFAR RevNet has 3 stages of at least one unit and 4 even channel "
-                             f"counts (stem, stages), got units={tuple(units)}, "
+            raise ValueError(f"a CIFAR RevNet has 3 stages of at least one unit and 4 even "
+                             f"channel counts (stem, stages), got units={tuple(units)}, "
                              f"channels={tuple(channels)}")
         self.num_classes, self.channels = num_classes, tuple(channels)
         self.conv1 = nn.Conv2d(in_chans, channels[0], 3, padding=1, bias=False)
