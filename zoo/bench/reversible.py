@@ -3,9 +3,10 @@ best checkpoint schedule of the non-reversible model of the same size.
 
 For each pair (a checkpointed model, its reversible counterpart) at one batch size:
 
-* the checkpointed model plain, and at its **zoo.plan floor**: the least peak any schedule
-  ``zoo.plan`` finds reaches (multi-level schedules, per-block modes, the model's own modes),
-  planned at exactly that budget;
+* the checkpointed model plain, planned by ``zoo.plan`` at the reversible model's rebuilt peak
+  (the recompute checkpointing needs to match it), and at its **zoo.plan floor**: the least
+  peak any schedule ``zoo.plan`` finds reaches (multi-level schedules, per-block modes, the
+  model's own modes), planned at exactly that budget;
 * the reversible model storing its activations (``efficient=False``) and rebuilding them
   (``efficient=True``): the same network, bit for bit.
 
@@ -99,7 +100,19 @@ def _model_and_inputs(name: str, batch: int, size: int | None
     return model, model.example_input(batch, size), model.example_input(2, size)
 
 
-def _checkpointed_rows(name: str, batch: int, size: int | None, budget: int) -> list[dict]:
+def _plan_row(name: str, model: nn.Module, x: torch.Tensor, small: torch.Tensor, budget: int,
+              label: str) -> dict:
+    """``model`` planned by zoo.plan at ``budget`` and measured (peak, FLOPs, ops)."""
+    plan = zoo.plan(model, x, budget)
+    what = plan.mode or f"{len(plan.checkpointed_blocks)} of {plan.profile.n_blocks} blocks, " \
+        f"{plan.levels} level(s)"
+    return {"model": name, "variant": f"zoo.plan {label} ({what})", **_figures(model, x, small)}
+
+
+def _checkpointed_rows(name: str, batch: int, size: int | None, budget: int,
+                       rebuilt_peak: int) -> list[dict]:
+    """Plain; zoo.plan at the reversible model's rebuilt peak (when one fits there); zoo.plan at
+    its floor, the least peak any schedule reaches."""
     model, x, small = _model_and_inputs(name, batch, size)
     plain = {"model": name, "variant": "plain", **_figures(model, x, small),
              "largest_batch": _largest(name, "plain", size, budget)}
@@ -108,14 +121,15 @@ def _checkpointed_rows(name: str, batch: int, size: int | None, budget: int) -> 
         raise AssertionError("a one-byte budget cannot fit")
     except BudgetTooSmallError as e:
         floor_budget = e.smallest
-    plan = zoo.plan(model, x, floor_budget)
-    what = plan.mode or f"{len(plan.checkpointed_blocks)} of {plan.profile.n_blocks} blocks, " \
-        f"{plan.levels} level(s)"
+    rows = [plain]
+    if floor_budget <= rebuilt_peak < plain["peak_bytes"]:
+        rows.append({**_plan_row(name, model, x, small, rebuilt_peak, "at the rebuilt peak"),
+                     "largest_batch": None})
     fresh = zoo.create_model(name)
-    floor = {"model": name, "variant": f"zoo.plan floor ({what})", **_figures(model, x, small),
-             "largest_batch": planned_largest_batch(
-                 fresh, lambda b: fresh.example_input(b, size), budget)[0]}
-    return [plain, floor]
+    rows.append({**_plan_row(name, model, x, small, floor_budget, "floor"),
+                 "largest_batch": planned_largest_batch(
+                     fresh, lambda b: fresh.example_input(b, size), budget)[0]})
+    return rows
 
 
 def _reversible_rows(name: str, batch: int, size: int | None, budget: int) -> list[dict]:
@@ -128,26 +142,33 @@ def _reversible_rows(name: str, batch: int, size: int | None, budget: int) -> li
     return [stored, rebuilt]
 
 
+def _ratios(rows: list[dict], batch: int, size: int | None) -> None:
+    """Each row against the first (plain or stored) in place: peak, recompute, ops, batch."""
+    base = rows[0]
+    for r in rows:
+        largest = r["largest_batch"]
+        r.update(batch=batch, size=size, peak_ratio=r["peak_bytes"] / base["peak_bytes"],
+                 recompute=r["flops"] / base["flops"] - 1, ops_ratio=r["ops"] / base["ops"],
+                 batch_ratio=None if largest is None else largest / base["largest_batch"])
+
+
 def pair_rows(pair: str, batch: int = 32, budget: int = int(11e9),
               log: Callable[[str], None] = print) -> list[dict]:
-    """The four rows of one pair ``'checkpointed:reversible[@size]'``; ratios against the first
-    row of each model (plain, stored)."""
+    """The rows of one pair ``'checkpointed:reversible[@size]'``: the checkpointed model's, then
+    the reversible model's; ratios against the first row of each model (plain, stored)."""
     checkpointed, reversible, size = _parse_pair(pair)
-    rows = []
-    for build, name in ((_checkpointed_rows, checkpointed), (_reversible_rows, reversible)):
-        start = time.perf_counter()
-        part = build(name, batch, size, budget)
-        base = part[0]
-        for r in part:
-            r.update(batch=batch, size=size, peak_ratio=r["peak_bytes"] / base["peak_bytes"],
-                     recompute=r["flops"] / base["flops"] - 1, ops_ratio=r["ops"] / base["ops"],
-                     batch_ratio=r["largest_batch"] / base["largest_batch"])
-        rows += part
-        log(f"{name}: measured in {time.perf_counter() - start:.0f}s")
+    start = time.perf_counter()
+    rev = _reversible_rows(reversible, batch, size, budget)
+    log(f"{reversible}: measured in {time.perf_counter() - start:.0f}s")
+    start = time.perf_counter()
+    ckpt = _checkpointed_rows(checkpointed, batch, size, budget, rev[-1]["peak_bytes"])
+    log(f"{checkpointed}: measured in {time.perf_counter() - start:.0f}s")
     anchor = ANCHORS["rev_vit" if reversible.startswith("rev_vit") else "revnet"]
-    for r in rows:
-        r["anchor"] = anchor
-    return rows
+    for part in (ckpt, rev):
+        _ratios(part, batch, size)
+        for r in part:
+            r["anchor"] = anchor
+    return ckpt + rev
 
 
 def reversible_table(rows: list[dict], budget: str) -> str:
@@ -160,8 +181,8 @@ def reversible_table(rows: list[dict], budget: str) -> str:
         lines.append(
             f"| {r['model']}{size} | {r['variant']} | {format_bytes(r['peak_bytes'])} | "
             f"{r['peak_ratio']:.3f} | {r['flops'] / 1e9:.1f} | {r['recompute']:+.1%} | "
-            f"{r['ops']} | {r['ops_ratio']:.2f} | {r['largest_batch']} | "
-            f"{r['batch_ratio']:.2f} |")
+            f"{r['ops']} | {r['ops_ratio']:.2f} | {r['largest_batch'] or '-'} | "
+            f"{'-' if r['batch_ratio'] is None else format(r['batch_ratio'], '.2f')} |")
     anchors = sorted({r["anchor"] for r in rows})
     return "\n".join(lines + [""] + [f"Published: {a}." for a in anchors])
 
