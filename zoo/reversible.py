@@ -69,6 +69,7 @@ the autograd engine on it), and the rest of the model compiles; ``rebuild=False`
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -77,6 +78,10 @@ import torch
 from torch import nn
 
 from .checkpoint.recompute import _cuda_devices, _ForwardContext, _RecomputeContext
+
+# torch.autograd.grad takes an output's gradient edge in place of the output from torch 2.5 on
+# (older versions keep each recomputed output alive through its backward: a little more memory)
+_EDGE_OUTPUTS = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
 
 __all__ = ["Coupling", "ReversibleBlock", "Grid", "grid_for", "reversible_sequence", "to_fixed",
            "from_fixed"]
@@ -166,12 +171,15 @@ def _enter(x: torch.Tensor, grid: Grid, checks: list[torch.Tensor]
     return k, from_fixed(k, grid)
 
 
-def _add(k: torch.Tensor, out: torch.Tensor, grid: Grid, checks: list[torch.Tensor]
-         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stream ``k`` plus ``out`` on the grid: (stream, float view); the magnitudes of ``out`` and
-    of the new view join ``checks`` (every addition then has both terms below the limit)."""
+def _add(k: torch.Tensor, out: torch.Tensor, grid: Grid, checks: list[torch.Tensor],
+         inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stream ``k`` plus ``out`` on the grid (into ``k`` itself if ``inplace``): (stream, float
+    view); the magnitudes of ``out`` and of the new view join ``checks`` (every addition then
+    has both terms below the limit)."""
     checks.append(_magnitude(out))
-    k = k + to_fixed(out, grid)
+    fixed = to_fixed(out, grid)
+    k = k.add_(fixed) if inplace else k + fixed
+    del fixed
     view = from_fixed(k, grid)
     checks.append(_magnitude(view))
     return k, view
@@ -290,17 +298,22 @@ class _Rebuild(torch.autograd.Function):
                 *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         devices = _cuda_devices(run.blocks[0], (x1, x2)) if run.preserve_rng else []
         grid, checks = run.grid, []
-        k1, _ = _enter(x1, grid, checks)
-        k2, v2 = _enter(x2, grid, checks)
+        (k1, _), (k2, v2) = _enter(x1, grid, checks), _enter(x2, grid, checks)
+        streams = (k1, k2)
+        views: list[torch.Tensor | None] = [None, v2]  # the float views alive: the one in use
+        del _, v2
         for block in run.blocks:
-            with _ForwardContext(devices, run.preserve_rng) as at_f:
-                k1, v1 = _add(k1, block.f(v2, *run.args), grid, checks)
-            with _ForwardContext(devices, run.preserve_rng) as at_g:
-                k2, v2 = _add(k2, block.g(v1, *run.args), grid, checks)
-            run.contexts.append((at_f, at_g))
+            contexts = []
+            for j, fn in ((0, block.f), (1, block.g)):  # y1 = x1 + F(x2), y2 = x2 + G(y1)
+                with _ForwardContext(devices, run.preserve_rng) as at:
+                    views[j] = None  # this stream's old view, already used
+                    views[j] = _add(streams[j], fn(views[1 - j], *run.args), grid, checks,
+                                    inplace=True)[1]
+                contexts.append(at)
+            run.contexts.append((contexts[0], contexts[1]))
         ctx.save_for_backward(k1, k2)
         ctx.run = run
-        return _checked(v1, v2, grid, checks)
+        return _checked(views[0], views[1], grid, checks)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -320,51 +333,121 @@ class _Rebuild(torch.autograd.Function):
             named = run.block_params[i]
             aliases = {j: run.params[j].detach().requires_grad_() for j in named}
             with _aliased(block, named, aliases):
-                # G: its gradients, then x2 = y2 - G(y1) (in place: the streams are ours; after
-                # the gradients, so that the rebuild's temporaries do not meet G's graph)
-                g, y1 = _recompute(block.g, k1, grid, at_g, run.args)
-                got = _vjp(g, y1, aliases, a2)
-                del y1
-                k2.sub_(to_fixed(g, grid))
-                del g
-                if got[0] is not None:  # a1 is ours (_Fresh): b1 = a1 + G's input gradient
-                    a1.add_(got[0])
-                _accumulate(grads, aliases, got[1:])
-                # F: its gradients, then x1 = y1 - F(x2)
-                f, x2 = _recompute(block.f, k2, grid, at_f, run.args)
-                got = _vjp(f, x2, aliases, a1)
-                del x2
-                k1.sub_(to_fixed(f, grid))
-                del f
-                if got[0] is not None:
-                    a2.add_(got[0])
-                _accumulate(grads, aliases, got[1:])
-                del got
+                # G on y1 (k1): x2 = y2 - G(y1), then G's gradients; a1 is ours (_Fresh)
+                _undo(block.g, k1, k2, a2, a1, grads, aliases, grid, at_g, run.args)
+                # F on x2 (k2): x1 = y1 - F(x2), then F's gradients
+                _undo(block.f, k2, k1, a1, a2, grads, aliases, grid, at_f, run.args)
         return (None, a1, a2, *grads)
 
 
-def _recompute(fn: Any, k: torch.Tensor, grid: Grid, at: _ForwardContext,
-               args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fn`` on the float view of ``k`` as a new leaf, under the forward's RNG and autocast
-    state and the recompute guard (BatchNorm statistics are not updated a second time)."""
-    view = from_fixed(k, grid).requires_grad_()
-    with torch.enable_grad(), _RecomputeContext(at):
+def _undo(fn: Any, k_in: torch.Tensor, k_out: torch.Tensor, seed: torch.Tensor,
+          into: torch.Tensor, grads: list[torch.Tensor | None], aliases: dict[int, torch.Tensor],
+          grid: Grid, at: _ForwardContext, args: tuple) -> None:
+    """One half of a block backwards: recompute ``fn`` on stream ``k_in``, take its output off
+    ``k_out`` (in place: the streams are the rebuild's own), then its gradients for ``seed``
+    (the output's gradient): the input's is added to ``into`` in place, the parameters' to
+    ``grads``.
+
+    What stays alive is what the gradients need and no more: ``fn``'s output is put on the grid
+    (in its own memory when its graph did not save it) and let go before its backward (its
+    graph is reached by its gradient edge), and ``fn``'s input, a float view of ``k_in``, is
+    not kept in its graph but made again from ``k_in`` when the backward needs it (``k_in`` does
+    not change meanwhile)."""
+    out, edge, owned = _recompute(fn, k_in, grid, at, args)
+    _take_off(k_out, out, grid, owned)
+    if not out.requires_grad:
+        return
+    target: torch.Tensor | torch.autograd.graph.GradientEdge = out
+    if _EDGE_OUTPUTS:
+        target = torch.autograd.graph.get_gradient_edge(out)
+    if seed.dtype != out.dtype:  # autograd casts a gradient to its output's dtype
+        seed = seed.to(out.dtype)
+    del out
+    got = torch.autograd.grad(target, [edge, *aliases.values()], seed, allow_unused=True)
+    del target, seed
+    if got[0] is not None:
+        into.add_(got[0])
+    _accumulate(grads, aliases, got[1:])
+
+
+class _StreamView(torch.autograd.Function):
+    """The float view of a stream as the first node of a recompute's graph: the gradient
+    arriving here is the input gradient (read at this node's edge; the node itself never runs).
+    Unlike a leaf, it holds no tensor, so the view can be let go."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, k: torch.Tensor, grid: Grid) -> torch.Tensor:
+        return from_fixed(k, grid)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+        return None, None, None
+
+
+class _RemakeView(torch.autograd.graph.saved_tensors_hooks):
+    """While a recompute records its graph: a saved tensor that lives in the stream's float
+    view is not kept but made again from the stream when backward unpacks it (one copy at a
+    time, shared by every node that saved it), bit for bit the same values. ``saved`` lists
+    the storages of the others (weakly: every saved tensor holds the pack hook until released).
+    """
+
+    def __init__(self, view: torch.Tensor, k: torch.Tensor, grid: Grid) -> None:
+        storage, made = weakref.ref(view.untyped_storage()), [lambda: None]
+        saved = self.saved = [storage]  # the hooks must not hold self (a cycle holding k)
+
+        def pack(t: torch.Tensor) -> Any:
+            st = t.untyped_storage()
+            if st is not storage():
+                saved.append(weakref.ref(st))
+                return t
+            return t.size(), t.stride(), t.storage_offset()
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if isinstance(packed, torch.Tensor):
+                return packed
+            again = made[0]()
+            if again is None:
+                again = from_fixed(k, grid)
+                made[0] = weakref.ref(again)
+            return again.as_strided(*packed)
+
+        super().__init__(pack, unpack)
+
+
+def _recompute(fn: Any, k: torch.Tensor, grid: Grid, at: _ForwardContext, args: tuple
+               ) -> tuple[torch.Tensor, torch.autograd.graph.GradientEdge, bool]:
+    """``fn`` on the float view of ``k``, under the forward's RNG and autocast state and the
+    recompute guard (BatchNorm statistics are not updated a second time): its output, the edge
+    where its input's gradient arrives, and whether the output's memory is the rebuild's own
+    (no view of another tensor, nor saved by the graph)."""
+    with torch.enable_grad():
         # a non-leaf input, as in the stored network: module hooks that watch their inputs'
         # gradients (torch's ModTracker, under MemTracker) cannot watch a leaf during a nested
         # torch.autograd.grad
-        out = fn(view.view_as(view), *args)
-    return out, view
+        view = _StreamView.apply(_anchor(k.device), k, grid)
+        edge = torch.autograd.graph.get_gradient_edge(view)
+        remake = _RemakeView(view, k, grid)
+        with remake, _RecomputeContext(at):
+            out = fn(view, *args)
+    st = out.untyped_storage()
+    return out, edge, out._base is None and all(r() is not st for r in remake.saved)
 
 
-def _vjp(out: torch.Tensor, view: torch.Tensor, aliases: dict[int, torch.Tensor],
-         grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    """Gradients of ``out`` (seeded with ``grad``, cast to ``out``'s dtype as autograd casts it)
-    for ``view`` and every alias (None where unused)."""
-    if grad.dtype != out.dtype:
-        grad = grad.to(out.dtype)
-    if not out.requires_grad:
-        return (None,) * (1 + len(aliases))
-    return torch.autograd.grad(out, [view, *aliases.values()], grad, allow_unused=True)
+def _take_off(k: torch.Tensor, out: torch.Tensor, grid: Grid, owned: bool) -> None:
+    """``k -= to_fixed(out)``, bit for bit; an ``owned`` output is scaled in place (one
+    temporary the size of ``k`` instead of two)."""
+    if out.dtype in (torch.float16, torch.bfloat16):
+        scaled = out.float().mul_(grid.scale)
+    elif owned:
+        scaled = out.detach().mul_(grid.scale)
+    else:
+        scaled = out * grid.scale
+    k.sub_(scaled.to(grid.stream))
+
+
+def _anchor(device: torch.device) -> torch.Tensor:
+    """An empty tensor requiring grad: what makes :class:`_StreamView`'s output part of a graph."""
+    return torch.empty(0, device=device, requires_grad=True)
 
 
 def _accumulate(grads: list[torch.Tensor | None], aliases: dict[int, torch.Tensor],
