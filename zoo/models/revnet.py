@@ -22,7 +22,7 @@ One checkpoint mode, ``"reversible"`` (``efficient=True``): the reversible units
 inputs in backward, the downsampling units, the stem and the final BN-ReLU are checkpointed.
 With it off (``efficient=False``) the model is the same network, same forward and same
 state_dict, storing its activations; both train bit for bit alike. Figures (one training step
-at batch 32, exact CPU bytes): ``python -m zoo.bench.reversible``.
+at batch 32, exact CPU bytes): ``python -m zoo.bench reversible``.
 """
 from __future__ import annotations
 
