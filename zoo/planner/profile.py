@@ -38,6 +38,7 @@ from torch import nn
 
 from ..checkpoint import region
 from ..checkpoint import checkpoint, is_recomputing
+from ..memory import mem_tracker
 from .fake import default_loss, fake_state
 
 __all__ = ["ChainProfile", "profile_chain", "default_loss"]
@@ -248,7 +249,6 @@ def _traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], tor
     """One fake training step with the chain run by ``segments`` (each block in
     ``block_mode``): (trace, peak, step FLOPs)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.nn.utils.stateless import _reparametrize_module
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -256,7 +256,7 @@ def _traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], tor
     state = fake_state(model, fake)
     tensors = list({id(t): t for t in state.values()}.values())
     fx = fake.from_tensor(x.detach()).requires_grad_(x.requires_grad)
-    tracker = MemTracker()
+    tracker = mem_tracker()
     tracker.track_external(*tensors)
     counter = FlopCounterMode(display=False)
     trace = _Trace(tracker, counter, {_storage_key(t) for t in tensors})
@@ -343,7 +343,9 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
                                                  block_mode)
     if plain.n_blocks != n:
         raise ValueError(f"run_chain ran {plain.n_blocks} blocks, checkpoint_chain() has {n}")
-    starts = [j for j in range(n) if j == 0 or not plain.alias[j]]
+    # a block starts a unit unless its input aliases the previous output, or that output needs no
+    # gradient (a frozen stem: such blocks save nothing, so they join the first block that does)
+    starts = [j for j in range(n) if j == 0 or not plain.alias[j] and plain.out_dgrad[j - 1]]
     units = [(a, b) for a, b in zip(starts, starts[1:] + [n])]
     ckpt, ckpt_peak, _ = _traced_step(model, example_input, loss_fn,
                                       [(a, b, True) for a, b in units], block_mode)
