@@ -1,10 +1,15 @@
 """Shared test helpers: train a model a few steps and compare it with its plain twin."""
 from __future__ import annotations
 
+import os
+import tempfile
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -118,3 +123,27 @@ def call_command(main: Callable[..., None], capsys, **flags) -> tuple[int, str, 
         code = e.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+# DistributedDataParallel's settings a multi-process test goes through
+DDP_CONFIGS = [{"find_unused_parameters": False, "static_graph": False},
+               {"find_unused_parameters": True, "static_graph": False},
+               {"find_unused_parameters": False, "static_graph": True}]
+
+
+def run_gloo(worker: Callable[[int, int], Any], world: int = 2) -> list[Any]:
+    """Run ``worker(rank, world)`` in ``world`` processes joined in one gloo process group (as
+    DistributedDataParallel on CPUs needs); returns each rank's result. ``worker`` must be a
+    module-level function (it is pickled into the spawned processes)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_gloo_rank, args=(worker, world, tmp), nprocs=world, join=True)
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+
+
+def _gloo_rank(rank: int, worker: Callable[[int, int], Any], world: int, tmp: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'init')}",
+                            rank=rank, world_size=world)
+    try:
+        torch.save(worker(rank, world), os.path.join(tmp, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()

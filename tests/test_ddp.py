@@ -7,23 +7,13 @@ nn.DataParallel needs two GPUs: that test runs where they exist.
 """
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zoo
-
-CONFIGS = [
-    {"find_unused_parameters": False, "static_graph": False},
-    {"find_unused_parameters": True, "static_graph": False},
-    {"find_unused_parameters": False, "static_graph": True},
-]
+from helpers import DDP_CONFIGS, run_gloo
 
 
 class SharedTwice(nn.Module):
@@ -61,27 +51,20 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
-        x, y = data()
-        shard = slice(rank * 4, rank * 4 + 4)
-        results = {}
-        for i, cfg in enumerate(CONFIGS):
-            model = DDP(SharedTwice(with_unused=cfg["find_unused_parameters"]), **cfg)
-            results[i] = train(model, x[shard], y[shard])
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int) -> dict[int, list[torch.Tensor]]:
+    x, y = data()
+    shard = slice(rank * 4, rank * 4 + 4)
+    results = {}
+    for i, cfg in enumerate(DDP_CONFIGS):
+        model = DDP(SharedTwice(with_unused=cfg["find_unused_parameters"]), **cfg)
+        results[i] = train(model, x[shard], y[shard])
+    return results
 
 
 def test_ddp_two_processes_match_single_process():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2, join=True)
-        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
+    ranks = run_gloo(_worker)
     x, y = data()
-    for i, cfg in enumerate(CONFIGS):
+    for i, cfg in enumerate(DDP_CONFIGS):
         reference = train(SharedTwice(with_unused=cfg["find_unused_parameters"]), x, y)
         for rank in ranks:
             for step, (got, want) in enumerate(zip(rank[i], reference)):

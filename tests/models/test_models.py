@@ -20,12 +20,14 @@ from helpers import assert_same_training, train_step_peak
 # here, a giant's peak is its parameters and gradients, not its activations).
 GIANTS = {"densenet_bc_190", "densenet_bc_250", "densenet161", "densenet201", "densenet264",
           "resnet1202", "resnet101", "resnet152", "vit_base_patch16_224", "bert_base",
-          "gpt2_small"}
+          "gpt2_small", "revnet164", "rev_vit_base_patch16_224", "rev_bert_base"}
 REQUIRED = ["densenet40", "densenet_bc_100", "densenet_bc_190", "densenet_bc_250", "densenet121",
             "densenet161", "densenet169", "densenet201", "densenet264", "resnet20", "resnet32",
             "resnet44", "resnet56", "resnet110", "resnet1202", "resnet18", "resnet34", "resnet50",
             "resnet101", "resnet152", "cifar_cnn", "vit_cifar", "vit_small_patch16_224",
-            "vit_base_patch16_224", "bert_base", "gpt2_small"]
+            "vit_base_patch16_224", "bert_base", "gpt2_small", "revnet38", "revnet110",
+            "revnet164", "rev_vit_cifar", "rev_vit_small_patch16_224", "rev_vit_base_patch16_224",
+            "rev_bert_base"]
 
 
 def names(slow_giants: bool = True) -> list:

@@ -20,8 +20,24 @@ from zoo.models.densenet import DenseNet
 
 GIANTS = {"densenet_bc_190", "densenet_bc_250", "densenet161", "densenet201", "densenet264",
           "resnet1202", "resnet101", "resnet152", "vit_base_patch16_224", "bert_base",
-          "gpt2_small"}
+          "gpt2_small", "revnet164", "rev_vit_base_patch16_224", "rev_bert_base"}
 SMALL = [n for n in zoo.list_models() if n not in GIANTS]
+
+
+# A deep RevNet in eval mode with BatchNorm's initial statistics (mean 0, variance 1) grows past
+# the +-32768 that float32's int32 streams hold, and says so with NaN (zoo.reversible's range
+# check); float64's int64 streams hold it. Trained statistics keep the activations in range.
+WIDE_GRID = {"revnet110"}
+
+
+def _eval_model(name: str, **kwargs) -> torch.nn.Module:
+    """``create_model(name, **kwargs)`` in eval mode, in float64 where float32's grid is short."""
+    model = zoo.create_model(name, **kwargs).eval()
+    return model.double() if name in WIDE_GRID else model
+
+
+def _like(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x.to(next(model.parameters()).dtype)
 
 
 def _is_cnn(name: str) -> bool:
@@ -82,14 +98,14 @@ def test_default_cfg_names_and_pre_logits_match_reset_classifier_zero(name):
     ``forward_head(pre_logits=True)`` has width ``head_hidden_size`` and equals ``forward`` after
     ``reset_classifier(0)`` (values too, in eval mode)."""
     torch.manual_seed(0)
-    model = zoo.create_model(name).eval()
+    model = _eval_model(name)
     cfg, state = model.pretrained_cfg, model.state_dict()
     assert model.default_cfg == cfg and cfg["num_classes"] == model.num_classes
     assert cfg["classifier"] + ".weight" in state
     assert model.get_classifier() is model.get_submodule(cfg["classifier"])
     if cfg["first_conv"] is not None:
         assert cfg["first_conv"] + ".weight" in state
-    x = model.example_input(2)
+    x = _like(model, model.example_input(2))
     with torch.no_grad():
         pre = model.forward_head(model.forward_features(x), pre_logits=True)
         assert pre.shape == (2, model.head_hidden_size)
@@ -103,15 +119,15 @@ def test_no_global_pool_gives_feature_maps_of_pool_size(name):
     """timm's test_model_default_cfgs: ``reset_classifier(0, '')`` and ``create_model(...,
     num_classes=0, global_pool='')`` return the unpooled maps, ``pool_size`` at ``input_size``."""
     torch.manual_seed(0)
-    model = zoo.create_model(name).eval()
+    model = _eval_model(name)
     cfg = model.pretrained_cfg
-    x = torch.randn(1, *cfg["input_size"])
+    x = _like(model, torch.randn(1, *cfg["input_size"]))
     with torch.no_grad():
         features = model.forward_features(x)
         assert features.shape[1:] == (model.num_features, *cfg["pool_size"])
         model.reset_classifier(0, "")
         torch.testing.assert_close(model(x), features, rtol=0, atol=0)
-        built = zoo.create_model(name, num_classes=0, global_pool="").eval()
+        built = _eval_model(name, num_classes=0, global_pool="")
         assert built(x).shape == features.shape
     with pytest.raises(ValueError, match="num_classes=0") as err:
         model.reset_classifier(5, "")
@@ -166,12 +182,12 @@ def test_forward_intermediates_match_feature_info_and_forward_features(name):
     """timm's test_model_forward_intermediates: one map per feature_info level with its channels
     and reduction; the returned output equals forward_features, also with checkpointing on."""
     torch.manual_seed(0)
-    model = zoo.create_model(name).eval()
+    model = _eval_model(name)
     info = model.feature_info
     assert len(info) >= 2 and all(set(d) == {"num_chs", "reduction", "module"} for d in info)
     names = dict(model.named_modules())
     assert all(d["module"] in names for d in info)
-    x = model.example_input(1)
+    x = _like(model, model.example_input(1))
     with torch.no_grad():
         output, intermediates = model.forward_intermediates(x)
         assert len(intermediates) == len(info)

@@ -7,7 +7,9 @@ the
 test is deterministic: SIGKILL after the temporary checkpoint is written (before the rename),
 after the rename (before best.pt and metrics.jsonl), after the metrics line; SIGTERM and SIGINT
 after a given optimizer step, which makes train.py save a mid-epoch checkpoint and exit 143/130.
-cifar_cnn has dropout and BatchNorm, so RNG states and buffers must come back exactly too.
+cifar_cnn has dropout and BatchNorm, so RNG states and buffers must come back exactly too; a
+reversible RevNet (``--efficient True``: activations rebuilt in backward) goes through the same
+kills, and through a SIGKILL in the middle of an epoch.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,17 +28,19 @@ from zoo.train.run_dir import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 # 48 images in batches of 16: 3 steps an epoch, 3 epochs.
-TINY = ["--model", "cnn", "--dataset", "shapes", "--train_size", "48", "--test_size", "16",
+MODELS = {"cnn": ["--model", "cnn"], "revnet38": ["--model", "revnet38", "--efficient", "True"]}
+TINY = [*MODELS["cnn"], "--dataset", "shapes", "--train_size", "48", "--test_size", "16",
         "--batch_size", "16", "--epochs", "3", "--lr", "0.05", "--seed", "5", "--device", "cpu"]
 TIMING_KEYS = {"images_per_s", "epoch_time_s", "peak_memory_bytes"}
 
 
-def train(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:
+def train(*args: str, fault: str | None = None, model: str = "cnn") -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("ZOO_FAULT", None)
     if fault:
         env["ZOO_FAULT"] = fault
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, *args],
+    flags = [*MODELS[model], *TINY[len(MODELS["cnn"]):]]
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *flags, *args],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
 
 
@@ -76,35 +81,59 @@ def assert_same_run(got: Path, want: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("straight") / "run"
-    res = train("--out_dir", str(run))
-    assert res.returncode == 0, res.stderr
-    return run
+def straight(tmp_path_factory) -> Callable[[str], Path]:
+    """The uninterrupted run of a model (made once per model)."""
+    runs: dict[str, Path] = {}
+
+    def run_of(model: str) -> Path:
+        if model not in runs:
+            run = tmp_path_factory.mktemp(f"straight-{model}") / "run"
+            res = train("--out_dir", str(run), model=model)
+            assert res.returncode == 0, res.stderr
+            runs[model] = run
+        return runs[model]
+    return run_of
 
 
-@pytest.mark.parametrize("point, epoch", [("tmp_written", 2), ("renamed", 2),
-                                          ("metrics_appended", 1), ("renamed", 1)])
+@pytest.mark.parametrize("model, point, epoch", [
+    ("cnn", "tmp_written", 2), ("cnn", "renamed", 2), ("cnn", "metrics_appended", 1),
+    ("cnn", "renamed", 1)])
 def test_sigkill_on_the_save_path_then_resume_is_bitwise_the_straight_run(
-        tmp_path, straight, point, epoch):
+        tmp_path, straight, model, point, epoch):
     run = tmp_path / "run"
-    killed = train("--out_dir", str(run), fault=f"{point}:{epoch}")
+    killed = train("--out_dir", str(run), fault=f"{point}:{epoch}", model=model)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     saved = load_checkpoint(run)["epoch"]
     assert saved == (epoch - 1 if point == "tmp_written" else epoch)
     if point == "renamed":  # the metrics line of the saved epoch was never written
         assert len(metrics(run)) == epoch - 1
-    resumed = train("--resume", str(run))
+    resumed = train("--resume", str(run), model=model)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming after epoch {saved}" in resumed.stdout
-    assert_same_run(run, straight)
+    assert_same_run(run, straight(model))
 
 
-@pytest.mark.parametrize("sig, code, step", [("SIGTERM", 143, 4), ("SIGINT", 130, 2)])
-def test_a_signal_saves_at_the_next_step_and_resume_is_bitwise(tmp_path, straight, sig, code,
-                                                                step):
+@pytest.mark.parametrize("model", ["revnet38"])
+def test_sigkill_mid_epoch_then_resume_is_bitwise_the_straight_run(tmp_path, straight, model):
+    """kill -9 after the first step of epoch 2: nothing is saved; the run resumes after epoch 1
+    and ends where the straight run ends."""
     run = tmp_path / "run"
-    stopped = train("--out_dir", str(run), fault=f"step:{step}:{sig}")
+    killed = train("--out_dir", str(run), fault="step:4", model=model)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert load_checkpoint(run)["epoch"] == 1 and len(metrics(run)) == 1
+    resumed = train("--resume", str(run), model=model)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming after epoch 1" in resumed.stdout
+    assert_same_run(run, straight(model))
+
+
+@pytest.mark.parametrize("model, sig, code, step", [("cnn", "SIGTERM", 143, 4),
+                                                    ("cnn", "SIGINT", 130, 2),
+                                                    ("revnet38", "SIGTERM", 143, 4)])
+def test_a_signal_saves_at_the_next_step_and_resume_is_bitwise(tmp_path, straight, model, sig,
+                                                                code, step):
+    run = tmp_path / "run"
+    stopped = train("--out_dir", str(run), fault=f"step:{step}:{sig}", model=model)
     assert stopped.returncode == code, stopped.stderr
     message = stopped.stderr.strip().splitlines()[-1]
     assert message.startswith(f"train.py: stopped by {sig} in epoch ")
@@ -112,10 +141,10 @@ def test_a_signal_saves_at_the_next_step_and_resume_is_bitwise(tmp_path, straigh
     ckpt = load_checkpoint(run)
     assert ckpt["step"] == step and ckpt["position"]["batches_done"] == step % 3
     assert len(metrics(run)) == step // 3  # only finished epochs have a line
-    resumed = train("--resume", str(run))
+    resumed = train("--resume", str(run), model=model)
     assert resumed.returncode == 0, resumed.stderr
     assert f"step {step} (inside epoch {step // 3 + 1})" in resumed.stdout
-    assert_same_run(run, straight)
+    assert_same_run(run, straight(model))
 
 
 def test_sigterm_before_any_step_says_nothing_was_saved(tmp_path):

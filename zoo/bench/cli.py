@@ -20,7 +20,7 @@ from typing import Any
 
 from . import (chain, families, gpu, model_commands, outside, overhead, planner_levels,
                planner_modes, planner_time, planner_vs_compile, planner_vs_uniform, plots,
-               primitive)
+               primitive, reversible)
 from . import host_report
 
 __all__ = ["SUBCOMMANDS", "usage", "main"]
@@ -44,6 +44,7 @@ SUBCOMMANDS: dict[str, Callable[..., Any]] = {
     "planner-vs-compile": planner_vs_compile.planner_vs_compile,
     "gpu": gpu.gpu,
     "host-cost": host_report.run_host_cost,
+    "reversible": reversible.reversible,
 }
 
 

@@ -1,0 +1,297 @@
+"""zoo.reversible: ``rebuild=True`` is, bit for bit, the same network as ``rebuild=False``.
+
+Each test trains a small reversible network (BatchNorm, dropout and stochastic depth inside the
+coupled functions) a few SGD steps both ways from the same state and compares, with
+``torch.equal``, the outputs, the input and parameter gradients, and every buffer (BatchNorm
+``running_mean``/``running_var``/``num_batches_tracked``), in float32 and float64, under autocast,
+``torch.no_grad``, DistributedDataParallel (2 gloo processes) and ``torch.compile``. Memory and
+recompute are measured exactly (MemTracker, FlopCounterMode).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from helpers import DDP_CONFIGS, run_gloo
+from zoo.memory import count_flops, cpu_peak_bytes
+from zoo.reversible import Coupling, from_fixed, grid_for, reversible_sequence, to_fixed
+
+
+class DropPath(nn.Module):
+    """Stochastic depth on a residual branch: whole samples zeroed (random, so it must replay)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or not self.p:
+            return x
+        keep = torch.rand(x.shape[0], 1, 1, 1, dtype=x.dtype) >= self.p
+        return x * keep / (1 - self.p)
+
+
+def branch(c: int, drop: float = 0.2) -> nn.Module:
+    return nn.Sequential(nn.BatchNorm2d(c), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1),
+                         nn.Dropout(drop), nn.BatchNorm2d(c), nn.ReLU(),
+                         nn.Conv2d(c, c, 3, padding=1), DropPath(drop))
+
+
+class Net(nn.Module):
+    """stem -> reversible blocks on the two halves of the channels -> pooled head."""
+
+    def __init__(self, depth: int = 3, width: int = 8, drop: float = 0.2) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.blocks = nn.ModuleList(Coupling(branch(width // 2, drop), branch(width // 2, drop))
+                                    for _ in range(depth))
+        self.head = nn.Linear(width, 3)
+        self.rebuild = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = self.stem(x).chunk(2, dim=1)
+        y1, y2 = reversible_sequence(self.blocks, x1, x2, rebuild=self.rebuild)
+        return self.head(torch.cat([y1, y2], dim=1).mean((2, 3)))
+
+
+def twins(dtype: torch.dtype = torch.float32, **kw) -> tuple[Net, Net]:
+    torch.manual_seed(0)
+    stored = Net(**kw).to(dtype)
+    rebuilt = copy.deepcopy(stored)
+    rebuilt.rebuild = True
+    return stored, rebuilt
+
+
+def train(model: nn.Module, x: torch.Tensor, steps: int = 3, autocast: bool = False) -> list:
+    """``steps`` SGD steps (reseeded before each); each step's output, input and parameter
+    gradients."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    history = []
+    for step in range(steps):
+        torch.manual_seed(100 + step)
+        xs = x.detach().clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(xs)
+        out.float().square().mean().backward()
+        history.append([out.detach(), xs.grad, *[p.grad.clone() for p in model.parameters()]])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return history
+
+
+def assert_bitwise(a: list, b: list) -> None:
+    for step, (ra, rb) in enumerate(zip(a, b)):
+        for i, (ta, tb) in enumerate(zip(ra, rb)):
+            assert ta.dtype == tb.dtype and torch.equal(ta, tb), \
+                f"step {step}, tensor {i}: max diff {(ta.double() - tb.double()).abs().max()}"
+
+
+def assert_same_state(a: nn.Module, b: nn.Module) -> None:
+    for (name, ta), tb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(ta, tb), name
+
+
+def images(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rebuilt_trains_bit_for_bit_like_stored(dtype):
+    stored, rebuilt = twins(dtype)
+    assert_bitwise(train(stored, images(dtype)), train(rebuilt, images(dtype)))
+    assert_same_state(stored, rebuilt)
+    bn = rebuilt.blocks[0].f[0]
+    assert bn.num_batches_tracked.item() == 3  # once per step, not once more per rebuild
+
+
+def test_under_autocast_bf16():
+    stored, rebuilt = twins()
+    assert_bitwise(train(stored, images(), autocast=True), train(rebuilt, images(), autocast=True))
+    assert_same_state(stored, rebuilt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_models(dtype):
+    """A model in float16 or bfloat16 (its streams int32, its float views half): values beyond
+    float16's integer range pass through float32 on the way back."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Coupling(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.2)),
+                                    nn.Linear(8, 8)) for _ in range(3)).to(dtype)
+    x = (4 * torch.randn(4, 8)).to(dtype)
+    results = []
+    for rebuild in (False, True):
+        torch.manual_seed(1)
+        xs = x.clone().requires_grad_()
+        y1, y2 = reversible_sequence(blocks, xs * 1, xs * 1, rebuild=rebuild)
+        (y1.float() * y2.float()).sum().backward()
+        results.append([y1.detach(), y2.detach(), xs.grad, *[p.grad for p in blocks.parameters()]])
+        blocks.zero_grad(set_to_none=True)
+    assert results[0][0].isfinite().all() and results[0][0].dtype == dtype
+    assert_bitwise([results[0]], [results[1]])
+
+
+def test_dropout_masks_are_replayed_on_the_rebuild():
+    """Without the forward's random numbers the rebuild differs: the replay is what makes it
+    exact (``preserve_rng_state=False`` is for blocks that draw none)."""
+    stored, rebuilt = twins()
+
+    def no_replay(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = rebuilt.stem(x).chunk(2, dim=1)
+        y1, y2 = reversible_sequence(rebuilt.blocks, x1, x2, preserve_rng_state=False)
+        return rebuilt.head(torch.cat([y1, y2], dim=1).mean((2, 3)))
+
+    ref = train(stored, images(), steps=1)
+    rebuilt.forward = no_replay
+    got = train(rebuilt, images(), steps=1)
+    assert torch.equal(got[0][0], ref[0][0])  # same forward
+    assert not all(torch.equal(a, b) for a, b in zip(got[0][1:], ref[0][1:]))
+
+
+def test_no_grad_runs_the_plain_forward_and_keeps_nothing():
+    stored, rebuilt = twins()
+    x = images()
+    with torch.no_grad():
+        torch.manual_seed(3)
+        ref = stored(x)
+        torch.manual_seed(3)
+        peak = cpu_peak_bytes(lambda: rebuilt(x))
+        torch.manual_seed(3)
+        out = rebuilt(x)
+    assert out.grad_fn is None and torch.equal(out, ref)
+    with torch.no_grad():
+        torch.manual_seed(3)
+        assert cpu_peak_bytes(lambda: stored(x)) == peak
+    assert_same_state(stored, rebuilt)
+
+
+def test_activation_memory_does_not_grow_with_depth():
+    """Exact bytes of one step beyond the parameters, their gradients and the buffers: flat in
+    the number of blocks when rebuilt, growing when stored."""
+    def activations(depth: int, rebuild: bool) -> int:
+        torch.manual_seed(0)
+        net = Net(depth=depth, width=16, drop=0.0)
+        net.rebuild = rebuild
+        x = torch.randn(8, 3, 16, 16)
+        state = 2 * sum(p.numel() * p.element_size() for p in net.parameters()) + \
+            sum(b.numel() * b.element_size() for b in net.buffers())
+        return cpu_peak_bytes(lambda: net(x).square().mean().backward(), (net,)) - state
+
+    assert activations(8, True) == activations(2, True)
+    assert activations(8, False) > 3 * activations(2, False) / 2
+    assert activations(8, True) < activations(8, False) / 3
+
+
+def test_recompute_is_one_forward_of_the_blocks():
+    stored, rebuilt = twins()
+    x = images()
+    streams = stored.stem(x).chunk(2, dim=1)
+    blocks_forward = count_flops(lambda: reversible_sequence(stored.blocks, *streams,
+                                                             rebuild=False))
+    extra = count_flops(lambda: rebuilt(x).square().mean().backward()) - \
+        count_flops(lambda: stored(x).square().mean().backward())
+    assert extra == blocks_forward > 0
+
+
+def test_streams_are_exact_integers_and_gradients_straight_through():
+    """The forward adds on the fixed-point grid; the gradient is the float RevNet's (the
+    quantisation counts as the identity), so it matches a float coupling to rounding."""
+    stored, _ = twins(torch.float64)
+    stored.eval()
+    x = images(torch.float64)
+    x1, x2 = stored.stem(x).chunk(2, dim=1)
+    b = stored.blocks[0]
+    y1, y2 = reversible_sequence([b], x1, x2, rebuild=False)
+    grid = grid_for(torch.float64)
+    assert (grid.stream, grid.frac_bits) == (torch.int64, 32)
+    k1 = to_fixed(x1, grid) + to_fixed(b.f(from_fixed(to_fixed(x2, grid), grid)), grid)
+    assert torch.equal(y1, k1.double() * 2.0 ** -32)
+    params = list(b.parameters())
+    grads = torch.autograd.grad((y1 * y2).sum(), params)
+    f1 = x1 + b.f(x2)
+    want = torch.autograd.grad((f1 * (x2 + b.g(f1))).sum(), params)
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-8)
+
+
+def test_out_of_range_values_make_the_outputs_nan():
+    for rebuild in (False, True):
+        stored, rebuilt = twins()
+        net = rebuilt if rebuild else stored
+        with torch.no_grad():
+            net.stem.bias.fill_(grid_for(torch.float32).limit)
+        out = net(images())
+        assert out.isnan().all(), rebuild
+
+
+def test_a_parameter_hook_fires_once_per_backward():
+    for rebuild in (False, True):
+        stored, rebuilt = twins()
+        net = rebuilt if rebuild else stored
+        calls = []
+        net.blocks[1].g[2].weight.register_hook(lambda g: calls.append(g))
+        net(images()).square().mean().backward()
+        assert len(calls) == 1, rebuild
+
+
+def test_errors_are_one_line():
+    stored, rebuilt = twins()
+    x1 = torch.randn(2, 4, 8, 8)
+    with pytest.raises(ValueError, match="one shape") as err:
+        reversible_sequence(rebuilt.blocks, x1, x1[:, :2])
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="requires grad") as err:
+        reversible_sequence(rebuilt.blocks, x1, x1, torch.ones(1, requires_grad=True))
+    assert "\n" not in str(err.value)
+    out = rebuilt(images())
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice") as err:
+        out.sum().backward()
+    assert "\n" not in str(err.value)
+
+
+# -- torch.compile --------------------------------------------------------------------------------
+def test_compiled_rebuild_breaks_the_graph_once_and_trains_like_eager_stored():
+    """The rebuilding Function runs eagerly (a graph break: its backward recomputes the forward
+    and runs the autograd engine on it); the stem and head compile around it. Compared in
+    float64 as every compiled path (compiled kernels round differently); BatchNorm buffers and
+    the step count exactly."""
+    stored, rebuilt = twins(torch.float64)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(copy.deepcopy(rebuilt))(images(torch.float64))
+    assert explained.graph_break_count == 1
+    torch._dynamo.reset()
+    compiled = torch.compile(rebuilt, backend="aot_eager")
+    x = images(torch.float64)
+    for ref, got in zip(train(stored, x), train(compiled, x)):
+        for a, b in zip(ref, got):
+            torch.testing.assert_close(b, a)
+    for (name, a), b in zip(stored.state_dict().items(), rebuilt.state_dict().values()):
+        torch.testing.assert_close(b, a, msg=name)
+    assert rebuilt.blocks[2].g[4].num_batches_tracked.item() == 3
+
+
+def test_compiled_stored_network_is_one_graph():
+    stored, _ = twins(torch.float64)
+    torch._dynamo.reset()
+    compiled = torch.compile(copy.deepcopy(stored), backend="aot_eager", fullgraph=True)
+    x = images(torch.float64)
+    for ref, got in zip(train(stored, x), train(compiled, x)):
+        for a, b in zip(ref, got):
+            torch.testing.assert_close(b, a)
+
+
+# -- DistributedDataParallel ----------------------------------------------------------------------
+def _ddp_worker(rank: int, world: int) -> list:
+    """Each DistributedDataParallel setting, stored then rebuilt, on this rank's half batch."""
+    x = images()[rank * 2:rank * 2 + 2]
+    return [train(DDP(net, **cfg), x, steps=2) for cfg in DDP_CONFIGS for net in twins()]
+
+
+def test_ddp_two_processes_rebuilt_equals_stored():
+    for rank in run_gloo(_ddp_worker):
+        for i in range(0, len(rank), 2):
+            assert_bitwise(rank[i], rank[i + 1])
