@@ -15,7 +15,8 @@ from zoo.models.densenet import DenseNet
 from zoo.planner import (BudgetTooSmallError, ChainProfile, least_peak, measure_step,
                          predict_peak, profile_block_modes, profile_chain, recompute_flops,
                          smallest_peak, solve_profile)
-from zoo.planner.nested import NestedModel, schedule_cost, solve_nested
+from zoo.planner.front import solve_nested
+from zoo.planner.nested import NestedModel, schedule_cost
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,10 +1,11 @@
 """Measure one training step of a model without running it: peak bytes and FLOPs.
 
 The step (forward, loss, backward) runs under ``FakeTensorMode`` with the model's parameters and
-buffers swapped for fake copies, inside ``zoo.memory.cpu_peak_bytes`` (MemTracker) and
-``FlopCounterMode``. MemTracker's figure is byte-identical to a real CPU step, so this is the
-planner's independent check of its own predictions (tests, ``scripts/bench_planner.py``) and it
-costs seconds even for batches this machine could not hold.
+buffers swapped for fake copies, inside :class:`~zoo.planner.tracker.StepCounter` (live bytes as
+``MemTracker`` counts them, without its module hooks, and ``FlopCounterMode``'s FLOPs). The byte
+count is identical to a real CPU step's, so this is the planner's independent check of its own
+predictions (tests, ``zoo.bench``) and it costs a fraction of a second even for batches this
+machine could not hold.
 """
 from __future__ import annotations
 
@@ -14,12 +15,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
-from ..memory import cpu_peak_bytes
 from .fake import default_loss, fake_state
+from .tracker import StepCounter
 
-__all__ = ["measure_step"]
+__all__ = ["measure_step", "peak_bytes"]
 
 
 def measure_step(model: nn.Module, example_input: torch.Tensor,
@@ -32,19 +32,24 @@ def measure_step(model: nn.Module, example_input: torch.Tensor,
     loss_fn = loss_fn or default_loss
     fake = FakeTensorMode()
     state = fake_state(model, fake)
-    x = fake.from_tensor(example_input.detach()).requires_grad_(example_input.requires_grad)
-    tensors = list({id(t): t for t in state.values()}.values())
-
-    def step() -> None:
-        with _reparametrize_module(model, state):
-            loss_fn(model(x)).backward()
-
-    # two steps: FlopCounterMode's module hooks change what a checkpointed region holds under
-    # FakeTensorMode, so the peak is taken without it
+    x = fake.from_tensor(example_input.detach()).requires_grad_(example_input.requires_grad) \
+        if isinstance(example_input, torch.Tensor) else example_input
+    counter = StepCounter()
+    counter.track(list({id(t): t for t in state.values()}.values()))
     with fake, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
-        peak = cpu_peak_bytes(step, tensors)
-        counter = FlopCounterMode(display=False)
-        with counter:
-            step()
-    return peak, int(counter.get_total_flops())
+        with counter, _reparametrize_module(model, state):
+            loss_fn(model(x)).backward()
+    return counter.peak, counter.flops
+
+
+def peak_bytes(step: Callable[[], Any], track: Any = ()) -> int:
+    """Peak bytes while ``step()`` runs for real, counting ``track``'s tensors (modules,
+    optimizers, tensors) from the start: ``zoo.memory.cpu_peak_bytes``' figure without
+    ``MemTracker``'s module hooks, which keep a recompute's graph alive a little longer than a
+    step without them does (:mod:`.tracker`)."""
+    counter = StepCounter()
+    counter.track(*track) if isinstance(track, (list, tuple)) else counter.track(track)
+    with counter:
+        step()
+    return counter.peak

@@ -1,16 +1,24 @@
 """Profile a model's chain of blocks for the planner: bytes, FLOPs, and when memory rises.
 
-Two training steps (forward, loss, backward) run under ``FakeTensorMode``, so no kernel runs and
-a model or batch too large for the machine costs next to nothing to profile, while
-``MemTracker`` (the project's exact CPU memory figure) and ``FlopCounterMode`` see every tensor:
+Training steps (forward, loss, backward) run under ``FakeTensorMode`` (:mod:`.trace`), so no
+kernel runs and a model or batch too large for the machine costs next to nothing to profile,
+while every tensor is counted as ``MemTracker`` counts it and every FLOP as ``FlopCounterMode``:
 
 1. the chain stored plainly: for each block, the storages autograd saves for backward (through
    ``saved_tensors_hooks``, unique storages, parameters excluded, the ones shared with the block's
-   input or output flagged), the bytes at each boundary, the forward FLOPs, and how far memory
-   rises above its level at the block's start in forward and in backward;
-2. every block checkpointed on its own (one ``zoo.checkpoint`` region each): how far the
-   no-saving forward rises, and the FLOPs its recompute costs (torch stops a recompute once it has
-   rebuilt the last saved tensor, so a block ending in a matmul does not rerun that matmul).
+   input or output flagged; what a block keeps out of the hooks' sight, such as the outputs a
+   selective checkpoint caches, is read off the memory level), the bytes at each boundary, the
+   forward FLOPs, and how far memory rises above its level at the block's start in forward and
+   in backward;
+2. four runs of a nested pattern (:func:`nested_pattern`), shifted by one unit each time, so
+   that every unit is seen first in a checkpointed region, recomputed after an inner region,
+   recomputed after a stored unit, and stored after a checkpointed segment: how far the
+   no-saving forward rises, the FLOPs its recompute costs when it ends one (torch stops a
+   recompute once it has rebuilt the last saved tensor), and how far its backward rises in each
+   context. A unit's backward depends on two things beyond itself: whether its saved tensors
+   were recomputed (each is then freed as soon as its node has used it, not when the node is
+   released) and who else holds the unit's input (the unit before it: the input outlives the
+   unit's backward; the enclosing region, or nobody: it is freed inside, at different points).
 
 Outside the chain (stem, head, loss) nothing is modelled: the memory levels there are read off
 the first run and enter the planner as constants. A block whose output shares its input's
@@ -26,9 +34,6 @@ counts them too (``zoo.checkpoint.region.observers``).
 """
 from __future__ import annotations
 
-import contextlib
-import math
-from functools import partial
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,9 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint import region
-from ..checkpoint import checkpoint, is_recomputing
-from .fake import default_loss, fake_state
+from .fake import default_loss
+from .trace import Trace, traced_step
 
 __all__ = ["ChainProfile", "profile_chain", "default_loss"]
 
@@ -55,11 +59,21 @@ class ChainProfile:
 
     * ``act[k]``: bytes of boundary ``k``'s storage (``act[0] = 0``: the chain's input is part of
       ``base``); ``dgrad[k]``: bytes of its gradient;
-    * ``saved[u]``: bytes autograd saves for the unit's backward beyond its input and output
-      storages; ``keeps_input[u]`` / ``keeps_output[u]``: whether it saves those too;
+    * ``saved[u]``: bytes the unit keeps for its backward beyond its input and output storages;
+      ``keeps_input[u]`` / ``keeps_output[u]``: whether it keeps those too; ``opaque[u]``: part
+      of what it keeps is out of the saved-tensor hooks' sight (a selective checkpoint's cache),
+      so inside an outer checkpoint it would keep it all the same: it runs stored only;
     * ``fwd_rise[u]`` / ``fwd_rise_ckpt[u]``: peak above the level at the unit's start during its
-      forward, stored / checkpointed; ``bwd_rise[u]``: peak above the level when its output's
-      gradient is ready, during its backward; ``grads[u]``: parameter gradients it allocates;
+      forward, stored / checkpointed; ``fwd_rise_stop[u]``: the same peak up to the unit's last
+      saved tensor, where a recompute ending with the unit stops;
+    * ``bwd_rise[u]``: peak above the level when its output's gradient is ready, during its
+      backward, stored with its input held by the unit before as in a plain step
+      (``keeps_output[u - 1]``); ``bwd_rise_alone[u]`` stored with nobody before holding its
+      input; inside a checkpointed segment (its saved tensors recomputed, each freed as soon as
+      its node has used it) ``bwd_rise_region[u]`` first in the region (which holds its input),
+      ``bwd_rise_recomputed[u]`` after a stored unit that holds its input,
+      ``bwd_rise_recomputed_alone[u]`` with nobody else holding it; ``grads[u]``: parameter
+      gradients it allocates;
     * ``flops[u]``: forward FLOPs; ``recompute_flops[u]``: FLOPs of its recompute when it is the
       last unit of a checkpointed segment.
 
@@ -67,10 +81,11 @@ class ChainProfile:
     and ``tail_peak`` (peaks before the chain and after its backward), ``head_rise`` (peak of the
     head, loss and head backward above the level at the chain's end), ``bwd_misc`` (what the
     head leaves during the chain's backward: its parameters' gradients), ``step_flops`` (a plain
-    step's FLOPs), and the measured peaks of the two profiling runs. With ``block_mode`` every
+    step's FLOPs), and the measured peak of the plain profiling run. With ``block_mode`` every
     block runs in that intra-block checkpoint mode; ``inner_flops`` is what the blocks' own
     checkpoints recompute whatever the schedule (``recompute_flops`` counts beyond it), per unit
-    ``unit_inner_flops``.
+    ``unit_inner_flops``. The lists after ``unit_inner_flops`` may be empty (a hand-made
+    profile): the plain figures stand in for them.
     """
 
     block_names: list[str]
@@ -93,10 +108,15 @@ class ChainProfile:
     bwd_misc: int = 0
     step_flops: int = 0
     measured_plain_peak: int = 0
-    measured_ckpt_peak: int = 0
     block_mode: str | None = None
     inner_flops: int = 0
     unit_inner_flops: list[int] = field(default_factory=list)
+    fwd_rise_stop: list[int] = field(default_factory=list)
+    bwd_rise_alone: list[int] = field(default_factory=list)
+    bwd_rise_region: list[int] = field(default_factory=list)
+    bwd_rise_recomputed: list[int] = field(default_factory=list)
+    bwd_rise_recomputed_alone: list[int] = field(default_factory=list)
+    opaque: list[bool] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -106,6 +126,30 @@ class ChainProfile:
     @property
     def n_blocks(self) -> int:
         return len(self.block_names)
+
+    def rise_in_recompute(self, u: int, last: bool) -> int:
+        """Unit ``u``'s forward rise inside a recompute; ``last``: the recompute ends with it,
+        so it stops at the unit's last saved tensor."""
+        return self.fwd_rise_stop[u] if last and self.fwd_rise_stop else self.fwd_rise[u]
+
+    def rise_in_backward(self, u: int, recomputed: bool, held_by: int) -> int:
+        """Unit ``u``'s backward rise; ``recomputed``: inside a checkpointed segment;
+        ``held_by``: who holds its input besides itself (0: nobody, 1: the unit before it, 2:
+        the enclosing region, as ``nested.STATES``)."""
+        if not self.bwd_rise_region:
+            return self.bwd_rise[u]
+        if recomputed:
+            return (self.bwd_rise_recomputed_alone, self.bwd_rise_recomputed,
+                    self.bwd_rise_region)[held_by][u]
+        return self.bwd_rise[u] if (held_by == 1) == self.held_in_plain(u) \
+            else self.bwd_rise_alone[u]
+
+    def held_in_plain(self, u: int) -> bool:
+        """Whether a plain step holds unit ``u``'s input in the unit before (its saved output)."""
+        return u > 0 and self.keeps_output[u - 1]
+
+    def is_opaque(self, u: int) -> bool:
+        return bool(self.opaque) and self.opaque[u]
 
     def unit_segments(self, block_segments: Segments) -> Segments:
         """Block-level segments -> unit-level; every cut must fall between units."""
@@ -124,196 +168,47 @@ class ChainProfile:
 
 
 # ------------------------------------------------------------------------------------------------
-# One instrumented training step.
+# The runs: plain, and four shifts of a nested pattern that puts every unit in every context.
 # ------------------------------------------------------------------------------------------------
-def _storage_key(t: torch.Tensor) -> int:
-    from torch.multiprocessing.reductions import StorageWeakRef
-    return StorageWeakRef(t.untyped_storage()).cdata
+REGION, AFTER_INNER, AFTER_UNIT, AFTER_SEGMENT = "region", "after inner", "after unit", "after"
 
 
-def _nbytes(nbytes: int, device: torch.device) -> int:
-    """Bytes as MemTracker counts them (CUDA rounds every allocation up to 512 bytes)."""
-    return math.ceil(nbytes / 512) * 512 if device.type == "cuda" else nbytes
+def nested_pattern(n_units: int, shift: int) -> tuple[list, dict[int, str]]:
+    """Unit-level nested segments and each unit's role in them. From unit ``shift % 4`` on, every
+    four units ``a..a+3`` run as ``[(a, a+3, [(a, a+1, [(a, a+1, None)]), (a+1, a+3, None)]),
+    (a+3, a+4, None)]``: unit ``a`` is recomputed first in a region (``region``), ``a+1``
+    recomputed right after an inner checkpointed segment (``after inner``: nobody holds its
+    input but itself), ``a+2`` recomputed after a stored unit (``after unit``), ``a+3`` stored
+    right after a checkpointed segment (``after``). The units before the first group form a
+    shorter one."""
+    segments: list = []
+    roles: dict[int, str] = {}
+    start = shift % 4 if shift % 4 < n_units else 0
+    if start >= 2:
+        segments += [(0, start - 1, [(0, start - 1, None)]), (start - 1, start, None)]
+        roles.update({0: REGION, start - 1: AFTER_SEGMENT})
+        roles.update({u: AFTER_UNIT for u in range(1, start - 1)})
+    elif start == 1:
+        segments.append((0, 1, None))
+    for a in range(start, n_units, 4):
+        b = min(a + 3, n_units)
+        inner: list = [(a, a + 1, [(a, a + 1, None)])] if b - a > 1 else [(a, a + 1, None)]
+        if b - a > 1:
+            inner.append((a + 1, b, None))
+        segments.append((a, b, inner))
+        roles.update({a: REGION, a + 1: AFTER_INNER, a + 2: AFTER_UNIT})
+        if b < n_units:
+            segments.append((b, b + 1, None))
+            roles[b] = AFTER_SEGMENT
+    return segments, {u: r for u, r in roles.items() if u < n_units}
 
 
-def _storage_bytes(t: torch.Tensor) -> int:
-    return _nbytes(t.untyped_storage().nbytes(), t.device)
+def _blocks_of(units: list[tuple[int, int]], segments: list) -> list:
+    """Unit-level nested segments -> block positions."""
+    return [(units[a][0], units[b - 1][1],
+             False if inner is None else _blocks_of(units, inner)) for a, b, inner in segments]
 
 
-def _grad_bytes(t: torch.Tensor) -> int:
-    floating = t.is_floating_point() or t.is_complex()
-    return _nbytes(t.numel() * t.element_size(), t.device) if floating else 0
-
-
-class _Trace:
-    """Memory level and FLOPs after every ATen op, by phase of the step.
-
-    Phases: ``("pre",)`` before the chain, ``("F", j)`` forward of block ``j`` (``("G", j)``
-    after it, until the next block starts), ``("head",)``
-    from the chain's end until its output's gradient is ready, ``("B", j)`` from block ``j``'s
-    output gradient on, ``("tail",)`` after the chain input's gradient.
-    """
-
-    def __init__(self, tracker: Any, counter: Any, param_keys: set[int]) -> None:
-        self.tracker, self.counter, self.param_keys = tracker, counter, param_keys
-        self.phase: tuple = ("pre",)
-        self.peak: dict[tuple, int] = {}
-        self.flops: dict[tuple, int] = {}
-        self.rflops: dict[tuple, int] = {}
-        self.grads: dict[tuple, int] = {}
-        self.mark: dict[tuple, int] = {}
-        self.saved: dict[int, dict[int, int]] = {}
-        self.in_key: dict[int, int] = {}
-        self.out_key: dict[int, int] = {}
-        self.in_bytes: dict[int, int] = {}
-        self.out_bytes: dict[int, int] = {}
-        self.out_dgrad: dict[int, int] = {}
-        self.alias: dict[int, bool] = {}
-        self.n_blocks = 0
-        self._last_flops = 0
-
-    def memory(self) -> int:
-        # MemTracker's live figures, read without the deepcopy ``get_tracker_snapshot`` makes
-        # (this runs after every op)
-        snap = getattr(self.tracker, "_curr_mem_snap", None)
-        if snap is None:
-            snap = self.tracker.get_tracker_snapshot("current")
-        return sum(int(dev.get("Total", 0)) for dev in snap.values())
-
-    def op_done(self) -> None:
-        mem = self.memory()
-        flops = int(self.counter.get_total_flops())
-        delta, self._last_flops = flops - self._last_flops, flops
-        ph = self.phase
-        self.peak[ph] = max(self.peak.get(ph, mem), mem)
-        self.flops[ph] = self.flops.get(ph, 0) + delta
-        if is_recomputing():
-            self.rflops[ph] = self.rflops.get(ph, 0) + delta
-
-    def enter(self, phase: tuple) -> None:
-        mem = self.memory()
-        self.mark[phase] = mem
-        self.peak[phase] = max(self.peak.get(phase, mem), mem)
-        self.phase = phase
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if self.phase[0] == "F" and not is_recomputing():
-            key = _storage_key(t)
-            if key not in self.param_keys:
-                self.saved.setdefault(self.phase[1], {})[key] = _storage_bytes(t)
-        return t
-
-    def region_inputs(self, args: tuple, kwargs: dict) -> None:
-        """A block's own checkpoint keeps its inputs itself, out of autograd's sight: count them
-        as saved by the block, as ``pack`` counts saved tensors."""
-        for t in (*args, *kwargs.values()):
-            if isinstance(t, torch.Tensor):
-                self.pack(t)
-
-    def call_block(self, j: int, block: Callable, x: torch.Tensor) -> torch.Tensor:
-        if is_recomputing():  # a recompute runs inside block j's backward phase: leave it be
-            return block(x)
-        self.in_key[j], self.in_bytes[j] = _storage_key(x), _storage_bytes(x)
-        if j == 0 and x.requires_grad:
-            x.register_hook(lambda g: self.enter(("tail",)))
-        self.enter(("F", j))
-        y = block(x)
-        if not isinstance(y, torch.Tensor):
-            raise TypeError(f"chain block {j} returned {type(y).__name__}; the planner needs "
-                            "blocks that take and return one tensor")
-        self.out_key[j], self.out_bytes[j] = _storage_key(y), _storage_bytes(y)
-        self.out_dgrad[j] = _grad_bytes(y) if y.requires_grad else 0
-        self.alias[j] = self.out_key[j] == self.in_key[j]
-        if y.requires_grad:
-            y.register_hook(lambda g, j=j: self.enter(("B", j)))
-        self.enter(("head",) if j == self.n_blocks - 1 else ("G", j))
-        return y
-
-
-class _Probe(torch.utils._python_dispatch.TorchDispatchMode):
-    """Innermost dispatch mode: after each op, hand the memory level and FLOPs to the trace."""
-
-    def __init__(self, trace: _Trace) -> None:
-        super().__init__()
-        self.trace = trace
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        out = func(*args, **(kwargs or {}))
-        self.trace.op_done()
-        return out
-
-
-def _traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torch.Tensor],
-                 segments: Segments, block_mode: str | None = None) -> tuple[_Trace, int, int]:
-    """One fake training step with the chain run by ``segments`` (each block in
-    ``block_mode``): (trace, peak, step FLOPs)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.nn.utils.stateless import _reparametrize_module
-    from torch.utils.flop_counter import FlopCounterMode
-
-    fake = FakeTensorMode()
-    state = fake_state(model, fake)
-    tensors = list({id(t): t for t in state.values()}.values())
-    fx = fake.from_tensor(x.detach()).requires_grad_(x.requires_grad)
-    tracker = MemTracker()
-    tracker.track_external(*tensors)
-    counter = FlopCounterMode(display=False)
-    trace = _Trace(tracker, counter, {_storage_key(t) for t in tensors})
-    for p in tensors:
-        if p.requires_grad and p.is_leaf:
-            p.register_hook(lambda g: _note_grad(trace, g))
-
-    def run_part(blocks: Sequence[Callable], a: int, b: int, h: torch.Tensor) -> torch.Tensor:
-        for j in range(a, b):
-            block = blocks[j] if block_mode is None else partial(
-                model.run_chain_block, blocks[j], mode=block_mode)
-            h = trace.call_block(j, block, h)
-        return h
-
-    def run_chain(blocks: Sequence[Callable], h: torch.Tensor) -> torch.Tensor:
-        trace.n_blocks = len(blocks)
-        for a, b, ck in segments:
-            h = checkpoint(run_part, blocks, a, b, h) if ck else run_part(blocks, a, b, h)
-        return h
-
-    previous = model.checkpoint_plan
-    model.set_checkpoint_plan(segments)
-    model.run_chain = run_chain  # instance attribute: shadows ZooModel.run_chain for this step
-    region.observers.append(trace.region_inputs)
-    try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(fake)
-            stack.enter_context(tracker)
-            stack.enter_context(counter)
-            stack.enter_context(_Probe(trace))
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(trace.pack, lambda t: t))
-            import warnings
-            stack.enter_context(warnings.catch_warnings())
-            warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
-            # the fake tensors stand in for the parameters until backward has recomputed too
-            stack.enter_context(_reparametrize_module(model, state))
-            loss = loss_fn(model(fx))
-            loss.backward()
-            del loss
-        peak = sum(int(d["Total"]) for d in tracker.get_tracker_snapshot("peak").values())
-    finally:
-        region.observers.remove(trace.region_inputs)
-        del model.run_chain
-        model.set_checkpoint_plan(previous)
-    if trace.n_blocks == 0:
-        raise ValueError(f"{type(model).__name__}.forward never called run_chain with a plan "
-                         "set: the planner cannot see its chain of blocks")
-    return trace, peak, int(counter.get_total_flops())
-
-
-def _note_grad(trace: _Trace, g: torch.Tensor) -> None:
-    trace.grads[trace.phase] = trace.grads.get(trace.phase, 0) + _grad_bytes(g)
-
-
-# ------------------------------------------------------------------------------------------------
-# From two traces to a profile.
-# ------------------------------------------------------------------------------------------------
 def _block_name(block: Any) -> str:
     if isinstance(block, nn.Module):
         name = getattr(block, "name", None)
@@ -329,8 +224,8 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
                   block_mode: str | None = None) -> ChainProfile:
     """Profile ``model``'s chain (``checkpoint_chain``) on ``example_input`` for the planner.
 
-    Runs two training steps under ``FakeTensorMode`` (nothing is computed, nothing is changed in
-    ``model``: parameters, buffers and its checkpoint plan are left as they were).
+    Runs five training steps under ``FakeTensorMode`` (nothing is computed, nothing is changed
+    in ``model``: parameters, buffers and its checkpoint plan are left as they were).
     ``block_mode``: every block runs in that intra-block checkpoint mode
     (``model.run_chain_block``), stored or inside a checkpointed segment.
     """
@@ -339,22 +234,35 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
     n = len(chain)
     if n == 0:
         raise ValueError(f"{type(model).__name__}.checkpoint_chain() is empty")
-    plain, plain_peak, step_flops = _traced_step(model, example_input, loss_fn, [(0, n, False)],
-                                                 block_mode)
-    if plain.n_blocks != n:
-        raise ValueError(f"run_chain ran {plain.n_blocks} blocks, checkpoint_chain() has {n}")
+    plain, plain_peak, step_flops = traced_step(model, example_input, loss_fn, [(0, n, False)],
+                                                block_mode)
+    if plain.length != n:
+        raise ValueError(f"run_chain ran {plain.length} blocks, checkpoint_chain() has {n}")
     starts = [j for j in range(n) if j == 0 or not plain.alias[j]]
     units = [(a, b) for a, b in zip(starts, starts[1:] + [n])]
-    ckpt, ckpt_peak, _ = _traced_step(model, example_input, loss_fn,
-                                      [(a, b, True) for a, b in units], block_mode)
+    prof = _from_plain(plain, units, [_block_name(b) for b in chain])
+    prof.measured_plain_peak = plain_peak
+    prof.step_flops = step_flops - prof.inner_flops
+    prof.block_mode = block_mode
+    for shift in range(4):
+        segments, roles = nested_pattern(len(units), shift)
+        trace = traced_step(model, example_input, loss_fn, _blocks_of(units, segments),
+                            block_mode)[0]
+        _read_pattern(prof, trace, segments, roles)
+    _fill_gaps(prof)
+    return prof
 
-    def first(trace: _Trace, kinds: str, blocks: range, default: int = 0) -> int:
-        vals = [trace.peak[(k, j)] for j in blocks for k in kinds if (k, j) in trace.peak]
-        return max(vals, default=default)
 
-    prof = ChainProfile([_block_name(b) for b in chain], units, [0], [0], [], [], [], [], [], [],
-                        [], [], [])
-    for u, (a, b) in enumerate(units):
+def _unit_peak(trace: Trace, kinds: str, blocks: range, default: int = 0) -> int:
+    vals = [trace.peak[(k, j)] for j in blocks for k in kinds if (k, j) in trace.peak]
+    return max(vals, default=default)
+
+
+def _from_plain(plain: Trace, units: list[tuple[int, int]], names: list[str]) -> ChainProfile:
+    """Every figure a plain step gives: sizes, what is kept, forward rises, stored backward."""
+    n_units = len(units)
+    prof = ChainProfile(names, units, [0], [0], [], [], [], [], [], [], [], [], [0] * n_units)
+    for a, b in units:
         blocks = range(a, b)
         in_key, out_key = plain.in_key[a], plain.out_key[b - 1]
         saved: dict[int, int] = {}
@@ -362,18 +270,22 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
             saved.update(plain.saved.get(j, {}))
         prof.keeps_input.append(in_key in saved)
         prof.keeps_output.append(out_key in saved)
-        prof.saved.append(sum(v for k, v in saved.items() if k not in (in_key, out_key)))
+        kept = sum(v for k, v in saved.items() if k not in (in_key, out_key))
+        new_output = 0 if out_key == in_key else plain.out_bytes[b - 1]
+        grown = plain.mark[("G", b - 1) if ("G", b - 1) in plain.mark else ("head",)] \
+            - plain.mark[("F", a)]
+        # what the level grew by beyond the output is what the unit keeps: more than the hooks
+        # saw is kept out of their sight; less, the hooks saw storages older than the unit
+        prof.opaque.append(grown - new_output > kept)
+        prof.saved.append(max(0, grown - new_output))
         prof.act.append(plain.out_bytes[b - 1])
         prof.dgrad.append(plain.out_dgrad[b - 1])
-        prof.fwd_rise.append(first(plain, "FG", blocks) - plain.mark[("F", a)])
-        prof.fwd_rise_ckpt.append(first(ckpt, "FG", blocks) - ckpt.mark[("F", a)])
+        prof.fwd_rise.append(_unit_peak(plain, "FG", blocks) - plain.mark[("F", a)])
+        prof.fwd_rise_stop.append(_rise_to_last_pack(plain, blocks, prof.fwd_rise[-1]))
         start = plain.mark.get(("B", b - 1))
-        prof.bwd_rise.append(0 if start is None else first(plain, "B", blocks, start) - start)
+        prof.bwd_rise.append(0 if start is None else _unit_peak(plain, "B", blocks, start) - start)
         prof.grads.append(sum(plain.grads.get(("B", j), 0) for j in blocks))
         prof.flops.append(sum(plain.flops.get(("F", j), 0) for j in blocks))
-        # beyond what the blocks' own checkpoints (``block_mode``) recompute in a stored run
-        prof.recompute_flops.append(sum(ckpt.rflops.get(("B", j), 0)
-                                        - plain.rflops.get(("B", j), 0) for j in blocks))
         prof.unit_inner_flops.append(sum(plain.rflops.get(("B", j), 0) for j in blocks))
     prof.act[0] = 0  # the chain's input lives in ``base`` for the whole step
     prof.dgrad[0] = 0
@@ -382,17 +294,99 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
     prof.tail_peak = plain.peak.get(("tail",), 0)
     prof.head_rise = plain.peak[("head",)] - plain.mark[("head",)]
     prof.inner_flops = sum(plain.rflops.values())
-    prof.step_flops = step_flops - prof.inner_flops
-    prof.measured_plain_peak = plain_peak
-    prof.measured_ckpt_peak = ckpt_peak
-    prof.block_mode = block_mode
-    last = units[-1][1] - 1
-    if ("B", last) in plain.mark:
-        held = _plain_held(prof)
-        prof.bwd_misc = plain.mark[("B", last)] - prof.base - held - prof.dgrad[-1]
+    n = len(names)
+    for name in ("fwd_rise_ckpt", "bwd_rise_alone", "bwd_rise_region", "bwd_rise_recomputed",
+                 "bwd_rise_recomputed_alone"):
+        setattr(prof, name, [None] * n_units)
+    if ("B", n - 1) in plain.mark:
+        prof.bwd_misc = plain.mark[("B", n - 1)] - prof.base - _plain_held(prof) - prof.dgrad[-1]
     else:
         prof.notes.append("the chain's output gets no gradient: nothing to plan")
     return prof
+
+
+def _read_pattern(p: ChainProfile, trace: Trace, segments: list, roles: dict[int, str]) -> None:
+    """Fill in what one :func:`nested_pattern` run shows of each unit (its role there)."""
+    for a, b, inner in segments:
+        if inner is None:
+            if roles.get(a) == AFTER_SEGMENT:
+                _fill(p.bwd_rise_alone, a, _rise(p, trace, a, [], None))
+            continue
+        for u in range(a, b):
+            first, last = p.units[u]
+            p.fwd_rise_ckpt[u] = _unit_peak(trace, "FG", range(first, last)) \
+                - trace.mark[("F", first)]
+        if inner[0][2] is None:  # one level: units a..b-1 recomputed together
+            runs = [list(range(a, b))]
+        else:  # unit a alone in an inner region, then a+1..b-1 in the outer recompute
+            runs = [[a], list(range(a + 1, b))]
+        for run in runs:
+            if not run:
+                continue
+            u = run[-1]
+            ran = sum(p.flops[w] for w in range(a, u))
+            first, last = p.units[u]
+            p.recompute_flops[u] = _recomputed(trace, range(first, last)) \
+                - p.unit_inner_flops[u] - ran
+            for w in run:
+                table = {REGION: p.bwd_rise_region, AFTER_INNER: p.bwd_rise_recomputed_alone,
+                         AFTER_UNIT: p.bwd_rise_recomputed if p.held_in_plain(w) else
+                         p.bwd_rise_recomputed_alone}[roles[w]]
+                _fill(table, w, _rise(p, trace, w, run if w == u else [], a))
+
+
+def _rise(p: ChainProfile, trace: Trace, u: int, run: list[int], region_input: int | None
+          ) -> int:
+    """How far unit ``u``'s backward rises above the level when its output's gradient is ready;
+    ``run``: the units a recompute that ends in ``u``'s backward rebuilt (their saved tensors
+    and kept boundaries, but the region's input ``region_input``, come on top of that level)."""
+    first, last = p.units[u]
+    blocks = range(first, last)
+    start = trace.mark[("B", last - 1)]
+    if not run or ("BR", last - 1) not in trace.mark:  # (a region keeping nothing: no recompute)
+        return _unit_peak(trace, "B", blocks, start) - start
+    held, live = 0, set()
+    for w in run:
+        held += p.saved[w]
+        for k, keep in ((w, p.keeps_input[w]), (w + 1, p.keeps_output[w])):
+            if keep and k != region_input and k not in live:
+                live.add(k)
+                held += p.act[k]
+    peaks = [trace.peak.get(("BR", last - 1), start)]
+    peaks += [trace.peak[("B", j)] for j in blocks[:-1] if ("B", j) in trace.peak]
+    return max(peaks) - start - held
+
+
+def _fill(values: list, u: int, value: int) -> None:
+    values[u] = value if values[u] is None else values[u]
+
+
+def _fill_gaps(p: ChainProfile) -> None:
+    """Contexts a unit cannot be in (the first unit has no unit before it) take the nearest
+    figure."""
+    for u in range(p.n_units):
+        for name, fallback in (("bwd_rise_alone", p.bwd_rise), ("bwd_rise_region", p.bwd_rise),
+                               ("bwd_rise_recomputed_alone", p.bwd_rise_region),
+                               ("bwd_rise_recomputed", p.bwd_rise_recomputed_alone),
+                               ("fwd_rise_ckpt", p.fwd_rise)):
+            values = getattr(p, name)
+            if values[u] is None:
+                values[u] = fallback[u]
+
+
+def _recomputed(trace: Trace, blocks: range) -> int:
+    return sum(trace.rflops.get((k, j), 0) for j in blocks for k in ("B", "BR"))
+
+
+def _rise_to_last_pack(trace: Trace, blocks: range, whole: int) -> int:
+    """How far a unit's forward rises until its last saved tensor (``whole``: the whole forward's
+    rise, for a unit that saves nothing: its recompute is not cut short by its own tensors)."""
+    packed = [j for j in blocks if j in trace.at_last_pack]
+    if not packed:
+        return whole
+    last = packed[-1]
+    before = [trace.peak[(k, j)] for j in blocks if j < last for k in "FG" if (k, j) in trace.peak]
+    return max([trace.at_last_pack[last], *before]) - trace.mark[("F", blocks[0])]
 
 
 def _plain_held(p: ChainProfile) -> int:

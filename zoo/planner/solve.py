@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from .profile import ChainProfile
 
-__all__ = ["predict_peak", "recompute_flops", "solve", "normalise", "Segments"]
+__all__ = ["predict_peak", "recompute_flops", "solve", "normalise", "Segments", "schedules"]
 
 Segments = list[tuple[int, int, bool]]
 
@@ -92,7 +92,8 @@ def predict_peak(p: ChainProfile, segments: Sequence[tuple[int, int, bool]]) -> 
             seg = 0
             for u in range(a, b):
                 transient = 0 if u == a or u in live else act[u]
-                peak = max(peak, level + grads + p.dgrad[b] + own + seg + transient + p.fwd_rise[u])
+                peak = max(peak, level + grads + p.dgrad[b] + own + seg + transient
+                           + p.rise_in_recompute(u, u == b - 1))
                 seg += p.saved[u]
                 for k, keep in ((u, p.keeps_input[u]), (u + 1, p.keeps_output[u])):
                     if keep and k != a and k not in live:
@@ -101,8 +102,10 @@ def predict_peak(p: ChainProfile, segments: Sequence[tuple[int, int, bool]]) -> 
         else:
             own, live = 0, set(mine)
             seg = seg_saved[i] + sum(act[k] for k in mine)
+        before = i > 0 and not segs[i - 1][2] and p.keeps_output[a - 1]
         for u in range(b - 1, a - 1, -1):
-            peak = max(peak, level + grads + p.dgrad[u + 1] + own + seg + p.bwd_rise[u])
+            peak = max(peak, level + grads + p.dgrad[u + 1] + own + seg
+                       + p.rise_in_backward(u, ck, _held_by(p, u, a, ck, before)))
             seg -= p.saved[u]
             for k in (u + 1, u):
                 if k in live and not (k == u and u > a and p.keeps_output[u - 1]):
@@ -111,6 +114,14 @@ def predict_peak(p: ChainProfile, segments: Sequence[tuple[int, int, bool]]) -> 
             grads += p.grads[u]
         held = prefix
     return peak
+
+
+def _held_by(p: ChainProfile, u: int, a: int, ck: bool, before: bool) -> int:
+    """Who holds unit ``u``'s input besides itself, in a segment starting at ``a`` (``before``:
+    the segment before is stored and holds it): 0 nobody, 1 the unit before, 2 the region."""
+    if u > a:
+        return int(p.keeps_output[u - 1])
+    return 2 if ck else int(before)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -132,7 +143,8 @@ def _segment_terms(p: ChainProfile, a: int, b: int, ck: bool, held_before: bool,
         level = p.bwd_misc + grads_after + hold
         for u in range(a, b):  # recompute
             transient = 0 if u == a or u in live else act[u]
-            local = max(local, level + p.dgrad[b] + seg + transient + p.fwd_rise[u])
+            local = max(local, level + p.dgrad[b] + seg + transient
+                        + p.rise_in_recompute(u, u == b - 1))
             seg += p.saved[u]
             for k, keep in ((u, p.keeps_input[u]), (u + 1, p.keeps_output[u])):
                 if keep and k != a and k not in live:
@@ -155,7 +167,8 @@ def _segment_terms(p: ChainProfile, a: int, b: int, ck: bool, held_before: bool,
         holds_output = b in live
     grads = 0
     for u in range(b - 1, a - 1, -1):
-        local = max(local, level + grads + p.dgrad[u + 1] + seg + p.bwd_rise[u])
+        local = max(local, level + grads + p.dgrad[u + 1] + seg
+                    + p.rise_in_backward(u, ck, _held_by(p, u, a, ck, held_before)))
         seg -= p.saved[u]
         for k in (u + 1, u):
             if k in live and not (k == u and u > a and p.keeps_output[u - 1]):
@@ -231,6 +244,24 @@ def solve(p: ChainProfile, budget: int,
         a, choice = b, front[b][s2][idx]
     segments = normalise(segments)
     return segments, predict_peak(p, segments)
+
+
+def schedules(p: ChainProfile, front: list[list[list[Option]]] | None = None
+              ) -> list[tuple[Segments, int, int]]:
+    """Every schedule of the top front: (unit-level segments, predicted peak, recompute FLOPs),
+    peak ascending, recompute falling (the one-level plans worth having)."""
+    front = front or fronts(p)
+    out = []
+    for choice in front[0][False]:
+        segments: Segments = []
+        a = 0
+        while choice[2] is not None:
+            b, ck, s2, idx = choice[2]
+            segments.append((a, b, ck))
+            a, choice = b, front[b][s2][idx]
+        segments = normalise(segments)
+        out.append((segments, predict_peak(p, segments), recompute_flops(p, segments)))
+    return out
 
 
 def _least_need(p: ChainProfile) -> int:

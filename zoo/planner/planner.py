@@ -1,0 +1,137 @@
+"""A zoo model's plans on one input: profiled once, then any budget answered at once.
+
+:class:`Planner` profiles the model's chain (plainly and with every block in each of the model's
+intra-block modes: :func:`profile_block_modes`), measures the model's hand modes that the chain
+cannot express, and gathers every plan worth having into one list, peak ascending and recompute
+strictly falling: the nested schedules of :mod:`.front` (or, past ``nested.MAX_UNITS`` units,
+the exact one-level front of :mod:`.solve`) and the hand modes. A budget takes the cheapest plan
+of that list that fits; the list does not depend on the budget, so as the budget falls the
+chosen plan's peak never rises. Predicted peaks are exact (tests/planner/test_planner_exact.py
+measures them), so nothing is measured and dropped.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..memory import parse_budget
+from .errors import BudgetTooSmallError
+from .front import Front
+from .modes import ModeCost, profile_modes
+from .nested import MAX_UNITS
+from .plans import Plan
+from .profile import ChainProfile, profile_chain
+from .solve import predict_peak, schedules
+
+__all__ = ["Planner", "solve_profile", "profile_block_modes", "block_plan", "plan_choices"]
+
+
+def block_plan(p: ChainProfile, schedule: list) -> list[tuple[int, int, Any]]:
+    """A unit-level nested schedule -> the block-level plan ``set_checkpoint_plan`` takes."""
+    bounds = [a for a, _ in p.units] + [p.n_blocks]
+    return [(bounds[a], bounds[b], False if inner is None else block_plan(p, inner))
+            for a, b, inner in schedule]
+
+
+def plan_choices(profile: ChainProfile, variants: Sequence[ChainProfile] = (),
+                 modes: Sequence[ModeCost] = (), slots: int = 2000) -> list[Plan]:
+    """Every plan worth having (budget left at ``inf``): peak ascending, recompute strictly
+    falling, the plain chain last."""
+    p = profile
+    plain = predict_peak(p, [(0, p.n_units, False)])
+    kinds = [p, *(q for q in variants if q.units == p.units and q.act == p.act)]
+    out: list[Plan] = []
+    if p.n_units <= MAX_UNITS:
+        names = [q.block_mode for q in kinds]
+        for f in Front(kinds, slots=slots).plans:
+            block_modes = [names[f.variants[u]] for u, (a, b) in enumerate(p.units)
+                           for _ in range(a, b)]
+            out.append(Plan(block_plan(p, f.schedule), float("inf"), f.peak, plain, 0, f.cost,
+                            p.step_flops, p, None, tuple(modes),
+                            block_modes if any(block_modes) else None))
+    else:
+        for segments, peak, cost in schedules(p):
+            out.append(Plan(p.block_segments(segments), float("inf"), peak, plain, 0, cost,
+                            p.step_flops, p, None, tuple(modes)))
+    out += [Plan([], float("inf"), m.peak, plain, 0, m.recompute_flops, p.step_flops, p, m.mode,
+                 tuple(modes)) for m in modes]
+    chosen: list[Plan] = []
+    for c in sorted(out, key=lambda c: (c.predicted_peak, c.recompute_flops, c.mode or "")):
+        if not chosen or c.recompute_flops < chosen[-1].recompute_flops:
+            chosen.append(c)
+    least = chosen[0].predicted_peak
+    return [dataclasses.replace(c, smallest_peak=least) for c in chosen]
+
+
+def _pick(choices: Sequence[Plan], budget: float) -> Plan:
+    fitting = [c for c in choices if c.predicted_peak <= budget]
+    if not fitting:
+        raise BudgetTooSmallError(budget, choices[0].predicted_peak, choices[-1].plain_peak)
+    chosen = fitting[-1]
+    if budget >= chosen.plain_peak and chosen.recompute_flops == 0 and chosen.mode is None:
+        p = chosen.profile
+        chosen = dataclasses.replace(chosen, segments=[(0, p.n_blocks, False)], block_modes=None)
+    return dataclasses.replace(chosen, budget=budget)
+
+
+def solve_profile(profile: ChainProfile, memory_budget: int | float | str,
+                  modes: Sequence[ModeCost] = (), block_profiles: Sequence[ChainProfile] = (),
+                  slots: int = 2000) -> Plan:
+    """The cheapest plan under ``memory_budget`` (nothing applied): over the multi-level
+    schedules of ``profile``'s chain whose blocks each run plainly or in one of the intra-block
+    modes profiled in ``block_profiles`` (:func:`profile_block_modes`), and the measured hand
+    ``modes``. Ties go to the lower peak. Chains longer than ``nested.MAX_UNITS`` units are
+    planned one level deep."""
+    return _pick(plan_choices(profile, block_profiles, modes, slots), parse_budget(memory_budget))
+
+
+def profile_block_modes(model: nn.Module, example_input: torch.Tensor,
+                        loss_fn: Callable[[Any], torch.Tensor] | None = None
+                        ) -> list[ChainProfile]:
+    """The chain profiled with every block in each of ``model.checkpoint_modes``; a mode that
+    has no per-block form (a block refuses it with a ValueError, e.g. a whole-model schedule)
+    is left out."""
+    profiles = []
+    for mode in getattr(model, "checkpoint_modes", ()):
+        try:
+            profiles.append(profile_chain(model, example_input, loss_fn, mode))
+        except ValueError:
+            continue
+    return profiles
+
+
+class Planner:
+    """A zoo model's plans on ``example_input`` (module docstring): ``plan(budget)`` for each
+    budget, ``choices`` for all of them, ``least_peak`` and ``plain_peak``.
+
+    ``modes``: measure the model's own hand modes as candidates; ``block_modes``: profile the
+    chain with every block in each of them, as per-block options at any level of a schedule;
+    ``slots``: the memory grid of the nested search."""
+
+    def __init__(self, model: nn.Module, example_input: torch.Tensor,
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None, *, modes: bool = True,
+                 block_modes: bool = True, slots: int = 2000,
+                 profile: ChainProfile | None = None) -> None:
+        self.profile = profile or profile_chain(model, example_input, loss_fn)
+        self.variants = profile_block_modes(model, example_input, loss_fn) \
+            if block_modes and profile is None else []
+        self.modes = profile_modes(model, example_input, self.profile.step_flops, loss_fn) \
+            if modes else []
+        self.choices = plan_choices(self.profile, self.variants, self.modes, slots)
+
+    @property
+    def least_peak(self) -> int:
+        return self.choices[0].predicted_peak
+
+    @property
+    def plain_peak(self) -> int:
+        return self.choices[-1].plain_peak
+
+    def plan(self, memory_budget: int | float | str) -> Plan:
+        """The cheapest plan that fits ``memory_budget`` (bytes or ``"10GB"``); raises
+        :class:`BudgetTooSmallError` below :attr:`least_peak`."""
+        return _pick(self.choices, parse_budget(memory_budget))
