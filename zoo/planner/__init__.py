@@ -39,7 +39,8 @@ from .measure import measure_step
 from .modes import ModeCost, profile_modes
 from .modules import ModulePlan, plan_module
 from .nested import chain_floor, least_peak
-from .planner import Planner, block_plan, plan_choices, profile_block_modes, solve_profile
+from .planner import (Planner, block_plan, plan_choices, profile_block_modes, solve_profile,
+                      spine_planner)
 from .plans import Plan
 from .profile import ChainProfile, profile_chain
 from .solve import predict_peak, recompute_flops, smallest_peak
@@ -49,7 +50,7 @@ __all__ = ["plan", "Plan", "Planner", "BudgetTooSmallError", "ChainProfile", "pr
            "solve_profile", "predict_peak", "recompute_flops", "smallest_peak",
            "uniform_segments", "default_loss", "largest_batch", "measure_step", "ModeCost",
            "profile_modes", "solve_measured", "ModulePlan", "plan_module", "profile_block_modes",
-           "least_peak", "solve_nested", "Front", "plan_choices"]
+           "least_peak", "solve_nested", "Front", "plan_choices", "spine_planner"]
 
 _block_plan = block_plan  # the name the planner's scripts knew
 
@@ -109,7 +110,11 @@ def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | flo
         if apply:
             result.apply(model)
         return result
-    if not hasattr(model, "checkpoint_chain") or modules is not None:
+    spine = spine_planner(model, example_input, loss_fn) \
+        if not hasattr(model, "checkpoint_chain") and modules is None else None
+    if spine is not None:
+        result = spine.plan(budget)
+    elif not hasattr(model, "checkpoint_chain") or modules is not None:
         result = plan_module(model, example_input, budget, loss_fn, modules)
     elif budget == float("inf"):
         result = _no_limit(model, example_input, loss_fn)

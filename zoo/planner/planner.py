@@ -26,8 +26,10 @@ from .nested import MAX_UNITS
 from .plans import Plan
 from .profile import ChainProfile, profile_chain
 from .solve import predict_peak, schedules
+from .spine import Spine, clear_spine, find_spine
 
-__all__ = ["Planner", "solve_profile", "profile_block_modes", "block_plan", "plan_choices"]
+__all__ = ["Planner", "solve_profile", "profile_block_modes", "block_plan", "plan_choices",
+           "spine_planner"]
 
 
 def block_plan(p: ChainProfile, schedule: list) -> list[tuple[int, int, Any]]:
@@ -40,7 +42,8 @@ def block_plan(p: ChainProfile, schedule: list) -> list[tuple[int, int, Any]]:
 def plan_choices(profile: ChainProfile, variants: Sequence[ChainProfile] = (),
                  modes: Sequence[ModeCost] = (), slots: int = 2000) -> list[Plan]:
     """Every plan worth having (budget left at ``inf``): peak ascending, recompute strictly
-    falling, the plain chain last."""
+    falling, and the plain chain last (after a plan as cheap as it, when regions that cost no
+    FLOPs, such as a BatchNorm-ReLU's, lower the peak for free)."""
     p = profile
     plain = predict_peak(p, [(0, p.n_units, False)])
     kinds = [p, *(q for q in variants if q.units == p.units and q.act == p.act)]
@@ -63,18 +66,22 @@ def plan_choices(profile: ChainProfile, variants: Sequence[ChainProfile] = (),
     for c in sorted(out, key=lambda c: (c.predicted_peak, c.recompute_flops, c.mode or "")):
         if not chosen or c.recompute_flops < chosen[-1].recompute_flops:
             chosen.append(c)
+    if chosen[-1].predicted_peak < plain:  # a free region (BatchNorm-ReLU: no FLOPs) stays
+        chosen.append(Plan([(0, p.n_blocks, False)], float("inf"), plain, plain, 0, 0,
+                           p.step_flops, p, None, tuple(modes)))  # optional: plain is kept
     least = chosen[0].predicted_peak
     return [dataclasses.replace(c, smallest_peak=least) for c in chosen]
 
 
 def _pick(choices: Sequence[Plan], budget: float) -> Plan:
+    """The cheapest plan that fits ``budget``, the lowest peak among equals; at or above the
+    plain peak, the plain step (the last choice)."""
     fitting = [c for c in choices if c.predicted_peak <= budget]
     if not fitting:
         raise BudgetTooSmallError(budget, choices[0].predicted_peak, choices[-1].plain_peak)
-    chosen = fitting[-1]
-    if budget >= chosen.plain_peak and chosen.recompute_flops == 0 and chosen.mode is None:
-        p = chosen.profile
-        chosen = dataclasses.replace(chosen, segments=[(0, p.n_blocks, False)], block_modes=None)
+    if fitting[-1] is choices[-1] and budget >= choices[-1].plain_peak:
+        return dataclasses.replace(choices[-1], budget=budget)
+    chosen = min(fitting, key=lambda c: (c.recompute_flops, c.predicted_peak))
     return dataclasses.replace(chosen, budget=budget)
 
 
@@ -135,3 +142,41 @@ class Planner:
         """The cheapest plan that fits ``memory_budget`` (bytes or ``"10GB"``); raises
         :class:`BudgetTooSmallError` below :attr:`least_peak`."""
         return _pick(self.choices, parse_budget(memory_budget))
+
+
+def spine_planner(model: nn.Module, example_input: Any,
+                  loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                  slots: int = 2000) -> Planner | None:
+    """A :class:`Planner` over ``model``'s spine (``zoo.planner.spine``: every submodule call
+    of it a candidate region, the stem too), or None when the spine leaves out some of the
+    repeated blocks ``zoo.blocks.find_blocks`` names (a Hugging Face encoder's layers, looped
+    with keyword arguments): those are planned by ``zoo.planner.modules``. The model is profiled
+    as it runs without checkpoints; it is left as it was."""
+    from ..blocks import NoBlocksError, checkpoint_module, find_blocks, is_checkpointed
+    from .module_nesting import clear_nested, restore_nested
+
+    segmented = clear_nested(model, [])
+    wrapped = {m: dict(m._zoo_checkpoint_options) for m in model.modules() if is_checkpointed(m)}
+    for m in wrapped:
+        checkpoint_module(m, False)
+    spine = {m: m.__dict__["forward"] for m in model.modules() if "_zoo_spine" in m.__dict__}
+    clear_spine(model)
+    try:
+        names = find_spine(model, example_input)
+        try:
+            blocks = [n for n, _ in find_blocks(model)]
+        except NoBlocksError:
+            blocks = []
+        covered = all(any(b == n or b.startswith(n + ".") for n in names) for b in blocks)
+        if len(names) < 2 or not covered:
+            return None
+        planner = Planner(Spine(model, names), example_input, loss_fn, modes=False,
+                          block_modes=False, slots=slots)
+        planner.choices = [dataclasses.replace(c, spine=list(names)) for c in planner.choices]
+        return planner
+    finally:
+        for m, options in wrapped.items():
+            checkpoint_module(m, True, **options)
+        restore_nested(segmented)
+        for m, forward in spine.items():
+            m.forward, m._zoo_spine = forward, True

@@ -10,6 +10,7 @@ from torch import nn
 from ..memory import format_bytes
 from .modes import ModeCost
 from .profile import ChainProfile
+from .spine import apply_spine
 
 __all__ = ["Plan"]
 
@@ -24,8 +25,10 @@ class Plan:
     blocks in an intra-block checkpoint mode. When ``mode`` is set, the plan is that hand mode
     of the model (``model.set_grad_checkpointing(mode)``) and ``segments`` is empty. Peaks are
     bytes of one training step (forward, loss, backward; parameters and gradients included) as
-    ``zoo.memory.cpu_peak_bytes`` measures them; ``overhead`` is recompute FLOPs over a plain
-    step's FLOPs; ``modes``: the hand modes that were candidates, as measured.
+    ``zoo.planner.measure_step`` measures them; ``overhead`` is recompute FLOPs over a plain
+    step's FLOPs; ``modes``: the hand modes that were candidates, as measured; ``spine``: for a
+    module without the zoo's chain, the dotted names of the submodules it was planned over
+    (``zoo.planner.spine``), whose calls the segments cover.
     """
 
     segments: list[tuple[int, int, Any]]
@@ -40,10 +43,14 @@ class Plan:
     modes: tuple[ModeCost, ...] = ()
     block_modes: list[str | None] | None = None
     cost: str = "flops"
+    spine: list[str] | None = None
 
     def apply(self, model: nn.Module) -> None:
         """Make ``model`` run this plan (its chain's segments with their block modes, or its
-        hand mode)."""
+        hand mode; a module planned over its spine runs the segments there)."""
+        if self.spine is not None:
+            apply_spine(model, self.spine, self.segments)
+            return
         with_modes = hasattr(model, "set_checkpoint_block_modes")
         if self.mode is None:
             model.set_checkpoint_plan(self.segments)

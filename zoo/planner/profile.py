@@ -210,9 +210,11 @@ def _blocks_of(units: list[tuple[int, int]], segments: list) -> list:
 
 
 def _block_name(block: Any) -> str:
+    name = getattr(block, "name", None)
     if isinstance(block, nn.Module):
-        name = getattr(block, "name", None)
         return f"{type(block).__name__}({name})" if isinstance(name, str) else type(block).__name__
+    if isinstance(name, str):  # a spine step: its module's dotted name
+        return name
     func = getattr(block, "func", block)  # functools.partial
     owner = getattr(func, "__self__", None)
     return type(owner).__name__ if isinstance(owner, nn.Module) else getattr(
