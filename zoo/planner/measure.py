@@ -16,30 +16,32 @@ from typing import Any
 import torch
 from torch import nn
 
-from .fake import default_loss, fake_state
+from .fake import FakeStep, default_loss
 from .tracker import StepCounter
 
 __all__ = ["measure_step", "peak_bytes"]
 
 
 def measure_step(model: nn.Module, example_input: torch.Tensor,
-                 loss_fn: Callable[[Any], torch.Tensor] | None = None) -> tuple[int, int]:
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                 fake: FakeStep | None = None) -> tuple[int, int]:
     """(peak bytes, FLOPs) of one fake training step of ``model`` as it is configured now
-    (checkpoint mode or plan included). ``model`` itself is left untouched."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    (checkpoint mode or plan included). ``model`` itself is left untouched. ``fake``: the fake
+    state to run on (made for this step when not given)."""
     from torch.nn.utils.stateless import _reparametrize_module
 
     loss_fn = loss_fn or default_loss
-    fake = FakeTensorMode()
-    state = fake_state(model, fake)
-    x = fake.from_tensor(example_input.detach()).requires_grad_(example_input.requires_grad) \
-        if isinstance(example_input, torch.Tensor) else example_input
+    fake = fake or FakeStep(model, example_input)
+    fake.clear()
     counter = StepCounter()
-    counter.track(list({id(t): t for t in state.values()}.values()))
-    with fake, warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
-        with counter, _reparametrize_module(model, state):
-            loss_fn(model(x)).backward()
+    counter.track(fake.tensors)
+    try:
+        with fake.mode, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
+            with counter, _reparametrize_module(model, fake.state):
+                loss_fn(model(fake.input)).backward()
+    finally:
+        fake.clear()
     return counter.peak, counter.flops
 
 

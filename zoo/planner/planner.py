@@ -12,7 +12,9 @@ measures them), so nothing is measured and dropped.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from torch import nn
 
 from ..memory import parse_budget
 from .errors import BudgetTooSmallError
+from .fake import FakeStep
 from .front import Front
 from .modes import ModeCost, profile_modes
 from .nested import MAX_UNITS
@@ -97,37 +100,70 @@ def solve_profile(profile: ChainProfile, memory_budget: int | float | str,
 
 
 def profile_block_modes(model: nn.Module, example_input: torch.Tensor,
-                        loss_fn: Callable[[Any], torch.Tensor] | None = None
-                        ) -> list[ChainProfile]:
-    """The chain profiled with every block in each of ``model.checkpoint_modes``; a mode that
-    has no per-block form (a block refuses it with a ValueError, e.g. a whole-model schedule)
-    is left out."""
-    profiles = []
+                        loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                        like: ChainProfile | None = None) -> list[ChainProfile]:
+    """The chain profiled with every block in each of ``model.checkpoint_modes``; left out: a
+    mode that has no per-block form (a block refuses it with a ValueError, e.g. a whole-model
+    schedule) and one that checkpoints each block whole and nothing else (what a one-block
+    checkpointed segment does). ``like``: the chain's plain profile (its repeated units are
+    then profiled once)."""
+    return _block_mode_profiles(model, example_input, loss_fn, like)[0]
+
+
+def _block_mode_profiles(model: nn.Module, example_input: torch.Tensor,
+                         loss_fn: Callable[[Any], torch.Tensor] | None,
+                         like: ChainProfile | None, fake: FakeStep | None = None
+                         ) -> tuple[list[ChainProfile], set[str]]:
+    """:func:`profile_block_modes` and the modes that have a per-block form."""
+    profiles, per_block = [], set()
     for mode in getattr(model, "checkpoint_modes", ()):
         try:
-            profiles.append(profile_chain(model, example_input, loss_fn, mode))
+            found = profile_chain(model, example_input, loss_fn, mode, like=like, whole=False,
+                                  fake=fake)
         except ValueError:
             continue
-    return profiles
+        per_block.add(mode)
+        if found is not None:
+            profiles.append(found)
+    return profiles, per_block
+
+
+def _unique_modes(model: nn.Module, per_block: set[str]) -> list[str]:
+    """The hand modes the chain cannot express, to be measured: those without a per-block
+    form (a schedule of the whole model), and every mode when a chain block that takes a mode
+    is not one of the model's own modules (DenseNet's links concatenate where its hand modes
+    keep lists: another computation)."""
+    modes = list(getattr(model, "checkpoint_modes", ()))
+    own = {id(m) for m in model.modules()}
+    for block in model.checkpoint_chain():
+        fn = block.func if isinstance(block, partial) else block
+        owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
+        target = owner.forward if isinstance(fn, nn.Module) else fn
+        if "mode" in inspect.signature(target).parameters and id(owner) not in own:
+            return modes
+    return [m for m in modes if m not in per_block]
 
 
 class Planner:
     """A zoo model's plans on ``example_input`` (module docstring): ``plan(budget)`` for each
     budget, ``choices`` for all of them, ``least_peak`` and ``plain_peak``.
 
-    ``modes``: measure the model's own hand modes as candidates; ``block_modes``: profile the
-    chain with every block in each of them, as per-block options at any level of a schedule;
+    ``modes``: measure the model's own hand modes as candidates (those the chain with its
+    per-block modes cannot express: :func:`_unique_modes`); ``block_modes``: profile the chain
+    with every block in each of them, as per-block options at any level of a schedule;
     ``slots``: the memory grid of the nested search."""
 
     def __init__(self, model: nn.Module, example_input: torch.Tensor,
                  loss_fn: Callable[[Any], torch.Tensor] | None = None, *, modes: bool = True,
                  block_modes: bool = True, slots: int = 2000,
                  profile: ChainProfile | None = None) -> None:
-        self.profile = profile or profile_chain(model, example_input, loss_fn)
-        self.variants = profile_block_modes(model, example_input, loss_fn) \
-            if block_modes and profile is None else []
-        self.modes = profile_modes(model, example_input, self.profile.step_flops, loss_fn) \
-            if modes else []
+        fake = FakeStep(model, example_input)
+        self.profile = profile or profile_chain(model, example_input, loss_fn, fake=fake)
+        self.variants, per_block = _block_mode_profiles(model, example_input, loss_fn,
+                                                        self.profile, fake) \
+            if block_modes and profile is None else ([], set())
+        self.modes = profile_modes(model, example_input, self.profile.step_flops, loss_fn,
+                                   _unique_modes(model, per_block), fake) if modes else []
         self.choices = plan_choices(self.profile, self.variants, self.modes, slots)
 
     @property

@@ -34,6 +34,7 @@ counts them too (``zoo.checkpoint.region.observers``).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .fake import default_loss
+from .fake import FakeStep, default_loss
+from .repeats import PER_UNIT, expand, kept_blocks, repeats, whole_block
 from .trace import Trace, traced_step
 
 __all__ = ["ChainProfile", "profile_chain", "default_loss"]
@@ -84,8 +86,10 @@ class ChainProfile:
     step's FLOPs), and the measured peak of the plain profiling run. With ``block_mode`` every
     block runs in that intra-block checkpoint mode; ``inner_flops`` is what the blocks' own
     checkpoints recompute whatever the schedule (``recompute_flops`` counts beyond it), per unit
-    ``unit_inner_flops``. The lists after ``unit_inner_flops`` may be empty (a hand-made
-    profile): the plain figures stand in for them.
+    ``unit_inner_flops``. ``unit_step_flops[u]``: the unit's share of a step's FLOPs;
+    ``repeats[u]``: the unit whose figures unit ``u`` copies (``zoo.planner.repeats``). The
+    lists after ``unit_inner_flops`` may be empty (a hand-made profile): the plain figures
+    stand in for them.
     """
 
     block_names: list[str]
@@ -117,6 +121,8 @@ class ChainProfile:
     bwd_rise_recomputed: list[int] = field(default_factory=list)
     bwd_rise_recomputed_alone: list[int] = field(default_factory=list)
     opaque: list[bool] = field(default_factory=list)
+    unit_step_flops: list[int] = field(default_factory=list)
+    repeats: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -223,36 +229,85 @@ def _block_name(block: Any) -> str:
 
 def profile_chain(model: nn.Module, example_input: torch.Tensor,
                   loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                  block_mode: str | None = None) -> ChainProfile:
+                  block_mode: str | None = None, *, like: ChainProfile | None = None,
+                  whole: bool = True, fake: FakeStep | None = None) -> ChainProfile | None:
     """Profile ``model``'s chain (``checkpoint_chain``) on ``example_input`` for the planner.
 
     Runs five training steps under ``FakeTensorMode`` (nothing is computed, nothing is changed
-    in ``model``: parameters, buffers and its checkpoint plan are left as they were).
-    ``block_mode``: every block runs in that intra-block checkpoint mode
-    (``model.run_chain_block``), stored or inside a checkpointed segment.
+    in ``model``: parameters, buffers and its checkpoint plan are left as they were): a plain
+    one of the whole chain, then four of its kept units only (``zoo.planner.repeats``: a run of
+    identical units is profiled on its first three). ``block_mode``: every block runs in that
+    intra-block checkpoint mode (``model.run_chain_block``), stored or inside a checkpointed
+    segment; ``like``: the plain profile of the same chain, whose kept units then serve for the
+    plain step too. ``whole=False``: None for a mode that checkpoints each unit whole and
+    nothing else (a one-unit checkpointed segment already does that).
     """
     loss_fn = loss_fn or default_loss
     chain = list(model.checkpoint_chain())
     n = len(chain)
     if n == 0:
         raise ValueError(f"{type(model).__name__}.checkpoint_chain() is empty")
-    plain, plain_peak, step_flops = traced_step(model, example_input, loss_fn, [(0, n, False)],
-                                                block_mode)
-    if plain.length != n:
-        raise ValueError(f"run_chain ran {plain.length} blocks, checkpoint_chain() has {n}")
-    starts = [j for j in range(n) if j == 0 or not plain.alias[j]]
-    units = [(a, b) for a, b in zip(starts, starts[1:] + [n])]
-    prof = _from_plain(plain, units, [_block_name(b) for b in chain])
-    prof.measured_plain_peak = plain_peak
-    prof.step_flops = step_flops - prof.inner_flops
-    prof.block_mode = block_mode
+    names = [_block_name(b) for b in chain]
+    if like is not None and like.repeats and like.n_blocks == n:
+        order, sub_units = kept_blocks(like.units, like.repeats)
+        plain, _, step_flops = traced_step(model, example_input, loss_fn,
+                                           [(0, len(order), False)], block_mode, order, fake)
+        if _units_of(plain, len(order)) != sub_units:
+            like = None  # the mode joins blocks differently: profile the whole chain
+    if like is None or not like.repeats or like.n_blocks != n:
+        plain, plain_peak, step_flops = traced_step(model, example_input, loss_fn,
+                                                    [(0, n, False)], block_mode, fake=fake)
+        if plain.length != n:
+            raise ValueError(f"run_chain ran {plain.length} blocks, checkpoint_chain() has {n}")
+        units = _units_of(plain, n)
+        prof = _from_plain(plain, units, names)
+        prof.measured_plain_peak = plain_peak
+        prof.repeats = repeats(chain, units, plain.meta)
+        order, sub_units = kept_blocks(units, prof.repeats)
+        sub = _select(prof, sub_units)
+    else:
+        sub = _from_plain(plain, sub_units, [names[j] for j in order])
+        prof = None
+    if not whole and whole_block(plain.regions, plain.in_key, sub.units):
+        return None
+    sub.step_flops = step_flops - sub.inner_flops
     for shift in range(4):
-        segments, roles = nested_pattern(len(units), shift)
-        trace = traced_step(model, example_input, loss_fn, _blocks_of(units, segments),
-                            block_mode)[0]
-        _read_pattern(prof, trace, segments, roles)
-    _fill_gaps(prof)
+        segments, roles = nested_pattern(sub.n_units, shift)
+        trace = traced_step(model, example_input, loss_fn, _blocks_of(sub.units, segments),
+                            block_mode, order, fake)[0]
+        _read_pattern(sub, trace, segments, roles)
+    _fill_gaps(sub)
+    if prof is None:  # everything from the kept units
+        prof = expand(sub, like.repeats, like.units, names)
+        prof.repeats = like.repeats
+    else:  # the whole plain step, and what the other runs saw
+        full = expand(sub, prof.repeats, prof.units, names)
+        for name in CONTEXTS:
+            setattr(prof, name, getattr(full, name))
+        prof.step_flops = step_flops - prof.inner_flops
+    prof.block_mode = block_mode
     return prof
+
+
+def _units_of(plain: Trace, n: int) -> list[tuple[int, int]]:
+    """Blocks joined into units: a block whose output is its input's storage joins the one
+    before."""
+    starts = [j for j in range(n) if j == 0 or not plain.alias[j]]
+    return [(a, b) for a, b in zip(starts, starts[1:] + [n])]
+
+
+# what the pattern runs add to a plain step's figures
+CONTEXTS = ("fwd_rise_ckpt", "recompute_flops", "bwd_rise_alone", "bwd_rise_region",
+            "bwd_rise_recomputed", "bwd_rise_recomputed_alone")
+
+
+def _select(prof: ChainProfile, sub_units: list[tuple[int, int]]) -> ChainProfile:
+    """The kept units' part of a whole chain's profile (positions in the shorter chain)."""
+    kept = [u for u in range(prof.n_units) if prof.repeats[u] == u]
+    fields = {name: [getattr(prof, name)[u] for u in kept] for name in PER_UNIT
+              if getattr(prof, name)}
+    return dataclasses.replace(prof, units=sub_units, act=[0, *(prof.act[u + 1] for u in kept)],
+                               dgrad=[0, *(prof.dgrad[u + 1] for u in kept)], **fields)
 
 
 def _unit_peak(trace: Trace, kinds: str, blocks: range, default: int = 0) -> int:
@@ -289,6 +344,8 @@ def _from_plain(plain: Trace, units: list[tuple[int, int]], names: list[str]) ->
         prof.grads.append(sum(plain.grads.get(("B", j), 0) for j in blocks))
         prof.flops.append(sum(plain.flops.get(("F", j), 0) for j in blocks))
         prof.unit_inner_flops.append(sum(plain.rflops.get(("B", j), 0) for j in blocks))
+        prof.unit_step_flops.append(prof.flops[-1] - prof.unit_inner_flops[-1]
+                                    + sum(plain.flops.get(("B", j), 0) for j in blocks))
     prof.act[0] = 0  # the chain's input lives in ``base`` for the whole step
     prof.dgrad[0] = 0
     prof.base = plain.mark[("F", 0)]

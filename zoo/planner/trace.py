@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import checkpoint, is_recomputing, region
-from .fake import fake_state
+from .fake import FakeStep
 from .tracker import StepCounter, storage_bytes, storage_key
 
 __all__ = ["Trace", "traced_step", "grad_bytes"]
@@ -63,6 +63,8 @@ class Trace:
         self.out_bytes: dict[int, int] = {}
         self.out_dgrad: dict[int, int] = {}
         self.alias: dict[int, bool] = {}
+        self.meta: dict[int, tuple] = {}  # position -> (input's, output's shape and dtype)
+        self.regions: dict[int, list[set[int]]] = {}  # position -> its own regions' inputs
         self.length = 0
         self._last_flops = 0
 
@@ -95,10 +97,13 @@ class Trace:
 
     def region_inputs(self, args: tuple, kwargs: dict) -> None:
         """A block's own checkpoint keeps its inputs itself, out of autograd's sight: count them
-        as saved by the block, as ``pack`` counts saved tensors."""
-        for t in (*args, *kwargs.values()):
-            if isinstance(t, torch.Tensor):
-                self.pack(t)
+        as saved by the block, as ``pack`` counts saved tensors (and note which they are)."""
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            self.pack(t)
+        if self.phase[0] == "F" and not is_recomputing():
+            self.regions.setdefault(self.phase[1], []).append(
+                {storage_key(t) for t in tensors if t.requires_grad})
 
     def note_grad(self, g: torch.Tensor) -> None:
         self.grads[self.phase] = self.grads.get(self.phase, 0) + grad_bytes(g)
@@ -116,6 +121,7 @@ class Trace:
                             "blocks that take and return one tensor")
         self.out_key[i], self.out_bytes[i] = storage_key(y), storage_bytes(y)
         self.out_dgrad[i] = grad_bytes(y) if y.requires_grad else 0
+        self.meta[i] = ((tuple(x.shape), x.dtype), (tuple(y.shape), y.dtype))
         self.alias[i] = self.out_key[i] == self.in_key[i]
         if y.requires_grad:
             y.register_hook(lambda g, i=i: self.enter(("B", i)))
@@ -128,25 +134,24 @@ Segments = Sequence[tuple[int, int, Any]]  # (start, stop, False | True | inner 
 
 def traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torch.Tensor],
                 segments: Segments, block_mode: str | None = None,
-                order: Sequence[int] | None = None) -> tuple[Trace, int, int]:
+                order: Sequence[int] | None = None,
+                fake: FakeStep | None = None) -> tuple[Trace, int, int]:
     """One fake training step of ``model`` whose chain runs the blocks ``order`` (default: all)
     by ``segments`` (positions in ``order``; a segment is stored, checkpointed, or checkpointed
     with an inner plan its recompute runs), each block in ``block_mode``: (trace, peak bytes,
-    FLOPs). Nothing in ``model`` is changed."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    FLOPs). Nothing in ``model`` is changed. ``fake``: the fake state to run on (made for
+    this step when not given)."""
     from torch.nn.utils.stateless import _reparametrize_module
 
-    fake = FakeTensorMode()
-    state = fake_state(model, fake)
-    tensors = list({id(t): t for t in state.values()}.values())
-    fx = fake.from_tensor(x.detach()).requires_grad_(x.requires_grad)
+    fake = fake or FakeStep(model, x)
+    tensors, fx = fake.tensors, fake.input
+    fake.clear()
     counter = StepCounter()
     counter.track(tensors)
     trace = Trace(counter, {storage_key(t) for t in tensors})
     counter.on_op = trace.op_done
-    for p in tensors:
-        if p.requires_grad and p.is_leaf:
-            p.register_hook(trace.note_grad)
+    handles = [p.register_hook(trace.note_grad) for p in tensors
+               if p.requires_grad and p.is_leaf]
 
     def run_blocks(blocks: Sequence[Callable], a: int, b: int, h: torch.Tensor) -> torch.Tensor:
         for i in range(a, b):
@@ -188,7 +193,7 @@ def traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torc
     region.observers.append(trace.region_inputs)
     try:
         with contextlib.ExitStack() as stack:
-            stack.enter_context(fake)
+            stack.enter_context(fake.mode)
             stack.enter_context(counter)
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(trace.pack, _same))
             stack.enter_context(warnings.catch_warnings())
@@ -196,7 +201,7 @@ def traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torc
             warnings.filterwarnings("ignore", message=".*saved_tensors_hooks.*selective",
                                     category=FutureWarning)
             # the fake tensors stand in for the parameters until backward has recomputed too
-            stack.enter_context(_reparametrize_module(model, state))
+            stack.enter_context(_reparametrize_module(model, fake.state))
             loss = loss_fn(model(fx))
             loss.backward()
             del loss
@@ -204,6 +209,9 @@ def traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torc
         region.observers.remove(trace.region_inputs)
         del model.run_chain
         model.set_checkpoint_plan(previous)
+        for h in handles:
+            h.remove()
+        fake.clear()
     if trace.length == 0:
         raise ValueError(f"{type(model).__name__}.forward never called run_chain with a plan "
                          "set: the planner cannot see its chain of blocks")
