@@ -1,7 +1,7 @@
 """The planner's memory model is exact: on a small member of every family, every plan it offers
-and random nested schedules with a block mode per block (DenseNet's ``layer`` and
-``bottleneck``, a transformer's ``selective`` save set included) are predicted to the byte and
-the FLOP of a measured step. And the byte counter it measures with is ``MemTracker``'s figure.
+and random nested schedules with a block mode or a save set per block (DenseNet's
+``bottleneck``, a transformer's ``selective``, ``ops:matmul`` everywhere) are predicted to the
+byte and the FLOP of a measured step. And the byte counter it measures with is ``MemTracker``'s figure.
 
 Measured: one training step under ``FakeTensorMode`` (``zoo.planner.measure_step``, the lean
 counter of ``zoo.planner.tracker``; a real CPU step counts the same bytes, checked here too).
@@ -18,6 +18,7 @@ from test_planner_nested import nested_schedules
 from zoo.planner import Planner, block_plan, default_loss, measure_step
 from zoo.planner.measure import peak_bytes
 from zoo.planner.nested import NestedModel, schedule_cost
+from zoo.planner.savesets import apply_save_sets
 from zoo.planner.tracker import StepCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -27,13 +28,16 @@ FAMILIES = ["resnet", "densenet", "cifar_cnn", "vit", "bert", "gpt2"]
 
 def measured(model: torch.nn.Module, x: torch.Tensor, segments: list,
              block_modes: list | None) -> tuple[int, int]:
+    """A step's (peak, FLOPs) with the chain run by ``segments`` and ``block_modes`` (model
+    modes, or save sets: op-level choices)."""
+    chain = model.checkpoint_chain()
     model.set_checkpoint_plan(segments)
-    model.set_checkpoint_block_modes(block_modes)
+    model.set_checkpoint_block_modes(apply_save_sets(model, chain, block_modes))
     try:
         return measure_step(model, x)
     finally:
         model.set_checkpoint_plan(None)
-        model.set_checkpoint_block_modes(None)
+        model.set_checkpoint_block_modes(apply_save_sets(model, chain, None))
 
 
 def random_schedule(rng: random.Random, n: int) -> list:

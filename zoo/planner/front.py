@@ -133,7 +133,7 @@ class _Grid:
         if e is None:
             return (NOT_HELD, BY_UNIT)
         if all(q.rise_in_backward(a, True, BY_UNIT) == q.rise_in_backward(a, True, BY_REGION)
-               for q in self.m.profiles):
+               is not None for q in self.m.profiles):
             return (NOT_HELD, BY_UNIT)
         return STATES
 

@@ -96,8 +96,10 @@ class NestedModel:
         hold = q.saved[u] + (act[u] if q.keeps_input[u] and not s else 0)
         if q.keeps_output[u]:
             hold += act[u + 1]
-        back = p.bwd_misc + self.grads_after[u + 1] + p.dgrad[u + 1] + hold \
-            + q.rise_in_backward(u, e is not None, s)
+        rise_back = q.rise_in_backward(u, e is not None, s)
+        if rise_back is None:  # a context this unit's profile never saw
+            return None
+        back = p.bwd_misc + self.grads_after[u + 1] + p.dgrad[u + 1] + hold + rise_back
         cost = _inner_flops(q, u)
         if e is not None:
             cost += p.flops[u] if u < e - 1 else q.recompute_flops[u]

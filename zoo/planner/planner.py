@@ -28,6 +28,7 @@ from .modes import ModeCost, profile_modes
 from .nested import MAX_UNITS
 from .plans import Plan
 from .profile import ChainProfile, profile_chain
+from .savesets import SAVE_SETS
 from .solve import predict_peak, schedules
 from .spine import Spine, clear_spine, find_spine
 
@@ -102,7 +103,8 @@ def solve_profile(profile: ChainProfile, memory_budget: int | float | str,
 def profile_block_modes(model: nn.Module, example_input: torch.Tensor,
                         loss_fn: Callable[[Any], torch.Tensor] | None = None,
                         like: ChainProfile | None = None) -> list[ChainProfile]:
-    """The chain profiled with every block in each of ``model.checkpoint_modes``; left out: a
+    """The chain profiled with every block in each of ``model.checkpoint_modes`` and each save
+    set of ``zoo.planner.savesets`` (op-level choices); left out: a
     mode that has no per-block form (a block refuses it with a ValueError, e.g. a whole-model
     schedule) and one that checkpoints each block whole and nothing else (what a one-block
     checkpointed segment does). ``like``: the chain's plain profile (its repeated units are
@@ -116,7 +118,7 @@ def _block_mode_profiles(model: nn.Module, example_input: torch.Tensor,
                          ) -> tuple[list[ChainProfile], set[str]]:
     """:func:`profile_block_modes` and the modes that have a per-block form."""
     profiles, per_block = [], set()
-    for mode in getattr(model, "checkpoint_modes", ()):
+    for mode in [*getattr(model, "checkpoint_modes", ()), *SAVE_SETS]:
         try:
             found = profile_chain(model, example_input, loss_fn, mode, like=like, whole=False,
                                   fake=fake)
@@ -207,7 +209,7 @@ def spine_planner(model: nn.Module, example_input: Any,
         if len(names) < 2 or not covered:
             return None
         planner = Planner(Spine(model, names), example_input, loss_fn, modes=False,
-                          block_modes=False, slots=slots)
+                          slots=slots)
         planner.choices = [dataclasses.replace(c, spine=list(names)) for c in planner.choices]
         return planner
     finally:

@@ -10,7 +10,8 @@ from torch import nn
 from ..memory import format_bytes
 from .modes import ModeCost
 from .profile import ChainProfile
-from .spine import apply_spine
+from .savesets import apply_save_sets
+from .spine import SpineStep, apply_spine
 
 __all__ = ["Plan"]
 
@@ -22,7 +23,8 @@ class Plan:
     ``segments`` is block-level, as ``model.set_checkpoint_plan`` takes it: ``(start, stop,
     checkpointed)`` where ``checkpointed`` is False (stored), True, or the inner plan the
     segment's recompute runs (multi-level); ``block_modes`` (one entry per block, or None) runs
-    blocks in an intra-block checkpoint mode. When ``mode`` is set, the plan is that hand mode
+    blocks in an intra-block checkpoint mode or checkpointed with a save set (a name of
+    ``zoo.planner.savesets.SAVE_SETS``: op-level choices). When ``mode`` is set, the plan is that hand mode
     of the model (``model.set_grad_checkpointing(mode)``) and ``segments`` is empty. Peaks are
     bytes of one training step (forward, loss, backward; parameters and gradients included) as
     ``zoo.planner.measure_step`` measures them; ``overhead`` is recompute FLOPs over a plain
@@ -50,14 +52,19 @@ class Plan:
         hand mode; a module planned over its spine runs the segments there)."""
         if self.spine is not None:
             apply_spine(model, self.spine, self.segments)
+            apply_save_sets(model, [SpineStep(model.get_submodule(n), n) for n in self.spine],
+                            self.block_modes)
             return
         with_modes = hasattr(model, "set_checkpoint_block_modes")
+        chain = model.checkpoint_chain()
         if self.mode is None:
             model.set_checkpoint_plan(self.segments)
+            modes = apply_save_sets(model, chain, self.block_modes)
             if with_modes:
-                model.set_checkpoint_block_modes(self.block_modes)
+                model.set_checkpoint_block_modes(modes)
         else:
             model.set_checkpoint_plan(None)
+            apply_save_sets(model, chain, None)
             if with_modes:
                 model.set_checkpoint_block_modes(None)
             model.set_grad_checkpointing(self.mode)

@@ -44,6 +44,7 @@ from torch import nn
 
 from .fake import FakeStep, default_loss
 from .repeats import PER_UNIT, expand, kept_blocks, repeats, whole_block
+from .savesets import is_save_set, save_set_applied, targets
 from .trace import Trace, traced_step
 
 __all__ = ["ChainProfile", "profile_chain", "default_loss"]
@@ -138,17 +139,19 @@ class ChainProfile:
         so it stops at the unit's last saved tensor."""
         return self.fwd_rise_stop[u] if last and self.fwd_rise_stop else self.fwd_rise[u]
 
-    def rise_in_backward(self, u: int, recomputed: bool, held_by: int) -> int:
+    def rise_in_backward(self, u: int, recomputed: bool, held_by: int) -> int | None:
         """Unit ``u``'s backward rise; ``recomputed``: inside a checkpointed segment;
         ``held_by``: who holds its input besides itself (0: nobody, 1: the unit before it, 2:
-        the enclosing region, as ``nested.STATES``)."""
+        the enclosing region, as ``nested.STATES``). None: a context the profile never saw
+        (the unit before holding the input, where in this profile's mode it does not)."""
         if not self.bwd_rise_region:
             return self.bwd_rise[u]
         if recomputed:
             return (self.bwd_rise_recomputed_alone, self.bwd_rise_recomputed,
                     self.bwd_rise_region)[held_by][u]
-        return self.bwd_rise[u] if (held_by == 1) == self.held_in_plain(u) \
-            else self.bwd_rise_alone[u]
+        if (held_by == 1) == self.held_in_plain(u):
+            return self.bwd_rise[u]
+        return self.bwd_rise_alone[u] if held_by != 1 else None
 
     def held_in_plain(self, u: int) -> bool:
         """Whether a plain step holds unit ``u``'s input in the unit before (its saved output)."""
@@ -237,16 +240,38 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
     in ``model``: parameters, buffers and its checkpoint plan are left as they were): a plain
     one of the whole chain, then four of its kept units only (``zoo.planner.repeats``: a run of
     identical units is profiled on its first three). ``block_mode``: every block runs in that
-    intra-block checkpoint mode (``model.run_chain_block``), stored or inside a checkpointed
+    intra-block checkpoint mode (``model.run_chain_block``) or, for a save set's name
+    (``zoo.planner.savesets``), checkpointed with it, stored or inside a checkpointed
     segment; ``like``: the plain profile of the same chain, whose kept units then serve for the
     plain step too. ``whole=False``: None for a mode that checkpoints each unit whole and
-    nothing else (a one-unit checkpointed segment already does that).
+    nothing else (a one-unit checkpointed segment already does that). ``fake``: fake copies of
+    the model's state to run on (made here when not given).
     """
+    chain = list(model.checkpoint_chain())
+    if not chain:
+        raise ValueError(f"{type(model).__name__}.checkpoint_chain() is empty")
+    if is_save_set(block_mode):  # an op-level choice: the blocks' own modules wrapped
+        if not any(t is not None for t in targets(model, chain)):
+            return None
+        with save_set_applied(model, chain, block_mode):
+            prof = _profile(model, example_input, loss_fn, None, like, whole, fake)
+        if prof is not None:  # torch's selective checkpoint keeps its cache even inside an
+            wrapped = targets(model, chain)  # outer region's forward: stored at the top only
+            prof.opaque = [o or any(wrapped[j] is not None for j in range(a, b))
+                           for o, (a, b) in zip(prof.opaque, prof.units)]
+            prof.block_mode = block_mode
+        return prof
+    return _profile(model, example_input, loss_fn, block_mode, like, whole, fake)
+
+
+def _profile(model: nn.Module, example_input: torch.Tensor,
+             loss_fn: Callable[[Any], torch.Tensor] | None, block_mode: str | None,
+             like: ChainProfile | None, whole: bool, fake: FakeStep | None
+             ) -> ChainProfile | None:
     loss_fn = loss_fn or default_loss
+    fake = fake or FakeStep(model, example_input)
     chain = list(model.checkpoint_chain())
     n = len(chain)
-    if n == 0:
-        raise ValueError(f"{type(model).__name__}.checkpoint_chain() is empty")
     names = [_block_name(b) for b in chain]
     if like is not None and like.repeats and like.n_blocks == n:
         order, sub_units = kept_blocks(like.units, like.repeats)
@@ -421,16 +446,14 @@ def _fill(values: list, u: int, value: int) -> None:
 
 
 def _fill_gaps(p: ChainProfile) -> None:
-    """Contexts a unit cannot be in (the first unit has no unit before it) take the nearest
-    figure."""
+    """A stored unit whose input nobody before it holds in a plain step is in that context
+    already; contexts the runs did not show stay None (a schedule that would need them is not
+    offered)."""
     for u in range(p.n_units):
-        for name, fallback in (("bwd_rise_alone", p.bwd_rise), ("bwd_rise_region", p.bwd_rise),
-                               ("bwd_rise_recomputed_alone", p.bwd_rise_region),
-                               ("bwd_rise_recomputed", p.bwd_rise_recomputed_alone),
-                               ("fwd_rise_ckpt", p.fwd_rise)):
-            values = getattr(p, name)
-            if values[u] is None:
-                values[u] = fallback[u]
+        if p.bwd_rise_alone[u] is None and not p.held_in_plain(u):
+            p.bwd_rise_alone[u] = p.bwd_rise[u]
+        if p.fwd_rise_ckpt[u] is None:
+            p.fwd_rise_ckpt[u] = p.fwd_rise[u]
 
 
 def _recomputed(trace: Trace, blocks: range) -> int:
