@@ -64,7 +64,7 @@ def uniform_segments(profile: ChainProfile, segments: int) -> list[tuple[int, in
 def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | float | str, *,
          loss_fn: Callable[[Any], torch.Tensor] | None = None, apply: bool = True,
          modes: bool = True, block_modes: bool = True,
-         modules: Any = None, cost: str = "flops") -> Plan | ModulePlan:
+         modules: Any = None, cost: str = "flops", compiled: bool = False) -> Plan | ModulePlan:
     """Checkpoint ``model`` so one training step fits ``memory_budget`` with the least
     recompute, and return the :class:`Plan` (``print`` it for a table).
 
@@ -91,9 +91,11 @@ def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | flo
             "time"``; hand modes and per-block modes are left out of that search).
         modes: measure the model's own checkpoint modes too and take one where it is the
             cheapest that fits (default True).
-        block_modes: also profile the chain with every block in each of those modes (as
-            per-block options, at any level of the schedule) and search those
-            schedules (default True; each mode costs a profile).
+        block_modes: also profile the chain with every block in each of those modes and save
+            sets (op-level choices: ``zoo.planner.savesets``), as per-block options at any
+            level of the schedule, and search those schedules (default True).
+        compiled: the model will run under ``torch.compile``: plan only what AOTAutograd's
+            partitioner keeps (one-level schedules of plain blocks; see :class:`Planner`).
 
     A budget at or above the plain model's peak checkpoints nothing. A budget below the lowest
     peak any schedule reaches raises :class:`BudgetTooSmallError` naming that peak; nan,
@@ -110,7 +112,7 @@ def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | flo
         if apply:
             result.apply(model)
         return result
-    spine = spine_planner(model, example_input, loss_fn) \
+    spine = spine_planner(model, example_input, loss_fn, compiled=compiled) \
         if not hasattr(model, "checkpoint_chain") and modules is None else None
     if spine is not None:
         result = spine.plan(budget)
@@ -119,8 +121,8 @@ def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | flo
     elif budget == float("inf"):
         result = _no_limit(model, example_input, loss_fn)
     else:
-        result = Planner(model, example_input, loss_fn, modes=modes,
-                         block_modes=block_modes).plan(budget)
+        result = Planner(model, example_input, loss_fn, modes=modes, block_modes=block_modes,
+                         compiled=compiled).plan(budget)
     if apply:
         result.apply(model)
     return result

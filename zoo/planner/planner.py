@@ -44,15 +44,17 @@ def block_plan(p: ChainProfile, schedule: list) -> list[tuple[int, int, Any]]:
 
 
 def plan_choices(profile: ChainProfile, variants: Sequence[ChainProfile] = (),
-                 modes: Sequence[ModeCost] = (), slots: int = 2000) -> list[Plan]:
+                 modes: Sequence[ModeCost] = (), slots: int = 2000,
+                 one_level: bool = False) -> list[Plan]:
     """Every plan worth having (budget left at ``inf``): peak ascending, recompute strictly
     falling, and the plain chain last (after a plan as cheap as it, when regions that cost no
-    FLOPs, such as a BatchNorm-ReLU's, lower the peak for free)."""
+    FLOPs, such as a BatchNorm-ReLU's, lower the peak for free). ``one_level``: one-level
+    schedules of plain blocks only."""
     p = profile
     plain = predict_peak(p, [(0, p.n_units, False)])
     kinds = [p, *(q for q in variants if q.units == p.units and q.act == p.act)]
     out: list[Plan] = []
-    if p.n_units <= MAX_UNITS:
+    if p.n_units <= MAX_UNITS and not one_level:
         names = [q.block_mode for q in kinds]
         for f in Front(kinds, slots=slots).plans:
             block_modes = [names[f.variants[u]] for u, (a, b) in enumerate(p.units)
@@ -153,12 +155,18 @@ class Planner:
     ``modes``: measure the model's own hand modes as candidates (those the chain with its
     per-block modes cannot express: :func:`_unique_modes`); ``block_modes``: profile the chain
     with every block in each of them, as per-block options at any level of a schedule;
-    ``slots``: the memory grid of the nested search."""
+    ``slots``: the memory grid of the nested search. ``compiled``: plans for a model that will
+    run under ``torch.compile``: one-level schedules of plain blocks only, which AOTAutograd's
+    partitioner keeps (it recomputes each tagged op once, so a nested schedule's recompute
+    within a recompute, and a block's own checkpoints inside a stored block, are not kept:
+    their compiled step holds more than planned; tests/planner/test_planner_compile.py)."""
 
     def __init__(self, model: nn.Module, example_input: torch.Tensor,
                  loss_fn: Callable[[Any], torch.Tensor] | None = None, *, modes: bool = True,
                  block_modes: bool = True, slots: int = 2000,
-                 profile: ChainProfile | None = None) -> None:
+                 profile: ChainProfile | None = None, compiled: bool = False) -> None:
+        if compiled:
+            modes = block_modes = False
         fake = FakeStep(model, example_input)
         self.profile = profile or profile_chain(model, example_input, loss_fn, fake=fake)
         self.variants, per_block = _block_mode_profiles(model, example_input, loss_fn,
@@ -166,7 +174,8 @@ class Planner:
             if block_modes and profile is None else ([], set())
         self.modes = profile_modes(model, example_input, self.profile.step_flops, loss_fn,
                                    _unique_modes(model, per_block), fake) if modes else []
-        self.choices = plan_choices(self.profile, self.variants, self.modes, slots)
+        self.choices = plan_choices(self.profile, self.variants, self.modes, slots,
+                                    one_level=compiled)
 
     @property
     def least_peak(self) -> int:
@@ -184,7 +193,7 @@ class Planner:
 
 def spine_planner(model: nn.Module, example_input: Any,
                   loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                  slots: int = 2000) -> Planner | None:
+                  slots: int = 2000, compiled: bool = False) -> Planner | None:
     """A :class:`Planner` over ``model``'s spine (``zoo.planner.spine``: every submodule call
     of it a candidate region, the stem too), or None when the spine leaves out some of the
     repeated blocks ``zoo.blocks.find_blocks`` names (a Hugging Face encoder's layers, looped
@@ -209,7 +218,7 @@ def spine_planner(model: nn.Module, example_input: Any,
         if len(names) < 2 or not covered:
             return None
         planner = Planner(Spine(model, names), example_input, loss_fn, modes=False,
-                          slots=slots)
+                          slots=slots, compiled=compiled)
         planner.choices = [dataclasses.replace(c, spine=list(names)) for c in planner.choices]
         return planner
     finally:

@@ -192,7 +192,7 @@ def fronts(p: ChainProfile) -> list[list[list[Option]]]:
     front[n] = [[(p.act[n] + p.head_rise, 0, None)], [(p.head_rise, 0, None)]]
     for a in range(n - 1, -1, -1):
         for s in (False, True):
-            if s and a == 0:
+            if s and not p.held_in_plain(a):  # no stored segment before can hold its input
                 continue
             cands: list[Option] = []
             for b in range(a + 1, n + 1):
@@ -273,7 +273,7 @@ def _least_need(p: ChainProfile) -> int:
     need = [[0, 0] for _ in range(n + 1)]
     need[n] = [p.act[n] + p.head_rise, p.head_rise]
     for a in range(n - 1, -1, -1):
-        for s in ((False,) if a == 0 else (False, True)):
+        for s in ((False, True) if p.held_in_plain(a) else (False,)):
             options = []
             for b in range(a + 1, n + 1):
                 for ck in (False, True):

@@ -175,6 +175,8 @@ class SpineStep:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
+        if torch.compiler.is_compiling():  # no state may change inside a compiled checkpoint;
+            return _own_forward(m, x)  # nor is the normalisation guard traced (docs above)
         m.__dict__["_zoo_spine_call"] = m.__dict__.get("_zoo_spine_call", 0) + 1
         try:
             return m(x)
