@@ -1,14 +1,18 @@
 # Two commands set everything up on a fresh machine (Python >= 3.10 with venv and pip):
 #   make train   -> creates .venv, installs zoo, trains DenseNet-BC-100 efficiently on built-in data
 #   make test    -> creates .venv, installs zoo with its test extras, runs the test suite
+# and for the project's own checks:
+#   make docs           -> the docs site with the API reference (site/), warnings as errors
+#   make package-check  -> builds the wheel and sdist, installs the wheel in a fresh environment
+#                          outside the checkout, trains one tiny epoch with `zoo-train`, make docs
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TRAIN_ARGS ?= --model densenet --efficient True --dataset shapes --image_size 16 --epochs 3
 
-.PHONY: train test install
+.PHONY: train test install docs package-check
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -e '.[dev]'
 	touch $@
@@ -18,3 +22,13 @@ train: install
 
 test: install
 	$(PY) -m pytest -q --durations=25
+
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(VENV)/bin/pip install -e '.[dev,docs]'
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+package-check: install
+	bash .ci/package_check.sh $(VENV)

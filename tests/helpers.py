@@ -100,3 +100,15 @@ class TensorsAlive(TorchDispatchMode):
 
     def alive(self) -> int:
         return sum(r() is not None for r in self.refs)
+
+
+def call_command(main: Callable[..., None], capsys, **flags) -> tuple[int, str, str]:
+    """A training command's ``main(**flags)`` in this process, as Fire calls it: (exit status,
+    stdout, stderr)."""
+    code = 0
+    try:
+        main(**flags)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -47,7 +47,8 @@ def assert_exact_lighter_and_undone(plain: nn.Module, x: torch.Tensor,
                                     call: Callable[[nn.Module, torch.Tensor], torch.Tensor]
                                     = lambda m, t: m(t), via: str | None = None,
                                     **options) -> nn.Module:
-    """The issue's checks for one model; returns the checkpointed copy (switched off again)."""
+    """Every check for one model (exact, lighter, undone); returns the checkpointed copy
+    (switched off again)."""
     ckpt = copy.deepcopy(plain)
     assert zoo.set_grad_checkpointing(ckpt, **options) is ckpt
     if via is not None:

@@ -83,7 +83,7 @@ def test_cp_batchnorm_rejects_bad_input_without_touching_state():
 
 
 # --------------------------------------------------------------------------------------------
-# Every BatchNorm flavour (issue 12, item 1): timm's own set_grad_checkpointing, which recomputes
+# Every BatchNorm flavour: timm's own set_grad_checkpointing, which recomputes
 # with torch's checkpoint, double counts each flavour until convert_batchnorm gives it its twin.
 # --------------------------------------------------------------------------------------------
 def _bn_layers(model: nn.Module) -> list[nn.Module]:

@@ -9,7 +9,7 @@ reentrant and non-reentrant ``torch.utils.checkpoint`` (and everything built on 
 ``set_grad_checkpointing``, torchvision's ``memory_efficient``, Hugging Face's
 ``gradient_checkpointing_enable``) recompute. A plain BatchNorm under those wrappers counts every
 batch twice (pytorch/pytorch#96136). Under the zoo's checkpoint they cost the same as plain
-BatchNorm (one in-place kernel per layer and recompute; see docs/BENCHMARKS.md).
+BatchNorm (one in-place kernel per layer and recompute; see docs/benchmarks/checkpoint.md).
 
 The idea and the name come from the multi-GPU checkpoint of seed 003 (``cp_BatchNorm2d``); the
 state_dict is exactly ``nn.BatchNorm2d``'s, so checkpoints load either way.

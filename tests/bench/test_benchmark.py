@@ -1,52 +1,52 @@
-"""scripts/benchmark.py and zoo.bench: end to end on the CPU, on seed 004's CIFAR CNN (few ops,
-so MemTracker and FakeTensorMode stay fast) at tiny batches.
+"""The ``variants``, ``max-batch``, ``segments``, ``plot`` and ``gpu`` subcommands of
+``python -m zoo.bench`` and the zoo.bench pieces under them: end to end on the CPU, on the zoo's
+CIFAR CNN (few ops, so MemTracker and FakeTensorMode stay fast) at tiny batches.
 
 Not timed tests: they check that every figure is there and consistent (JSON fields, ratios against
 plain, exact BatchNorm statistics for the zoo and not for torch's checkpoint), that the CPU's
-max-batch answer is right against real measurements, that the segments sweep shows seed 000's
-effect, that plot.py draws, and that scripts/bench_gpu.py's smoke run writes every part.
+max-batch answer is right against real measurements, that the segments sweep shows torch leaving
+its last segment unchecked, that ``plot`` draws, and that ``gpu --smoke`` writes every part.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 import zoo
+from zoo.bench import cli
 from zoo.bench.max_batch import PeakPredictor, largest_batch
 from zoo.bench.measure import measure_or_report, training_step
-from zoo.bench.plots import plot_all
 from zoo.bench.report import benchmark_table
 from zoo.bench.runs import parse_budgets, run_benchmark, run_max_batch, run_segments
 from zoo.bench.variants import Variant, build_variant, canonical_name
 from zoo.memory import cpu_peak_bytes
 from zoo.models.densenet import DenseNet
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = "cifar_cnn"
 EFFICIENT = "zoo halves"
 VARIANTS = ("plain", "official", EFFICIENT)
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(*args: str) -> None:
+    """``python -m zoo.bench ARGS`` in this process; it must succeed."""
+    assert cli.main(list(args)) == 0
 
 
 @pytest.fixture(scope="module")
-def benchmark_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("results") / "benchmark_cifar_cnn_cpu_b2.json"
+def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("results")
+
+
+@pytest.fixture(scope="module")
+def benchmark_json(results: Path) -> Path:
+    out = results / "benchmark_cifar_cnn_cpu_b2.json"
     # command-line spelling of the variants: zoo_halves (or halves) for "zoo halves"
-    _script("benchmark").main(model=MODEL, batch_size=2, variants="plain,official,zoo_halves",
-                              repeats=2, warmup=0, out=str(out))
+    bench("variants", "--model", MODEL, "--batch_size", "2", "--variants",
+          "plain,official,zoo_halves", "--repeats", "2", "--warmup", "0", "--out", str(out))
     return out
 
 
@@ -65,7 +65,8 @@ def test_benchmark_writes_json_with_every_figure(benchmark_json: Path) -> None:
         assert len(r["times_s"]) == 2 and r["images_per_s"] > 0
     assert rows["plain"]["peak_ratio"] == 1.0 and rows["plain"]["time_ratio"] == 1.0
     assert rows[EFFICIENT]["peak_bytes"] < rows["plain"]["peak_bytes"]
-    # the zoo's checkpoint is the plain model; torch's updates BatchNorm twice (#96136)
+    # the zoo's checkpoint is the plain model; torch's updates BatchNorm twice
+    # (pytorch/pytorch#96136)
     assert rows[EFFICIENT]["bn_stats_error"] == 0 and rows[EFFICIENT]["bn_count_error"] == 0
     assert rows["official"]["bn_count_error"] == 1
     assert rows[EFFICIENT]["grad_error"] < 1e-5
@@ -89,10 +90,12 @@ def test_cpu_max_batch_fits_and_next_does_not() -> None:
 
 
 @pytest.fixture(scope="module")
-def max_batch_payload() -> dict:
+def max_batch_payload(results: Path) -> dict:
     """Predicted largest batches under two budgets, as the CUDA allocator would count."""
-    return run_max_batch(MODEL, [30 * 2**20, 40 * 2**20], variants=["plain", EFFICIENT],
-                         allocator="cuda", probes=(2, 4))
+    out = results / "benchmark_cifar_cnn_cpu_maxbatch.json"
+    bench("max-batch", "--model", MODEL, "--memory_budget", f"{30 * 2**20},{40 * 2**20}",
+          "--variants", f"plain,{EFFICIENT}", "--out", str(out))
+    return json.loads(out.read_text())
 
 
 def test_max_batch_payload_and_cuda_rounding(max_batch_payload: dict) -> None:
@@ -107,7 +110,11 @@ def test_max_batch_payload_and_cuda_rounding(max_batch_payload: dict) -> None:
 
 
 def test_segments_sweep_shows_torch_skipping_the_last_segment(tmp_path: Path) -> None:
-    data = run_segments(MODEL, 1, segments=[1, 2], repeats=1, warmup=0)
+    out = tmp_path / "segments.json"
+    bench("segments", "--model", MODEL, "--batch_size", "1", "--segments", "1,2", "--repeats",
+          "1", "--warmup", "0", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert data["kind"] == "segments" and data["settings"]["batch_size"] == 1
     rows = {(r["impl"], r["segments"]): r for r in data["rows"]}
     assert set(rows) == {(None, 0), ("torch", 1), ("torch", 2), ("zoo", 1), ("zoo", 2)}
     # one segment: torch checkpoints nothing (its last segment never is), the zoo the whole chain
@@ -119,12 +126,16 @@ def test_segments_sweep_shows_torch_skipping_the_last_segment(tmp_path: Path) ->
     assert all("median_s" in r for r in rows.values())
 
 
-def test_plot_writes_pngs(benchmark_json: Path, max_batch_payload: dict, tmp_path: Path) -> None:
+def test_plot_writes_pngs(benchmark_json: Path, max_batch_payload: dict, tmp_path: Path,
+                          capsys: pytest.CaptureFixture) -> None:
+    shutil.copy(benchmark_json, tmp_path)
     (tmp_path / "benchmark_max.json").write_text(json.dumps(max_batch_payload))
     fake = run_benchmark(MODEL, [1, 2], fake=True, variants=["plain"])
     (tmp_path / "benchmark_fake.json").write_text(json.dumps(fake))
-    paths = [benchmark_json, tmp_path / "benchmark_max.json", tmp_path / "benchmark_fake.json"]
-    written = plot_all(paths, tmp_path / "img")
+    (tmp_path / "other.json").write_text("{}")  # not a benchmark_*.json: left alone
+    capsys.readouterr()
+    bench("plot", "--results", str(tmp_path), "--out", str(tmp_path / "img"))
+    written = [Path(line) for line in capsys.readouterr().out.split()]
     names = {p.name for p in written}
     assert {"cifar_cnn_cpu_max_batch.png", "cifar_cnn_cpu_peak_vs_batch.png",
             "cifar_cnn_cpu_b2_tradeoff.png"} <= names
@@ -211,17 +222,18 @@ def test_failing_variant_is_a_row_not_a_crash() -> None:
     assert "| 2 | wrong input | failed: RuntimeError: " in benchmark_table(rows)
 
 
-def test_bench_gpu_smoke_writes_every_part(tmp_path: Path) -> None:
-    """scripts/bench_gpu.py --smoke: every part of issue 11's GPU command runs on the CPU with
-    tiny sizes and writes its JSON (machine, command, rows, goals) and Markdown."""
+def test_gpu_smoke_writes_every_part(tmp_path: Path) -> None:
+    """``gpu --smoke``: every part of the GPU command runs on the CPU with tiny sizes and
+    writes its JSON (machine, command, rows, goals) and Markdown."""
     threads = torch.get_num_threads()
     try:
-        paths = _script("bench_gpu").main(["--smoke", "--out_dir", str(tmp_path)])
+        bench("gpu", "--smoke", "--out_dir", str(tmp_path))
     finally:
         torch.set_num_threads(threads)
     parts = ("overhead", "overhead_graphs", "densenet_b64", "densenet_b256", "resnet50", "bert",
              "max_batch")
-    assert [p.name for p in paths] == [f"gpu_{p}_smoke_cpu.json" for p in parts]
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == sorted(
+        f"gpu_{p}_smoke_cpu.json" for p in parts)
     data = {p: json.loads((tmp_path / f"gpu_{p}_smoke_cpu.json").read_text()) for p in parts}
     for part, d in data.items():
         assert d["part"] == part and d["settings"]["smoke"] and d["rows"] and d["goals"]
@@ -250,17 +262,6 @@ def test_bench_gpu_smoke_writes_every_part(tmp_path: Path) -> None:
     assert all(r["largest_batch"] >= 1 and r["batch_ratio"] >= 1 for r in biggest)
     runs = {(r["checkpoint"], r["run_as"]) for r in data["overhead"]["rows"]}
     assert ("zoo.checkpoint", "compiled") in runs and ("none", "eager") in runs
-
-
-def test_bench_gpu_without_cuda_is_one_line() -> None:
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: the error is for machines without")
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"),
-                           "--part", "bert"], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 2
-    assert done.stderr.startswith("error: --device cuda but torch sees no CUDA device")
-    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
 
 
 def test_variant_failing_after_its_first_step_is_found_apart() -> None:

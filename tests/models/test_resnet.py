@@ -199,7 +199,7 @@ def test_bad_arguments_say_what_to_do():
         block(torch.randn(1, 16, 4, 4, requires_grad=True), mode="whole")
 
 
-# -- the CIFAR nets' recommended mode (issue 11) ---------------------------------------------------
+# -- the CIFAR nets' recommended mode -------------------------------------------------------------
 def test_resnet110_efficient_keeps_at_most_half_the_plain_peak_for_fewer_flops_than_halves():
     """``efficient=True`` (``tapered``) at batch 16: exact peak <= 0.5x the plain step's, and it
     recomputes fewer FLOPs than ``halves`` (FlopCounterMode)."""

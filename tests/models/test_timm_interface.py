@@ -1,4 +1,4 @@
-"""zoo models speak timm's model interface, checked as timm's own tests check it (issue 12).
+"""zoo models speak timm's model interface, checked as timm's own tests check it.
 
 Ported from timm's tests/test_models.py (pytorch-image-models), each test naming its original;
 zoo's versions also check values against the plain model, not only shapes. Plus
@@ -290,7 +290,7 @@ def test_pretrained_for_a_model_without_weights_is_one_line(name):
     _one_line(err)
 
 
-# -- create_model's arguments (issue 13) ----------------------------------------------------------
+# -- create_model's arguments ---------------------------------------------------------------------
 @pytest.mark.parametrize("name", [None, 3, b"resnet20", ["resnet20"]])
 def test_create_model_name_that_is_not_a_string(name):
     with pytest.raises(TypeError, match="model name must be a string") as err:

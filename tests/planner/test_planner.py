@@ -221,7 +221,7 @@ _PROFILED: dict[str, tuple[ZooModel, torch.Tensor, ChainProfile]] = {}
 
 
 def profiled_model(name: str) -> tuple[ZooModel, torch.Tensor, ChainProfile]:
-    """(model, batch of 2, profile), profiled once per test session (profiling takes seconds)."""
+    """(model, batch of 2, profile), profiled once per pytest run (profiling takes seconds)."""
     if name not in _PROFILED:
         torch.manual_seed(0)
         model = zoo.create_model(name)
@@ -254,7 +254,7 @@ def test_with_room_to_spare_the_plan_recomputes_less_than_blanket_checkpointing(
     """At the peak ResNet-110's blanket ``halves`` checkpointing reaches, the plan fits and
     recomputes fewer FLOPs (measured: FlopCounterMode over a step). (Its recommended ``tapered``
     mode, which mixes block regions with bn_relu recompute, is cheaper than any block-level plan
-    at its own peak: see docs/BENCHMARKS.md.)"""
+    at its own peak: see docs/benchmarks/planner.md.)"""
     model, x, p = profiled_model("resnet110")
     plain_peak, plain_flops = real_step(model, x)
     model.set_grad_checkpointing("halves")

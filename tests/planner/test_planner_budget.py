@@ -1,5 +1,5 @@
-"""Memory budgets as ``zoo.plan`` reads them (issue 14, item 6; issue 13, item 11), and the
-planner package's imports (issue 14, item 7).
+"""Memory budgets as ``zoo.plan`` reads them, and the planner package's
+imports.
 
 Bytes or strings with units ("2GB", "2GiB", "1500MB"); ``inf`` plans no checkpointing; a fraction
 of a GPU's memory is refused on a CPU input; nan, negative, zero and unreadable budgets are a
@@ -58,7 +58,7 @@ def test_fraction_of_a_gpu():
 
 
 def test_plan_with_an_infinite_budget_checkpoints_nothing():
-    """issue 13 item 11: ``zoo.plan(model, x, float("inf"))`` raised OverflowError."""
+    """``zoo.plan(model, x, float("inf"))`` plans nothing (it once raised OverflowError)."""
     torch.manual_seed(0)
     model = zoo.create_model("cifar_cnn")
     x = model.example_input(4)
@@ -92,7 +92,7 @@ def _planner_imports(path: Path) -> set[str]:
 
 def test_no_import_circle_inside_the_planner():
     """Every module of zoo/planner imports only modules that do not import it back, directly
-    or through others (issue 14 item 7: measure.py and profile.py imported each other)."""
+    or through others (measure.py and profile.py once imported each other)."""
     graph = {p.stem: _planner_imports(p) for p in PLANNER.glob("*.py")}
     assert set().union(*graph.values()) <= set(graph)
 

@@ -1,5 +1,5 @@
 """``zoo.plan`` never recomputes more than one of the model's own checkpoint modes that fits the
-same budget (issue 14, item 1), predicted and measured, on a small member of every family.
+same budget, predicted and measured, on a small member of every family.
 
 A mode's peak is measured (``measure_step``: one training step under ``FakeTensorMode``,
 MemTracker's exact bytes and FlopCounterMode's FLOPs, byte-identical to a real CPU step as

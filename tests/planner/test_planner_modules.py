@@ -1,4 +1,4 @@
-"""``zoo.plan`` on any ``nn.Module`` (issue 14, item 3): a user's model, torchvision's ResNet-18
+"""``zoo.plan`` on any ``nn.Module``: a user's model, torchvision's ResNet-18
 and a Hugging Face BERT, planned over the blocks ``zoo.blocks.find_blocks`` names, profiled under
 ``FakeTensorMode``, with the budget met as measured (MemTracker's exact bytes on a fake step,
 which tests/planner/test_planner.py checks against a real one) and the same outputs and gradients

@@ -1,4 +1,4 @@
-"""``zoo.plan`` on any module, nested (issue 14, item 3): outer regions around checkpointed
+"""``zoo.plan`` on any module, nested: outer regions around checkpointed
 blocks (a stage, a slice of a plain ``nn.Sequential``) lower the least peak below "every block
 checkpointed"; they train exactly like the plain model (outputs, gradients, BatchNorm buffers
 after two SGD steps, bit for bit); and a timm model is planned within its budget as measured.

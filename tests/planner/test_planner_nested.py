@@ -1,4 +1,4 @@
-"""Multi-level checkpoint schedules (issue 14, item 2): the solver against an exhaustive search
+"""Multi-level checkpoint schedules: the solver against an exhaustive search
 over every nested schedule, the model against the one-level ``predict_peak`` and against
 measured steps, and nested plans training exactly like the plain model."""
 from __future__ import annotations

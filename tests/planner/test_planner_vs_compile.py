@@ -1,4 +1,4 @@
-"""zoo.bench.compile_budget and scripts/bench_planner_vs_compile.py on a tiny conv-bn-relu model.
+"""zoo.bench.compile_budget and zoo.bench.planner_vs_compile on a tiny conv-bn-relu model.
 
 The compiled step (inductor's partitioner under ``activation_memory_budget``, graphs interpreted
 op by op) must be the plain model's step: same FLOPs and gradients at budget 1.0, BatchNorm
@@ -7,19 +7,16 @@ report every field the benchmark prints.
 """
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
 from zoo.bench.compile_budget import compile_step, default_solver, measure_compiled
+from zoo.bench.planner_vs_compile import compare, markdown
 from zoo.memory import count_flops, cpu_peak_bytes
 from zoo.planner import default_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny() -> nn.Sequential:
@@ -68,11 +65,7 @@ def test_budget_outside_zero_one_is_refused() -> None:
 
 
 def test_compare_reports_both_sides() -> None:
-    spec = importlib.util.spec_from_file_location(
-        "bench_planner_vs_compile", ROOT / "scripts" / "bench_planner_vs_compile.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    result = script.compare(tiny, batch=4, fractions=(1.0, 0.3), size=16)
+    result = compare(tiny, batch=4, fractions=(1.0, 0.3), size=16)
     first, second = result["rows"]
     assert first["torch_recompute_flops"] == 0
     assert second["torch_recompute_flops"] > 0
@@ -82,4 +75,4 @@ def test_compare_reports_both_sides() -> None:
         if row["zoo_peak_bytes"] is not None:  # zoo's plan meets torch's peak as its budget
             assert row["zoo_peak_bytes"] <= row["torch_peak_bytes"]
     assert result["zoo_least"]["peak_bytes"] <= result["plain_peak_bytes"]
-    assert "| tiny (4) | 0.3 |" in script.markdown([result])
+    assert "| tiny (4) | 0.3 |" in markdown([result])

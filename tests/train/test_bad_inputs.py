@@ -1,7 +1,7 @@
 """Every bad input to train.py: one line on stderr saying what was wrong and what to do, the exit
 status (2 for usage), no traceback (unless --debug True), and an existing run directory left
-byte for byte as it was. Table-driven: each row is one input a user gets wrong (issue 13, item 5,
-and the like); the run directory is a real finished run of cifar_cnn."""
+byte for byte as it was. Table-driven: each row is one input a user gets wrong (a bad
+value, a missing file, a wrong type); the run directory is a real finished run of cifar_cnn."""
 from __future__ import annotations
 
 import importlib.util

@@ -1,4 +1,4 @@
-"""The run directory's contract (DESIGN.md, issue 13), each point on real tiny runs of cifar_cnn:
+"""The run directory's contract (DESIGN.md), each point on real tiny runs of cifar_cnn:
 resume continues in the directory named; a new run never writes into another run's files; the
 lock; checksums and going back one epoch; metrics rewritten from the checkpoint; config drift
 refused by key; divergence stops the run; files honour the umask; stale temporary files go."""

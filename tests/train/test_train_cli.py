@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import call_command
 from zoo.train.config import ConfigError, TrainConfig, config_keys, load_yaml, resolve_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,14 +29,7 @@ def load_train_module():
 
 def run_main(capsys, **flags) -> tuple[int, str, str]:
     """train.main(**flags) in this process, as Fire would call it: (exit status, stdout, stderr)."""
-    main = load_train_module().main
-    code = 0
-    try:
-        main(**flags)
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+    return call_command(load_train_module().main, capsys, **flags)
 
 
 def run_script(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:

@@ -1,5 +1,5 @@
 """train.py --compile with every --efficient value: it trains the model eager plain training
-gives, and its runs resume (issue 11 item 2).
+gives, and its runs resume.
 
 The library-level runs compile with the ``aot_eager`` backend (Dynamo and AOTAutograd as for
 inductor, eager kernels: seconds instead of minutes of C++ compilation on a CPU); one real

@@ -1,5 +1,5 @@
 """A training step compiled under ``torch._functorch.config.activation_memory_budget``, measured
-exactly on the CPU: the figures zoo.plan is compared with (issue 14, item 5).
+exactly on the CPU: the figures zoo.plan is compared with.
 
 torch.compile's answer to "fit this budget" lives in AOTAutograd's partitioner
 (``min_cut_rematerialization_partition``, the one inductor uses): given a fraction ``f`` of the

@@ -1,7 +1,7 @@
 """One training step of each variant: peak memory, FLOPs, median time, BatchNorm error.
 
 A step is forward, ``out.float().square().mean()`` as the loss, backward, in train mode, from
-fresh (``None``) gradients: the same step as ``scripts/bench_*.py``. No optimizer: its state is
+fresh (``None``) gradients: the same step in every benchmark. No optimizer: its state is
 the same for every variant and would only hide the activations' share.
 
 * Peak memory counts the model's parameters and buffers, its gradients, the input batch and every
@@ -30,7 +30,7 @@ from zoo.memory import count_flops, cpu_peak_bytes, cuda_peak_bytes
 
 from .variants import PLAIN, Variant
 
-__all__ = ["training_step", "measure_memory", "measure_flops", "measure_times",
+__all__ = ["training_step", "measure_memory", "measure_flops", "measure_times", "median_iqr",
            "measure_exactness", "measure_variants", "first_steps", "measure_or_report"]
 
 _STATS = ("running_mean", "running_var", "num_batches_tracked")
@@ -108,6 +108,15 @@ def measure_times(variants: Sequence[Variant], x: torch.Tensor, repeats: int = 5
     return times
 
 
+def median_iqr(times: Sequence[float]) -> tuple[float, float, float]:
+    """(median, first quartile, third quartile) of ``times`` (one time: all three equal it)."""
+    median = statistics.median(times)
+    if len(times) < 2:
+        return median, median, median
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    return median, q1, q3
+
+
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -181,9 +190,8 @@ def measure_variants(variants: Sequence[Variant], x: torch.Tensor, repeats: int 
         row["recompute_overhead"] = row["flops_ratio"] - 1 if row["flops_ratio"] else None
         if timed:
             row["time_ratio"] = row["median_s"] / base["median_s"]
-            ts = row["times_s"]
-            quartiles = statistics.quantiles(ts, n=4)[::2] if len(ts) > 1 else [ts[0], ts[0]]
-            row["time_iqr_ratio"] = [q / base["median_s"] for q in quartiles]
+            _, q1, q3 = median_iqr(row["times_s"])
+            row["time_iqr_ratio"] = [q1 / base["median_s"], q3 / base["median_s"]]
     return rows
 
 

@@ -35,7 +35,8 @@ from torch.utils import checkpoint as torch_checkpoint
 import zoo
 
 __all__ = ["make_chain", "WRAPPERS", "run_modes", "Combo", "build_combos", "time_combos",
-           "overhead_rows", "overhead_table", "overhead_header", "run_overhead", "one_line"]
+           "overhead_rows", "overhead_table", "overhead_header", "run_overhead", "one_line",
+           "overhead"]
 
 Wrapper = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -50,7 +51,7 @@ WRAPPERS: dict[str, Wrapper] = {
 
 def make_chain(blocks: int, width: int, seed: int = 0) -> nn.Sequential:
     """``blocks`` conv-BN-ReLU-dropout-conv-BN-ReLU blocks of ``width`` channels (same seed, same
-    weights): the chain of scripts/bench_checkpoint.py."""
+    weights): the chain of the ``checkpoint`` and ``overhead`` subcommands."""
     torch.manual_seed(seed)
     return nn.Sequential(*[
         nn.Sequential(nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width),
@@ -199,7 +200,7 @@ def overhead_rows(combos: Sequence[Combo], regions: int) -> list[dict[str, Any]]
 
 
 def overhead_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The rows as the Markdown table of docs/BENCHMARKS.md."""
+    """The rows as the Markdown table of docs/benchmarks/checkpoint.md."""
     lines = ["| checkpoint | run as | median step | x eager none (IQR) | extra us/region vs none "
              "run the same way | BN count after 1 step | status |", "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -256,3 +257,23 @@ def run_overhead(device: str = "cpu", regions: int = 100, repeats: int = 31, war
                 "repeats": repeats, "warmup": warmup, "backend": backend, "modes": modes}
     return {"kind": "overhead", "machine": machine_info(dev), "command": command_line(),
             "settings": settings, "rows": overhead_rows(combos, regions)}
+
+
+def overhead(device: str = "cpu", regions: int = 100, repeats: int = 15, warmup: int = 2,
+             threads: int | None = 1, compile: bool = True, backend: str = "inductor",
+             json_out: str | None = None) -> list[dict[str, Any]]:
+    """Each checkpoint's cost per region, eager and compiled (100 tiny regions).
+
+    No checkpoint, torch's non-reentrant and reentrant checkpoint and zoo.checkpoint, each eager
+    and compiled (``torch.compile`` of the whole chain, ``fullgraph=True``; on CUDA also
+    ``mode="reduce-overhead"``, CUDA graphs), as ratios to eager no checkpoint and as extra
+    microseconds per region. A combination that fails is a row with its one-line reason.
+    ``--backend aot_eager`` compiles without inductor; ``--json_out`` writes the payload.
+    """
+    from .report import write_json
+
+    payload = run_overhead(device, regions, repeats, warmup, threads or 1, compile, backend)
+    print(f"\n{overhead_header(payload)}\n\n{overhead_table(payload['rows'])}")
+    if json_out:
+        print(f"\nwrote {write_json(json_out, payload)}")
+    return payload["rows"]

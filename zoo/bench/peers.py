@@ -1,6 +1,6 @@
 """Exact peak bytes and FLOPs of one training step: a zoo model's checkpoint modes against timm's.
 
-Shared by the family benchmarks (``scripts/bench_{densenet,resnet,transformers}.py``). One step
+Shared by the family benchmarks (:mod:`zoo.bench.families`, :mod:`zoo.bench.outside`). One step
 is forward, ``square().mean()`` loss, backward, in train mode, from fresh gradients; the model's
 parameters count towards the peak (``track``), as they would on a GPU. Peaks come from MemTracker
 and FLOPs from FlopCounterMode, so they are exact and repeatable on the CPU; under
@@ -60,14 +60,15 @@ def zoo_modes(name: str, batch_size: int, size: int, fake: bool,
 
 
 def timm_checkpointing(name: str, batch_size: int, size: int, fake: bool) -> dict[str, Result]:
-    """timm's ``name``, plain and with ``set_grad_checkpointing(True)``, on random images.
-    (Some timm constructors read tensor values, which FakeTensorMode cannot give: pass
-    ``fake=False`` for those.)"""
+    """timm's ``name``, plain and with ``set_grad_checkpointing(True)``, on random images (a
+    ViT built for ``size``). (Some timm constructors read tensor values, which FakeTensorMode
+    cannot give: pass ``fake=False`` for those.)"""
     import timm
 
     torch.manual_seed(0)
+    kwargs = {"img_size": size} if name.startswith("vit") else {}
     with fake_mode(fake):
-        model = timm.create_model(name, pretrained=False)
+        model = timm.create_model(name, pretrained=False, **kwargs)
         x = torch.randn(batch_size, 3, size, size)
         results = {"timm plain": step_cost(model, x)}
         model.set_grad_checkpointing(True)
@@ -84,7 +85,7 @@ def add_rows(rows: list[dict], workload: str, results: dict[str, Result], base: 
 
 
 def print_table(rows: Sequence[dict], what: str) -> None:
-    """The Markdown table of docs/BENCHMARKS.md section 2, after a line naming the machine."""
+    """The rows as a Markdown table, after a line naming the machine."""
     print(f"torch {torch.__version__}, {platform.machine()}, CPU; {what}; ratios against the "
           f"zoo's plain model\n")
     print("| workload | variant | peak MiB | x plain | GFLOPs | x plain |")

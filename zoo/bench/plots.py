@@ -3,7 +3,8 @@
 * :func:`plot_peak_vs_batch`: peak memory against batch size, one line per variant;
 * :func:`plot_tradeoff`: peak memory against step time (both as ratios to plain), one point per
   variant, and for a segments sweep one line per implementation through its segment counts;
-* :func:`plot_max_batch`: the largest batch of each variant, grouped by memory budget.
+* :func:`plot_max_batch`: the largest batch of each variant, grouped by memory budget;
+* :func:`plot`: the ``plot`` subcommand, every picture of a folder of results.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_results", "plot_peak_vs_batch", "plot_tradeoff", "plot_max_batch", "plot_all"]
+__all__ = ["load_results", "plot_peak_vs_batch", "plot_tradeoff", "plot_max_batch", "plot_all",
+           "plot"]
 
 
 def _plt() -> Any:
@@ -25,7 +27,8 @@ def _plt() -> Any:
 
 
 def load_results(paths: Iterable[str | Path]) -> list[dict]:
-    """The payloads of ``scripts/benchmark.py`` JSON files (others are skipped)."""
+    """The payloads of ``variants``, ``max-batch`` and ``segments`` JSON files (others are
+    skipped)."""
     out = []
     for p in paths:
         data = json.loads(Path(p).read_text())
@@ -160,3 +163,22 @@ def plot_all(paths: Iterable[str | Path], out: str | Path) -> list[Path]:
     payloads = load_results(paths)
     return (plot_peak_vs_batch(payloads, out) + plot_tradeoff(payloads, out)
             + plot_max_batch(payloads, out))
+
+
+def plot(results: str = "docs/results", out: str = "docs/img",
+         pattern: str = "benchmark_*.json") -> list[str]:
+    """PNG pictures of the variants, max-batch and segments results.
+
+    Per model and device: peak memory against batch size per variant (from ``variants`` at
+    several batch sizes, e.g. ``--batch_size 16,32,64 --fake``); memory against time per variant
+    and per segment count (timed ``variants`` and ``segments`` runs); the largest batch per
+    variant and budget (``max-batch``). Prints the paths written.
+    """
+    paths = sorted(Path(results).glob(pattern))
+    if not paths:
+        raise ValueError(f"no {pattern} under {results}: run python -m zoo.bench variants "
+                         f"(or max-batch, segments) first")
+    written = plot_all(paths, out)
+    for p in written:
+        print(p)
+    return [str(p) for p in written]

@@ -14,8 +14,8 @@ import torch
 
 from zoo.memory import format_bytes
 
-__all__ = ["machine_info", "command_line", "write_json", "benchmark_table", "max_batch_table",
-           "segments_table"]
+__all__ = ["machine_info", "command_line", "comma_list", "int_list", "write_json",
+           "benchmark_table", "max_batch_table", "segments_table"]
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:
@@ -37,13 +37,31 @@ def machine_info(device: torch.device) -> dict[str, Any]:
 
 
 def command_line() -> str:
-    """The command that is running, as a user would type it."""
-    return "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    """The command that is running, as a user would type it (``python -m zoo.bench ...`` when
+    it runs as the module)."""
+    argv = list(sys.argv)
+    if argv and Path(argv[0]).name == "__main__.py" and Path(argv[0]).parent.name == "bench":
+        return "python -m zoo.bench " + " ".join(shlex.quote(a) for a in argv[1:])
+    return "python " + " ".join(shlex.quote(a) for a in argv)
 
 
 def comma_list(value: Any) -> list[str]:
-    """A script's comma-separated option as fire passes it (a string, or already a tuple)."""
-    return [str(v) for v in value] if isinstance(value, (list, tuple)) else str(value).split(",")
+    """A comma-separated flag as Fire passes it (a string, a number, or already a tuple)."""
+    if isinstance(value, (list, tuple)):
+        return [str(v).strip() for v in value]
+    return [v.strip() for v in str(value).split(",")]
+
+
+def int_list(value: Any) -> list[int]:
+    """``64``, ``"16,32"`` or ``(16, 32)`` -> a list of positive ints."""
+    try:
+        out = [int(v) for v in comma_list(value)]
+    except ValueError:
+        raise ValueError(f"expected a positive int or a comma-separated list of them, got "
+                         f"{value!r}") from None
+    if not out or min(out) < 1:
+        raise ValueError(f"expected positive ints, got {value!r}")
+    return out
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> Path:

@@ -1,4 +1,4 @@
-"""The three benchmarks of ``scripts/benchmark.py``, each returning a JSON-ready payload.
+"""One zoo model's three benchmarks (``variants``, ``max-batch``, ``segments``), each a payload.
 
 * :func:`run_benchmark`: every variant at one or more batch sizes (memory, FLOPs, time, exactness);
 * :func:`run_max_batch`: the largest batch of every variant under one or more memory budgets;

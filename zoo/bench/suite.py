@@ -1,7 +1,7 @@
-"""Issue 11's GPU figures as one command (``scripts/bench_gpu.py``), in parts of < 10 minutes.
+"""The GPU figures (the ``gpu`` subcommand, :mod:`.gpu`), in parts of < 10 minutes.
 
 Each part measures its variants side by side in one run and returns a payload (machine,
-command, settings, rows, goals) that the script writes as JSON and as a Markdown table:
+command, settings, rows, goals) that ``gpu`` writes as JSON and as a Markdown table:
 
 * ``overhead``: 100 tiny checkpointed regions, none / torch non-reentrant / torch reentrant /
   zoo.checkpoint, eager and compiled (:mod:`.overhead`); ``overhead_graphs``: the same, eager and
@@ -163,7 +163,7 @@ def run_part(part: str, device: str = "cuda", smoke: bool = False, repeats: int 
             "settings": settings, "rows": rows, "goals": goals(part, rows)}
 
 
-# -- issue 11 item 5's goals ---------------------------------------------------------------------
+# -- the goals the GPU figures are held to -------------------------------------------------------
 def _goal(text: str, value: float | None, limit: float, at_least: bool = False) -> dict:
     met = None if value is None else (value >= limit if at_least else value <= limit)
     return {"goal": text, "value": value, "limit": limit, "met": met}
@@ -182,7 +182,8 @@ def _ratio(a: dict | None, b: dict | None, key: str) -> float | None:
 
 
 def goals(part: str, rows: list[dict]) -> list[dict]:
-    """Issue 11 item 5's goal lines for ``part``: value, limit and met (None: a variant failed)."""
+    """The goal lines for ``part`` (a ratio to plain or a peer against its limit): value, limit
+    and met (None: a variant failed)."""
     out: list[dict] = []
     batches = sorted({r["batch_size"] for r in rows if "batch_size" in r})
     if part.startswith("densenet"):
@@ -250,13 +251,12 @@ def _goal_lines(goal_rows: list[dict]) -> str:
 
 
 def markdown(payload: dict) -> str:
-    """A part as docs/BENCHMARKS.md shows it: device, torch, date, command, table, goals."""
+    """A part as docs/benchmarks/gpu.md shows it: device, torch, command, table, goals."""
     m, part = payload["machine"], payload["part"]
     where = m.get("gpu") or f"CPU ({m['cpu']}, {m['torch_threads']} threads)"
     smoke = " (smoke: tiny sizes, figures meaningless)" if payload["settings"]["smoke"] else ""
     cuda = f", CUDA {m['cuda']}" if m.get("cuda") else ""
-    head = (f"### {part}{smoke}\n{where}, torch {m['torch']}{cuda}"
-            + f", {payload['date']}\n`{payload['command']}`\n")
+    head = f"### {part}{smoke}\n{where}, torch {m['torch']}{cuda}\n`{payload['command']}`\n"
     rows = payload["rows"]
     if part.startswith("overhead"):
         table = f"{overhead_header(payload)}\n\n{overhead_table(rows)}"

@@ -120,13 +120,15 @@ def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | N
 
     Args:
         fn: any callable: a module, a bound method, a closure.
-        *args, **kwargs: passed to ``fn`` unchanged (any keyword not named here goes to ``fn``).
+        *args: passed to ``fn`` unchanged.
+        **kwargs: passed to ``fn`` unchanged (any keyword not named here goes to ``fn``).
         save_ops: optional ATen ops (e.g. ``{torch.ops.aten.mm.default}``) whose outputs are kept
             instead of recomputed: selective recompute, Megatron-style. ``None`` recomputes all.
-        use_reentrant, preserve_rng_state, context_fn, determinism_check, debug, early_stop:
-            ``torch.utils.checkpoint.checkpoint``'s keywords, so that zoo.checkpoint can be handed
-            to any library that calls torch's; their meaning for a zoo region is in
-            :mod:`zoo.checkpoint.keywords` (``use_reentrant`` is ignored: always non-reentrant).
+
+    ``use_reentrant``, ``preserve_rng_state``, ``context_fn``, ``determinism_check``, ``debug`` and
+    ``early_stop`` are ``torch.utils.checkpoint.checkpoint``'s keywords, so that zoo.checkpoint can
+    be handed to any library that calls torch's; their meaning for a zoo region is in
+    :mod:`zoo.checkpoint.keywords` (``use_reentrant`` is ignored: always non-reentrant).
 
     Under ``torch.no_grad()`` or ``inference_mode`` it is exactly ``fn(*args, **kwargs)``. Under
     ``torch.compile`` (``fullgraph=True`` works) the region is one checkpoint subgraph of the
@@ -227,8 +229,10 @@ def checkpoint_sequential(blocks: Sequence[Callable[[Any], Any]] | nn.Sequential
         segments: ``None`` checkpoints every block on its own; an int splits the blocks into that
             many balanced contiguous segments, each checkpointed as one region.
         skip_last: run the last segment without checkpointing.
-        use_reentrant, preserve_rng_state, context_fn, determinism_check, debug, early_stop:
-            torch's keywords, passed to every segment's :func:`checkpoint`.
+
+    torch's keywords (``use_reentrant``, ``preserve_rng_state``, ``context_fn``,
+    ``determinism_check``, ``debug``, ``early_stop``) are passed to every segment's
+    :func:`checkpoint`.
 
     torch's argument order, ``checkpoint_sequential(functions, segments, input)``, is accepted
     too: a tensor given as ``segments`` after an int ``x`` is taken as the input.

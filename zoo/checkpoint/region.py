@@ -29,7 +29,7 @@ from .recompute import _ForwardContext, _local, _RecomputeContext
 # recomputes them when the inner region needs them.
 # torch.utils.checkpoint's non-reentrant path follows the same rules (its "Nestable Checkpoint"
 # note) with more bookkeeping per region (per-task handle maps, metadata, device probing);
-# scripts/bench_checkpoint.py --small measures the difference.
+# python -m zoo.bench checkpoint --small measures the difference.
 # --------------------------------------------------------------------------------------------
 _engine = torch.autograd.Variable._execution_engine
 _exec_group = getattr(torch._C, "_get_graph_exec_group", None)  # torch >= 2.9

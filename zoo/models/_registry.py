@@ -4,6 +4,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -48,7 +49,7 @@ def _check_arguments(name: object, num_classes: object) -> None:
 
 
 def create_model(name: str, num_classes: int | None = None, efficient: bool | str = False,
-                 pretrained: bool = False, **kwargs) -> nn.Module:
+                 pretrained: bool = False, **kwargs: Any) -> nn.Module:
     """Build a registered model.
 
     Args:

@@ -8,7 +8,7 @@ classifier. Dropout 0.1 on the embeddings, on the attention probabilities, after
 sublayer and before the classifier, as in the paper; ``zoo.checkpoint`` replays it exactly.
 
 Checkpointing is what made BERT-base fit at batch 64 in seed 004 (-60% memory for +25% time).
-Here (scripts/bench_transformers.py, batch 64, sequence 128, CPU): ``"block"`` and
+Here (``python -m zoo.bench transformers``, batch 64, sequence 128, CPU): ``"block"`` and
 ``"sublayer"`` recompute whole blocks / sublayers; ``"selective"`` (Megatron-style, Korthikanti
 et al. 2022) keeps the matmul outputs and recomputes only the attention core and pointwise ops,
 for a large saving at almost no extra FLOPs (on the CPU, attention with dropout stores the
@@ -64,9 +64,13 @@ class Bert(TransformerModel):
     """BERT encoder + pooler + classifier: token ids (B, T) -> logits (B, num_classes).
 
     Args:
-        vocab_size, max_positions, type_vocab_size: embedding table sizes (BERT-base uncased:
-            30522, 512, 2).
-        embed_dim, depth, num_heads, mlp_ratio: width, blocks, heads, MLP width ratio.
+        vocab_size: token embedding rows (BERT-base uncased: 30522).
+        max_positions: position embedding rows (512).
+        type_vocab_size: token type embedding rows (2).
+        embed_dim: width.
+        depth: number of blocks.
+        num_heads: attention heads.
+        mlp_ratio: MLP width as a multiple of ``embed_dim``.
         num_classes: classifier outputs (2 by default, e.g. sentiment).
         drop_rate: hidden dropout (embeddings, after each sublayer, before the classifier).
         attn_drop_rate: dropout on attention probabilities.

@@ -36,7 +36,10 @@ class GPT2(TransformerModel):
     Args:
         num_classes: vocabulary size (50257 for GPT-2's byte-level BPE).
         context_length: the longest sequence (learned positions).
-        embed_dim, depth, num_heads, mlp_ratio: width, blocks, heads, MLP width ratio.
+        embed_dim: width.
+        depth: number of blocks.
+        num_heads: attention heads.
+        mlp_ratio: MLP width as a multiple of ``embed_dim``.
         drop_rate: dropout on the embeddings and after every sublayer.
         attn_drop_rate: dropout on attention probabilities.
         efficient: checkpointing: ``False``, ``True`` (``"block"``) or a mode name.

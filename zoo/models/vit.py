@@ -11,7 +11,7 @@ backward, keeping only its input; ``"sublayer"`` checkpoints the attention and M
 ``"selective"`` keeps the blocks' matmul outputs and recomputes attention and pointwise ops. For
 ViT-S/16 at batch 8, 224 px, ``"block"`` peaks at exactly timm's ``set_grad_checkpointing(True)``
 (210.8 MiB, 0.388x plain) for fewer FLOPs (+20.2% against timm's +22.0%), because its last block
-is not recomputed (scripts/bench_transformers.py).
+is not recomputed (``python -m zoo.bench transformers``).
 
 ViT uses dropout where BERT and GPT-2 do (after each sublayer, on attention probabilities, after
 the position embedding, before the head), not after the MLP's GELU as timm also does; with the
@@ -43,7 +43,10 @@ class VisionTransformer(TransformerModel):
     Args:
         img_size: the image side the position embeddings are made for.
         patch_size: side of each square patch.
-        embed_dim, depth, num_heads, mlp_ratio: width, number of blocks, heads, MLP width ratio.
+        embed_dim: width.
+        depth: number of blocks.
+        num_heads: attention heads.
+        mlp_ratio: MLP width as a multiple of ``embed_dim``.
         num_classes: classifier outputs.
         drop_rate: dropout after the position embedding and in every block (hidden dropout).
         attn_drop_rate: dropout on attention probabilities.

@@ -3,7 +3,7 @@ and the default loss of a profiled step.
 
 ``measure.py`` and ``profile.py`` both run a training step under ``FakeTensorMode`` on these;
 keeping them here (importing nothing else from the package) is what keeps the package free of
-import circles (issue 14, item 7).
+import circles.
 """
 from __future__ import annotations
 

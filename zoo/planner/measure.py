@@ -4,8 +4,8 @@ The step (forward, loss, backward) runs under ``FakeTensorMode`` with the model'
 buffers swapped for fake copies, inside :class:`~zoo.planner.tracker.StepCounter` (live bytes as
 ``MemTracker`` counts them, without its module hooks, and ``FlopCounterMode``'s FLOPs). The byte
 count is identical to a real CPU step's, so this is the planner's independent check of its own
-predictions (tests, ``zoo.bench``) and it costs a fraction of a second even for batches this
-machine could not hold.
+predictions (tests, ``python -m zoo.bench planner``) and it costs a fraction of a second even
+for batches this machine could not hold.
 """
 from __future__ import annotations
 

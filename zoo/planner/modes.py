@@ -1,4 +1,4 @@
-"""A model's own checkpoint modes as candidates of the plan (issue 14, item 1).
+"""A model's own checkpoint modes as candidates of the plan.
 
 The families' hand modes cut *inside* blocks (DenseNet's bottleneck halves, ResNet's halves and
 BN-ReLU regions, a transformer's selective ``save_ops``), which a chain of whole blocks cannot

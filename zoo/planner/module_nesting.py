@@ -1,4 +1,4 @@
-"""Nested checkpoint regions for ``zoo.plan`` on any ``nn.Module`` (issue 14, item 3).
+"""Nested checkpoint regions for ``zoo.plan`` on any ``nn.Module``.
 
 With every block checkpointed, a step still keeps one input per block until backward reaches
 it. Checkpointing a container of blocks too (a ResNet stage, timm's ``stages.N``, a slice of

@@ -1,4 +1,4 @@
-"""``zoo.plan`` for any ``nn.Module`` (issue 14, item 3): which of its blocks to checkpoint.
+"""``zoo.plan`` for any ``nn.Module`` : which of its blocks to checkpoint.
 
 A model without the zoo's chain (torchvision, timm, Hugging Face, a user's) is planned over its
 repeated blocks as ``zoo.set_grad_checkpointing`` finds them (``zoo.blocks.find_blocks``) and

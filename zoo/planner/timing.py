@@ -1,5 +1,4 @@
-"""``cost="time"``: the chain's recompute costs as measured time on the input's device (issue 14,
-item 4).
+"""``cost="time"``: the chain's recompute costs as measured time on the input's device.
 
 FLOPs price a BatchNorm, a ReLU or a concatenation at (almost) nothing, yet on a GPU such
 memory-bound ops take time far beyond their FLOPs. Here each block's forward is timed for real

@@ -1,7 +1,8 @@
-"""Peak memory, FLOPs and BatchNorm counting of one training step of outside models: plain, with
-their family's own checkpointing (torch's checkpoint underneath), with zoo.set_grad_checkpointing.
+"""Outside models (``outside``): peak memory, FLOPs and BatchNorm counting of one training step,
+plain, with their family's own checkpointing (torch's checkpoint underneath), and with
+zoo.set_grad_checkpointing.
 
-    python scripts/bench_integrations.py     # exact CPU figures (MemTracker, FlopCounterMode)
+    python -m zoo.bench outside     # exact CPU figures (MemTracker, FlopCounterMode)
 
 One step = forward, ``square().mean()`` loss, backward, in train mode, from fresh gradients; the
 parameters count towards the peak. "BN counts" is the largest ``num_batches_tracked`` after one
@@ -11,10 +12,6 @@ step from a fresh copy: 1 is exact, 2 is the double update of pytorch/pytorch#96
 * timm resnet50, efficientnet_b0, vit_small_patch16_224 (``set_grad_checkpointing(True)``),
 * Hugging Face BERT-base from its default config (``gradient_checkpointing_enable()``),
   when transformers is installed.
-
-Images are batch 4 at 160x160 by default, BERT batch 4 x 128 tokens: small enough for a shared
-CPU (MemTracker's bookkeeping, not the arithmetic, takes most of the time).
-Prints a Markdown table; ``--json_out`` writes the rows as JSON.
 """
 from __future__ import annotations
 
@@ -22,12 +19,14 @@ import copy
 import warnings
 from collections.abc import Callable
 
-import fire
 import torch
 from torch import nn
 
 import zoo
-from zoo.bench.peers import add_rows, print_table, step_cost, write_json
+
+from .peers import add_rows, print_table, step_cost, write_json
+
+__all__ = ["LastHidden", "bn_counts", "measure", "own_and_zoo", "outside"]
 
 
 class LastHidden(nn.Module):
@@ -78,9 +77,15 @@ def own_and_zoo(build: Callable[[], nn.Module], own: Callable[[nn.Module], objec
     return variants
 
 
-def main(batch_size: int = 4, size: int = 160, tokens: int = 128,
-         json_out: str | None = None) -> list[dict]:
-    """Measure every workload, print the table, optionally write JSON."""
+def outside(batch_size: int = 4, size: int = 160, tokens: int = 128,
+            json_out: str | None = None) -> list[dict]:
+    """torchvision, timm, Hugging Face models: their own checkpointing and the zoo's.
+
+    Per model: plain, the family's own switch (torch's checkpoint underneath) and
+    zoo.set_grad_checkpointing: peak, FLOPs (ratios to plain) and the BatchNorm count one step
+    leaves (1 exact, 2 counted twice). Images batch 4 at 160x160 by default, BERT batch 4 x 128
+    tokens: small enough for a shared CPU. Prints Markdown tables; ``--json_out`` writes JSON.
+    """
     import timm
     import torchvision
 
@@ -117,7 +122,3 @@ def main(batch_size: int = 4, size: int = 160, tokens: int = 128,
         print(f"| {r['workload']} | {r['variant']} | {r['bn_counts']} |")
     write_json(json_out, rows)
     return rows
-
-
-if __name__ == "__main__":
-    fire.Fire(main)

@@ -1,8 +1,8 @@
-"""The checkpoint primitive alone: a zoo model's checkpointed mode on zoo.checkpoint against the
-same regions run by torch.utils.checkpoint (non-reentrant).
+"""The checkpoint primitive alone (``primitive``): a zoo model's checkpointed mode on
+zoo.checkpoint against the same regions run by torch.utils.checkpoint (non-reentrant).
 
-    python scripts/bench_primitive.py --model densenet_bc_100 --batch_size 1 --threads 1
-    python scripts/bench_primitive.py --model bert_base --batch_size 1 --mode selective
+    python -m zoo.bench primitive --model densenet_bc_100 --batch_size 1 --threads 1
+    python -m zoo.bench primitive --model bert_base --batch_size 1 --mode selective
 
 Both variants checkpoint exactly the same regions of the same model (the model modules' imported
 ``checkpoint`` is swapped for torch's, selective recompute mapped to torch's
@@ -15,22 +15,27 @@ models, whose cp_BatchNorm2d stays exact under torch's checkpoint too.
 """
 from __future__ import annotations
 
-import statistics
 import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
-import fire
 import torch
 from torch.utils import checkpoint as torch_checkpoint
 
 import zoo
-from zoo.bench.measure import measure_times, training_step
-from zoo.bench.report import command_line, machine_info, write_json
-from zoo.bench.variants import Variant
 
-_MODEL_MODULES = [m for name, m in sys.modules.items()
-                  if name.startswith("zoo.models.") and hasattr(m, "checkpoint")]
+from .measure import measure_times, median_iqr, training_step
+from .report import command_line, machine_info, write_json
+from .variants import Variant
+
+__all__ = ["torch_non_reentrant", "PrimitiveVariant", "restore_primitive", "primitive"]
+
+
+def _model_modules() -> list[ModuleType]:
+    """The zoo's model files that call ``checkpoint`` (imported by name: swappable)."""
+    return [m for name, m in list(sys.modules.items())
+            if name.startswith("zoo.models.") and hasattr(m, "checkpoint")]
 
 
 def torch_non_reentrant(fn: Callable, *args: Any, save_ops: Any = None, **kwargs: Any) -> Any:
@@ -53,19 +58,36 @@ class PrimitiveVariant(Variant):
         """Before each step: the mode, and ``primitive`` wherever the zoo's models call
         ``checkpoint`` (undone by :func:`restore_primitive`)."""
         super().prepare()
-        for m in _MODEL_MODULES:
+        for m in _model_modules():
             m.checkpoint = self.primitive
 
 
 def restore_primitive() -> None:
-    for m in _MODEL_MODULES:
+    """Every zoo model file calls zoo.checkpoint again."""
+    for m in _model_modules():
         m.checkpoint = zoo.checkpoint
 
 
-def main(model: str = "densenet_bc_100", batch_size: int = 1, mode: Any = True,
-         device: str = "cpu", threads: int | None = 1, repeats: int = 21, warmup: int = 3,
-         json_out: str | None = None) -> list[dict]:
-    """Print plain / torch non-reentrant / zoo.checkpoint step times for ``model`` in ``mode``."""
+def _bn_count_after_one_step(variant: Variant, x: torch.Tensor) -> int:
+    """The largest num_batches_tracked one step leaves (the model's buffers put back after)."""
+    net = variant.model
+    state = {k: t.clone() for k, t in net.state_dict().items()}
+    training_step(variant, x)()
+    count = max((int(b.num_batches_tracked) for b in net.modules()
+                 if getattr(b, "num_batches_tracked", None) is not None), default=0)
+    net.load_state_dict(state)
+    return count
+
+
+def primitive(model: str = "densenet_bc_100", batch_size: int = 1, mode: Any = True,
+              device: str = "cpu", threads: int | None = 1, repeats: int = 21, warmup: int = 3,
+              json_out: str | None = None) -> list[dict]:
+    """zoo.checkpoint against torch's checkpoint on the same regions of a zoo model.
+
+    Plain, torch non-reentrant and zoo.checkpoint step times for ``--model`` in checkpoint
+    ``--mode`` (True: the model's recommended one), interleaved; ratios to plain with their
+    interquartile range, and the BatchNorm count one step leaves. ``--json_out`` writes them.
+    """
     if threads:
         torch.set_num_threads(threads)
     dev = torch.device(device)
@@ -76,23 +98,16 @@ def main(model: str = "densenet_bc_100", batch_size: int = 1, mode: Any = True,
                                  torch_non_reentrant),
                 PrimitiveVariant("zoo.checkpoint", net, mode, "zoo.checkpoint")]
     try:
-        counts = {}
-        for v in variants:  # one step each from the same buffers: the BatchNorm count it leaves
-            state = {k: t.clone() for k, t in net.state_dict().items()}
-            training_step(v, x)()
-            counts[v.name] = max((int(b.num_batches_tracked) for b in net.modules()
-                                  if getattr(b, "num_batches_tracked", None) is not None),
-                                 default=0)
-            net.load_state_dict(state)
+        counts = {v.name: _bn_count_after_one_step(v, x) for v in variants}
         times = measure_times(variants, x, repeats, warmup)
     finally:
         restore_primitive()
-    base = statistics.median(times["plain"])
+    base = median_iqr(times["plain"])[0]
     rows = []
     for name, ts in times.items():
-        q1, _, q3 = statistics.quantiles(ts, n=4)
-        rows.append({"variant": name, "median_s": statistics.median(ts),
-                     "ratio": statistics.median(ts) / base, "iqr_ratio": [q1 / base, q3 / base],
+        median, q1, q3 = median_iqr(ts)
+        rows.append({"variant": name, "median_s": median, "ratio": median / base,
+                     "iqr_ratio": [q1 / base, q3 / base],
                      "num_batches_tracked_after_one_step": counts[name]})
     info = machine_info(dev)
     print(f"\n{model} (mode {mode!r}), batch {batch_size}; {info.get('gpu') or info['cpu']}, "
@@ -106,7 +121,3 @@ def main(model: str = "densenet_bc_100", batch_size: int = 1, mode: Any = True,
     if json_out:
         write_json(json_out, {"command": command_line(), "machine": info, "rows": rows})
     return rows
-
-
-if __name__ == "__main__":
-    fire.Fire(main, serialize=lambda rows: None)

@@ -1,8 +1,8 @@
-"""Recompute overhead against memory budget: the planner (``zoo.plan``) against uniform
-``checkpoint_sequential`` at every segment count and against blanket checkpointing.
+"""Recompute overhead against memory budget (``planner``): the planner (``zoo.plan``) against
+uniform ``checkpoint_sequential`` at every segment count and against blanket checkpointing.
 
-    python scripts/bench_planner.py                      # CPU, exact (MemTracker, FakeTensorMode)
-    python scripts/bench_planner.py --device cuda        # the same on a GPU's byte accounting
+    python -m zoo.bench planner                  # CPU, exact (MemTracker, FakeTensorMode)
+    python -m zoo.bench planner --device cuda    # the same on a GPU's byte accounting
 
 For each model (ResNet-110 and DenseNet-BC-100 at batch 64 on 32x32 images, BERT-base at batch 32,
 sequence 128 by default; ``--batches``) the chain is profiled once under ``FakeTensorMode`` and:
@@ -25,16 +25,12 @@ docs/results/bench_planner_<device>.json and docs/img/planner_<device>.png, prin
 """
 from __future__ import annotations
 
-import json
 import math
-import platform
-import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-import fire
 import torch
 
 import zoo
@@ -44,10 +40,14 @@ from zoo.planner import (ChainProfile, measure_step, predict_peak,
                          uniform_segments)
 from zoo.planner.batch import extrapolate, largest_feasible
 
-ROOT = Path(__file__).resolve().parents[1]
+from .report import comma_list, command_line, machine_info, write_json
+
+__all__ = ["SEQUENCE_LENGTHS", "uniform_schedules", "bench_model", "markdown", "planner"]
+
 MiB = 2**20
 DEFAULT_BATCHES = {"resnet110": 64, "densenet_bc_100": 64, "bert_base": 32}
-SIZES = {"bert_base": 128}  # sequence length; image models: their own 32x32
+# the sequence length of the planner benchmarks' transformers (image models: their own size)
+SEQUENCE_LENGTHS = {"bert_base": 128, "gpt2_small": 128}
 
 
 def uniform_schedules(p: ChainProfile) -> list[dict[str, Any]]:
@@ -76,7 +76,7 @@ def max_batches(model: torch.nn.Module, name: str, device: str, batch: int, p: C
     slope). Planner and blanket then follow secant steps on real profiles / fake steps from
     there, and report the largest batch checked to fit."""
     big = 4 * batch
-    make = lambda b: model.example_input(b, SIZES.get(name)).to(device)  # noqa: E731
+    make = lambda b: model.example_input(b, SEQUENCE_LENGTHS.get(name)).to(device)  # noqa: E731
     pb = profile_chain(model, make(big))
     bh, bf = blanket_peaks
     out = {}
@@ -142,7 +142,7 @@ def secant_largest(peak: Callable[[int], int], budget: int, guess: int,
 def bench_model(name: str, batch: int, device: str, points: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = zoo.create_model(name).to(device).train()
-    x = model.example_input(batch, SIZES.get(name)).to(device)
+    x = model.example_input(batch, SEQUENCE_LENGTHS.get(name)).to(device)
     started = time.perf_counter()
     p = profile_chain(model, x)
     profile_s = time.perf_counter() - started
@@ -152,7 +152,7 @@ def bench_model(name: str, batch: int, device: str, points: int) -> dict[str, An
     plain_measured, plain_flops = measure_step(model, x)
     model.set_grad_checkpointing(True)
     blanket_peak, blanket_flops = measure_step(model, x)
-    blanket_big = measure_step(model, model.example_input(4 * batch, SIZES.get(name))
+    blanket_big = measure_step(model, model.example_input(4 * batch, SEQUENCE_LENGTHS.get(name))
                                .to(device))[0]
     model.set_grad_checkpointing(False)
     blanket = {"mode": model.checkpoint_modes[0], "peak": blanket_peak,
@@ -234,7 +234,8 @@ def markdown(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict[str, Any]], path: Path) -> None:
+def plot_curves(results: list[dict[str, Any]], path: Path) -> None:
+    """Recompute against budget per model: planner, best uniform, each segment count, blanket."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -261,24 +262,26 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(models: str = "resnet110,densenet_bc_100,bert_base", device: str = "cpu",
-         batches: dict | None = None, points: int = 24, out_dir: str | None = None) -> None:
-    """Run the comparison; ``batches``: e.g. ``'{resnet110: 32}'`` to override the defaults."""
-    names = models.split(",") if isinstance(models, str) else list(models)
+def planner(models: str | tuple = "resnet110,densenet_bc_100,bert_base", device: str = "cpu",
+            batches: dict | None = None, points: int = 24, out_dir: str = "docs") -> list[dict]:
+    """The planner's recompute against budget, beside uniform segments and blanket.
+
+    Per model (ResNet-110 and DenseNet-BC-100 at batch 64, BERT-base at batch 32, sequence 128;
+    ``--batches '{resnet110: 32}'`` overrides): the planner's curve, uniform segmentation at
+    every segment count, blanket checkpointing measured, and the largest batch each reaches
+    under 11 and 12 GiB. Writes <out_dir>/results/bench_planner_<device>.json and
+    <out_dir>/img/planner_<device>.png; prints Markdown.
+    """
     sizes = {**DEFAULT_BATCHES, **(batches or {})}
     torch.set_num_threads(1)  # fake steps run Python, not kernels; threads only contend
-    results = [bench_model(n, sizes.get(n, 32), device, points) for n in names]
-    out = Path(out_dir) if out_dir else ROOT / "docs"
-    meta = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else
-            f"CPU ({platform.processor() or platform.machine()})", "torch": torch.__version__,
-            "python": sys.version.split()[0], "command": " ".join(["python"] + sys.argv)}
-    (out / "results").mkdir(parents=True, exist_ok=True)
-    tag = device.split(":")[0]
-    (out / "results" / f"bench_planner_{tag}.json").write_text(
-        json.dumps({"meta": meta, "results": results}, indent=1))
-    plot(results, out / "img" / f"planner_{tag}.png")
+    results = [bench_model(n, sizes.get(n, 32), device, points) for n in comma_list(models)]
+    dev = torch.device(device)
+    info = machine_info(dev)
+    meta = {"device": info.get("gpu") or f"CPU ({info['cpu']})", "torch": torch.__version__,
+            "python": info["python"], "command": command_line()}
+    tag = dev.type
+    out = Path(out_dir)
+    write_json(out / "results" / f"bench_planner_{tag}.json", {"meta": meta, "results": results})
+    plot_curves(results, out / "img" / f"planner_{tag}.png")
     print(markdown(results))
-
-
-if __name__ == "__main__":
-    fire.Fire(main)
+    return results

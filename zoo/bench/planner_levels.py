@@ -1,9 +1,9 @@
-"""How low multi-level schedules take the planner, and what they cost (issue 14, item 2), exact
+"""How low multi-level schedules take the planner, and what they cost (``planner-levels``), exact
 on the CPU (MemTracker bytes and FlopCounterMode FLOPs under FakeTensorMode: nothing runs).
 
-    python scripts/bench_planner_levels.py --models resnet110,densenet_bc_100,bert_base --batch 32
+    python -m zoo.bench planner-levels --models resnet110,densenet_bc_100,bert_base --batch 32
 
-Per model: the plain peak; the least peak of one-level schedules (the planner before) and of
+Per model: the plain peak; the least peak of one-level schedules (whole segments of blocks) and of
 nested schedules, over plain blocks and with per-block modes; at each ``--budgets`` fraction of
 the plain peak (and at Chen's sqrt(n) uniform segmentation's peak) the plan one level deep and
 the multi-level plan, each applied and measured (peak and recompute FLOPs); with block modes as
@@ -13,22 +13,21 @@ blocks). Prints Markdown and writes docs/results/bench_planner_levels_cpu.json.
 from __future__ import annotations
 
 import math
-import platform
 import time
 from typing import Any
 
-import fire
 import torch
 
 import zoo
-from zoo.bench.report import comma_list, write_json
 from zoo.planner import (BudgetTooSmallError, least_peak, measure_step, predict_peak,
                          profile_block_modes, profile_chain, smallest_peak, solve_measured,
                          solve_profile)
 from zoo.planner.solve import solve
 
-RESULT = "docs/results/bench_planner_levels_cpu.json"
-SIZES = {"bert_base": 128, "gpt2_small": 128}  # sequence lengths (images: the model's own)
+from .planner_vs_uniform import SEQUENCE_LENGTHS
+from .report import comma_list, command_line, machine_info, write_json
+
+__all__ = ["bench_model", "markdown", "planner_levels"]
 
 
 def _measure(model: Any, x: torch.Tensor, segments: list, block_modes: Any) -> tuple[int, int]:
@@ -64,7 +63,7 @@ def _row(model: Any, x: torch.Tensor, p: Any, inner: list, budget: int, plain: t
 def bench_model(name: str, batch: int, budgets: list[float]) -> dict[str, Any]:
     torch.manual_seed(0)
     model = zoo.create_model(name)
-    x = model.example_input(batch, SIZES.get(name))
+    x = model.example_input(batch, SEQUENCE_LENGTHS.get(name))
     started = time.perf_counter()
     p = profile_chain(model, x)
     inner = profile_block_modes(model, x)
@@ -108,16 +107,20 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(models: str = "resnet110,densenet_bc_100", batch: int = 32,
-         budgets: str = "0.3,0.2,0.171,0.145,0.14,0.13") -> None:
+def planner_levels(models: str | tuple = "resnet110,densenet_bc_100", batch: int = 32,
+                   budgets: str | tuple = "0.3,0.2,0.171,0.145,0.14,0.13",
+                   out: str = "docs/results/bench_planner_levels_cpu.json") -> list[dict]:
+    """How low multi-level (nested) schedules take the planner, and at what recompute.
+
+    Per model: the least peak one level deep, nested, and nested with per-block modes; at each
+    ``--budgets`` fraction of the plain peak (and at sqrt(n) segments' peak) each plan applied
+    and measured (peak, recompute FLOPs). Prints Markdown; writes ``--out``.
+    """
     fractions = [float(f) for f in comma_list(budgets)]
     results = []
     for name in comma_list(models):
         results.append(bench_model(name, batch, fractions))
         print(markdown(results[-1]) + "\n", flush=True)
-    write_json(RESULT, {"machine": platform.processor() or platform.machine(),
-                        "torch": torch.__version__, "results": results})
-
-
-if __name__ == "__main__":
-    fire.Fire(main)
+    write_json(out, {"machine": machine_info(torch.device("cpu"))["cpu"],
+                     "torch": torch.__version__, "command": command_line(), "results": results})
+    return results

@@ -1,7 +1,8 @@
-"""zoo.plan side by side with torch.compile's ``activation_memory_budget`` (issue 14, item 5),
-exact on the CPU: MemTracker peak bytes and FlopCounterMode recompute FLOPs of one training step.
+"""zoo.plan side by side with torch.compile's ``activation_memory_budget``
+(``planner-vs-compile``), exact on the CPU: MemTracker peak bytes and FlopCounterMode recompute
+FLOPs of one training step.
 
-    python scripts/bench_planner_vs_compile.py --models resnet20,cifar_cnn --batch 32
+    python -m zoo.bench planner-vs-compile --models resnet20,cifar_cnn --batch 32
 
 Per model (its plain forward: no zoo checkpointing) and per budget fraction ``f``:
 
@@ -19,20 +20,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-import fire
 import torch
 from torch import nn
 
 import zoo
-from zoo.bench.compile_budget import default_solver, measure_compiled
-from zoo.bench.report import command_line, machine_info, write_json
 from zoo.memory import format_bytes
 from zoo.planner import BudgetTooSmallError, default_loss, measure_step
 
-ROOT = Path(__file__).resolve().parents[1]
+from .compile_budget import default_solver, measure_compiled
+from .report import comma_list, command_line, machine_info, write_json
+
+__all__ = ["zoo_at", "zoo_least", "compare", "markdown", "planner_vs_compile"]
+
 FRACTIONS = (1.0, 0.7, 0.5, 0.3, 0.1, 0.0)
 
 
@@ -127,21 +128,24 @@ def markdown(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def main(models: str = "resnet20,resnet56,cifar_cnn,vit_cifar,densenet40", batch: int = 32,
-         fractions: str = ",".join(f"{f:g}" for f in FRACTIONS), solver: str | None = None,
-         threads: int = 2, out: str = "docs/results/bench_planner_vs_compile_cpu.json") -> None:
-    """Compare on every model in ``models``; the JSON is rewritten after each model."""
+def planner_vs_compile(models: str | tuple = "resnet20,resnet56,cifar_cnn,vit_cifar,densenet40",
+                       batch: int = 32,
+                       fractions: str | tuple = ",".join(f"{f:g}" for f in FRACTIONS),
+                       solver: str | None = None, threads: int = 2,
+                       out: str = "docs/results/bench_planner_vs_compile_cpu.json") -> list[dict]:
+    """zoo.plan beside torch.compile's activation_memory_budget, exact peaks and FLOPs.
+
+    Per model and budget fraction ``f``: torch's step compiled under
+    ``activation_memory_budget=f`` (peak and recompute measured), and zoo.plan given torch's
+    peak as its budget; also the least peak each side reaches. Prints Markdown; rewrites
+    ``--out`` after each model.
+    """
     torch.set_num_threads(threads)
-    names = list(models) if isinstance(models, (list, tuple)) else str(models).split(",")
-    fs = [float(f) for f in (fractions if isinstance(fractions, (list, tuple))
-                             else str(fractions).split(","))]
+    fs = [float(f) for f in comma_list(fractions)]
     results = []
-    for name in names:
+    for name in comma_list(models):
         results.append(compare(name, batch, fs, solver=solver))
-        write_json(ROOT / out, {"machine": machine_info(torch.device("cpu")),
-                                "command": command_line(), "results": results})
+        write_json(out, {"machine": machine_info(torch.device("cpu")),
+                         "command": command_line(), "results": results})
         print(markdown(results[-1:]), flush=True)
-
-
-if __name__ == "__main__":
-    fire.Fire(main)
+    return results

@@ -1,8 +1,7 @@
-"""The planner's time plan against its FLOP plan at the same budgets (issue 14, item 4).
+"""The planner's time plan against its FLOP plan at the same budgets (``planner-time``).
 
-    python scripts/bench_planner_time.py --device cuda --models resnet110,densenet_bc_100 \
-        --batch 128
-    python scripts/bench_planner_time.py --smoke          # CPU, resnet20 batch 4: checks it runs
+    python -m zoo.bench planner-time --device cuda --models resnet110,densenet_bc_100 --batch 128
+    python -m zoo.bench planner-time --smoke      # CPU, resnet20 batch 4: checks it runs
 
 Per model and budget (``--budgets``: fractions of the plain peak, between the least peak and
 plain): ``zoo.plan(..., cost="flops")`` and ``zoo.plan(..., cost="time")`` (each block's forward
@@ -18,23 +17,24 @@ import copy
 import statistics
 from typing import Any
 
-import fire
 import torch
 
 import zoo
-from zoo.bench.measure import measure_flops, measure_memory, measure_times
-from zoo.bench.report import comma_list, command_line, machine_info, write_json
-from zoo.bench.variants import Variant
 from zoo.planner import BudgetTooSmallError
 
-SIZES = {"bert_base": 128, "gpt2_small": 128}
+from .measure import measure_flops, measure_memory, measure_times
+from .planner_vs_uniform import SEQUENCE_LENGTHS
+from .report import comma_list, command_line, machine_info, write_json
+from .variants import Variant
+
+__all__ = ["bench_model", "markdown", "planner_time"]
 
 
 def bench_model(name: str, batch: int, device: str, fractions: list[float],
                 repeats: int) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     base = zoo.create_model(name).to(device)
-    x = base.example_input(batch, SIZES.get(name)).to(device)
+    x = base.example_input(batch, SEQUENCE_LENGTHS.get(name)).to(device)
     roomy = zoo.plan(base, x, float("inf"), apply=False, modes=False, block_modes=False)
     plain = Variant("plain", base, False, "no checkpointing")
     rows = []
@@ -82,8 +82,17 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(models: str = "resnet110,densenet_bc_100", batch: int = 128, device: str = "cuda",
-         budgets: str = "0.0,0.2,0.5", repeats: int = 20, smoke: bool = False) -> None:
+def planner_time(models: str | tuple = "resnet110,densenet_bc_100", batch: int = 128,
+                 device: str = "cuda", budgets: str | tuple = "0.0,0.2,0.5", repeats: int = 20,
+                 smoke: bool = False, out: str | None = None) -> list[dict]:
+    """The planner's time plan against its FLOP plan at the same budgets, timed.
+
+    Per model and budget (``--budgets``: fractions between the least peak and plain): each plan
+    applied to its own copy, then plain and both plans timed interleaved; median step time and
+    ratio to plain, the peak and the recomputed FLOPs. ``--smoke``: resnet20 batch 4 on the CPU
+    (checks it runs, writes nothing). Writes ``--out`` (default
+    docs/results/bench_planner_time_<device>.json).
+    """
     if smoke:
         models, batch, device, budgets, repeats = "resnet20", 4, "cpu", "0.5", 2
     rows = []
@@ -91,10 +100,8 @@ def main(models: str = "resnet110,densenet_bc_100", batch: int = 128, device: st
         rows += bench_model(name, batch, device, [float(f) for f in comma_list(budgets)], repeats)
     print("\n" + markdown(rows))
     if not smoke:
-        write_json(f"docs/results/bench_planner_time_{device.split(':')[0]}.json",
-                   {"machine": machine_info(torch.device(device)), "torch": torch.__version__,
+        dev = torch.device(device)
+        write_json(out or f"docs/results/bench_planner_time_{dev.type}.json",
+                   {"machine": machine_info(dev), "torch": torch.__version__,
                     "command": command_line(), "rows": rows})
-
-
-if __name__ == "__main__":
-    fire.Fire(main)
+    return rows

@@ -1,31 +1,29 @@
-"""The planner against each model's own checkpoint modes, and how low it reaches (issue 14,
-items 1 and 2), exact on the CPU (MemTracker bytes and FlopCounterMode FLOPs under
+"""The planner against each model's own checkpoint modes, and how low it reaches
+(``planner-modes``), exact on the CPU (MemTracker bytes and FlopCounterMode FLOPs under
 FakeTensorMode: nothing runs).
 
-    python scripts/bench_planner_modes.py --models resnet110,densenet_bc_100 --batch 32
+    python -m zoo.bench planner-modes --models resnet110,densenet_bc_100 --batch 32
 
 Per model, at ``--batch``: the plain step's peak; per hand mode its peak and recompute, and the
-plan's recompute at exactly that peak, chain schedules only (before issue 14) and with every
+plan's recompute at exactly that peak, chain schedules only (whole blocks) and with every
 candidate (hand modes, and the chain with every block in each mode: two levels); the least
 feasible peak of each search; the plan at the lowest budget applied and measured. Prints Markdown
 and writes docs/results/bench_planner_modes_cpu.json.
 """
 from __future__ import annotations
 
-import json
-import platform
 import time
-from pathlib import Path
 from typing import Any
 
-import fire
 import torch
 
 import zoo
 from zoo.planner import (BudgetTooSmallError, measure_step, predict_peak, profile_block_modes,
                          profile_chain, profile_modes, smallest_peak, solve_profile)
 
-ROOT = Path(__file__).resolve().parents[1]
+from .report import comma_list, command_line, machine_info, write_json
+
+__all__ = ["bench_model", "markdown", "planner_modes"]
 
 
 def _cost(profile: Any, budget: int, **kw: Any) -> tuple[int | None, Any]:
@@ -48,10 +46,10 @@ def bench_model(name: str, batch: int) -> dict[str, Any]:
     plain = predict_peak(p, [(0, p.n_units, False)])
     rows = []
     for m in modes:
-        before, _ = _cost(p, m.peak)
+        chain_only, _ = _cost(p, m.peak)
         after, plan = _cost(p, m.peak, modes=modes, block_profiles=inner)
         rows.append(dict(mode=m.mode, peak=m.peak, ratio=m.peak / plain,
-                         mode_recompute=m.recompute_flops, chain_recompute=before,
+                         mode_recompute=m.recompute_flops, chain_recompute=chain_only,
                          plan_recompute=after,
                          plan_choice=plan.mode or ("block modes" if plan.block_modes else "chain")))
     floors = {"chain, one level": (smallest_peak(p), []),
@@ -86,8 +84,8 @@ def markdown(results: list[dict[str, Any]]) -> str:
         s = r["step_flops"]
         out += [f"**{r['model']}**, batch {r['batch']}, plain peak "
                 f"{r['plain_peak'] / 2**20:.1f} MiB", "",
-                "| budget = peak of mode | peak / plain | mode's recompute | plan, chain only "
-                "(before) | plan, all candidates | plan takes |", "|---|---:|---:|---:|---:|---|"]
+                "| budget = peak of mode | peak / plain | mode's recompute | plan, whole blocks "
+                "only | plan, all candidates | plan takes |", "|---|---:|---:|---:|---:|---|"]
         out += [f"| {w['mode']} | {w['ratio']:.3f}x | {_f(w['mode_recompute'], s)} | "
                 f"{_f(w['chain_recompute'], s)} | {_f(w['plan_recompute'], s)} | "
                 f"{w['plan_choice'] or 'chain schedule'} |" for w in r["rows"]]
@@ -100,21 +98,21 @@ def markdown(results: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def main(models: str = "resnet110,densenet_bc_100,vit_cifar,cifar_cnn", batch: int = 32,
-         out: str = "docs/results/bench_planner_modes_cpu.json") -> None:
+def planner_modes(models: str | tuple = "resnet110,densenet_bc_100,vit_cifar,cifar_cnn",
+                  batch: int = 32, out: str = "docs/results/bench_planner_modes_cpu.json"
+                  ) -> list[dict]:
+    """The planner at the peak of each of a model's own checkpoint modes.
+
+    Per model and hand mode: its peak and recompute, and the plan's recompute at that peak, over
+    whole blocks only and with every candidate (hand modes, per-block modes); the least peak of
+    each search, planned there and measured. Prints Markdown; writes ``--out`` after each model.
+    """
     torch.set_num_threads(1)
-    names = list(models) if isinstance(models, (list, tuple)) else str(models).split(",")
-    models = ",".join(names)
-    machine = f"{platform.machine()} CPU, torch {torch.__version__}"
+    machine = f"{machine_info(torch.device('cpu'))['cpu']} CPU, torch {torch.__version__}"
     print(f"machine: {machine}\n", flush=True)
     results = []
-    for name in names:  # each model written as soon as it is done (minutes per model)
+    for name in comma_list(models):  # each model written as soon as it is done (minutes each)
         results.append(bench_model(name, batch))
-        (ROOT / out).write_text(json.dumps(dict(
-            machine=machine, command=f"python scripts/bench_planner_modes.py --models {models} "
-            f"--batch {batch}", results=results), indent=1) + "\n")
+        write_json(out, dict(machine=machine, command=command_line(), results=results))
         print(markdown(results[-1:]), flush=True)
-
-
-if __name__ == "__main__":
-    fire.Fire(main)
+    return results
