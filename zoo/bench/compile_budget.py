@@ -10,8 +10,8 @@ inductor only generates kernels for those graphs afterwards.
 
 Here the partitioned forward and backward graphs run through ``torch.fx.Interpreter`` with the
 boxed calling convention (every value, inputs included, freed after its last use, as inductor's
-code frees them), so every op goes through the dispatcher and the planner's byte counter
-(``zoo.planner.measure.peak_bytes``: MemTracker's figure) and ``FlopCounterMode`` see a real
+code frees them), so every op goes through the dispatcher and the planner's counter
+(``zoo.planner.tracker.StepCounter``: MemTracker's bytes, FlopCounterMode's FLOPs) sees a real
 step op by op. Dynamo refuses to run compiled
 code under a dispatch mode (it falls back to eager), so the step is measured by replaying the
 compiled graph's callable on the inputs Dynamo gave it on the first call (the model's parameters,
@@ -27,8 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zoo.memory import count_flops
-from zoo.planner.measure import peak_bytes
+from zoo.planner.tracker import StepCounter
 
 __all__ = ["CompiledStep", "compile_step", "measure_compiled", "default_solver"]
 
@@ -132,8 +131,11 @@ def measure_compiled(model: nn.Module, x: torch.Tensor, budget: float,
     that step set them."""
     step = compile_step(model, x, budget, loss_fn, solver)
     runs = step.counts["forward"]
-    peak = peak_bytes(step, track=[model])
-    flops = count_flops(step)
-    if step.counts["forward"] != runs + 2 or step.counts["backward"] != runs + 2:
-        raise RuntimeError(f"the measured steps did not run the compiled graphs: {step.counts}")
-    return {"budget": budget, "solver": step.solver, "peak_bytes": peak, "flops": flops}
+    counter = StepCounter()  # bytes and FLOPs in one step (a recomputed dropout's RNG wrapper
+    counter.track(model)  # is a higher-order op FlopCounterMode does not take)
+    with counter:
+        step()
+    if step.counts["forward"] != runs + 1 or step.counts["backward"] != runs + 1:
+        raise RuntimeError(f"the measured step did not run the compiled graphs: {step.counts}")
+    return {"budget": budget, "solver": step.solver, "peak_bytes": counter.peak,
+            "flops": counter.flops}

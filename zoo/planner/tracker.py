@@ -48,6 +48,8 @@ class StepCounter(TorchDispatchMode):
     (states) that exist before the step count from the start. ``on_op``: called after each op
     (the profiler reads ``current`` there)."""
 
+    supports_higher_order_operators = True  # a replayed compiled graph's RNG wrappers
+
     def __init__(self, on_op: Callable[[], None] | None = None) -> None:
         super().__init__()
         self.current = 0
@@ -78,10 +80,16 @@ class StepCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        if isinstance(func, torch._ops.HigherOrderOperator):  # run its dense kernel directly
+            cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in tree_flatten(args)[0])
+            key = torch._C.DispatchKey.CUDA if cuda else torch._C.DispatchKey.CPU
+            out = func.dispatch(key, *args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
         if func in _SKIP:
             return out
-        formula = flop_registry.get(func._overloadpacket)
+        packet = getattr(func, "_overloadpacket", None)  # None: a higher-order operator
+        formula = flop_registry.get(packet) if packet is not None else None
         if formula is not None:
             self.flops += int(formula(*args, **kwargs, out_val=out))
         for t in tree_flatten(out)[0]:
