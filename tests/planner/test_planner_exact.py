@@ -1,7 +1,8 @@
 """The planner's memory model is exact: on a small member of every family, every plan it offers
 and random nested schedules with a block mode or a save set per block (DenseNet's
 ``bottleneck``, a transformer's ``selective``, ``ops:matmul`` everywhere) are predicted to the
-byte and the FLOP of a measured step. And the byte counter it measures with is ``MemTracker``'s figure.
+byte and the FLOP of a measured step. And the byte counter it measures with is ``MemTracker``'s
+figure.
 
 Measured: one training step under ``FakeTensorMode`` (``zoo.planner.measure_step``, the lean
 counter of ``zoo.planner.tracker``; a real CPU step counts the same bytes, checked here too).

@@ -52,7 +52,8 @@ def bench_model(name: str, batch: int) -> dict[str, Any]:
         rows.append(dict(mode=m.mode, peak=m.peak, ratio=m.peak / plain,
                          mode_recompute=m.recompute_flops, chain_recompute=chain_only,
                          plan_recompute=after,
-                         plan_choice=plan.mode or ("block modes" if plan.block_modes else "chain")))
+                         plan_choice=plan.mode or ("block modes" if plan.block_modes
+                                                   else "chain")))
     floors = {"chain, one level": (smallest_peak(p), []),
               **{f"chain with {q.block_mode} per block": (least_peak([p, q]), [q])
                  for q in inner}}

@@ -14,11 +14,14 @@ applies it with ``model.set_checkpoint_plan`` and ``model.set_checkpoint_block_m
 
 Files, each importing only those listed before it (no circles): ``errors.py``, ``tracker.py``
 (bytes and FLOPs op by op), ``fake.py`` (fake state, the default loss), ``measure.py`` (one
-fake step's peak and FLOPs), ``modes.py`` (hand modes as candidates), ``trace.py`` (an
-instrumented step), ``profile.py`` (what each block costs), ``solve.py`` (the one-level memory
-model), ``nested.py`` (multi-level schedules), ``front.py`` (their search), ``plans.py`` (the
-:class:`Plan`), ``planner.py`` (:class:`Planner`), ``batch.py``, ``timing.py``,
-``module_nesting.py`` and ``modules.py`` (any ``nn.Module``); this file holds :func:`plan`.
+fake step's peak and FLOPs), ``modes.py`` (hand modes as candidates), ``module_nesting.py``,
+``spine.py`` (any module's run of calls as a chain), ``savesets.py`` (op-level choices),
+``trace.py`` (an instrumented step), ``repeats.py`` (repeated units profiled once),
+``contexts.py`` (the runs that show each unit in every context), ``profile.py`` (what each
+unit costs), ``solve.py`` (the one-level memory model), ``nested.py`` (multi-level schedules),
+``front.py`` (their search), ``plans.py`` (the :class:`Plan`), ``modules.py`` (blocks of any
+module), ``batch.py``, ``timing.py``, ``planner.py`` (:class:`Planner`); this file holds
+:func:`plan`.
 """
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ __all__ = ["Nested", "NestedModel", "schedule_cost", "least_peak", "chain_floor"
 # that stays under 400 MB).
 MAX_UNITS = 200
 
-Nested = list  # [(a, b, None | Nested)]: None = stored units, a list = checkpointed, its inner plan
+Nested = list  # [(a, b, None | Nested)]: None: stored units; a list: checkpointed, its inner plan
 INF = float("inf")
 
 # HELD_BY: how a unit's input is held when it starts. Memory-wise the last two are the same (the

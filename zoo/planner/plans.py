@@ -24,8 +24,9 @@ class Plan:
     checkpointed)`` where ``checkpointed`` is False (stored), True, or the inner plan the
     segment's recompute runs (multi-level); ``block_modes`` (one entry per block, or None) runs
     blocks in an intra-block checkpoint mode or checkpointed with a save set (a name of
-    ``zoo.planner.savesets.SAVE_SETS``: op-level choices). When ``mode`` is set, the plan is that hand mode
-    of the model (``model.set_grad_checkpointing(mode)``) and ``segments`` is empty. Peaks are
+    ``zoo.planner.savesets.SAVE_SETS``: op-level choices). When ``mode`` is set, the plan is
+    that hand mode of the model (``model.set_grad_checkpointing(mode)``) and ``segments`` is
+    empty. Peaks are
     bytes of one training step (forward, loss, backward; parameters and gradients included) as
     ``zoo.planner.measure_step`` measures them; ``overhead`` is recompute FLOPs over a plain
     step's FLOPs; ``modes``: the hand modes that were candidates, as measured; ``spine``: for a
@@ -89,7 +90,8 @@ class Plan:
     def _summary(self) -> str:
         roomy = "; at or above the plain peak: nothing checkpointed" \
             if self.budget >= self.plain_peak else ""
-        return (f"budget {_budget(self.budget)}: predicted peak {format_bytes(self.predicted_peak)}"
+        peak = format_bytes(self.predicted_peak)
+        return (f"budget {_budget(self.budget)}: predicted peak {peak}"
                 f" (plain {format_bytes(self.plain_peak)}, smallest feasible "
                 f"{format_bytes(self.smallest_peak)}{roomy})")
 

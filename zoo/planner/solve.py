@@ -67,7 +67,8 @@ def predict_peak(p: ChainProfile, segments: Sequence[tuple[int, int, bool]]) -> 
                 owner[a] = i
                 held += act[a]
             for u in range(a, b):
-                peak = max(peak, p.base + held + (0 if u in owner else act[u]) + p.fwd_rise_ckpt[u])
+                peak = max(peak, p.base + held + (0 if u in owner else act[u])
+                           + p.fwd_rise_ckpt[u])
         else:
             for u in range(a, b):
                 peak = max(peak, p.base + held + (0 if u in owner else act[u]) + p.fwd_rise[u])
@@ -235,15 +236,19 @@ def solve(p: ChainProfile, budget: int,
     options = [o for o in front[0][False] if o[0] <= room]
     if not options:
         return None
-    choice = options[-1]  # need ascending, cost descending: the last that fits is the cheapest
+    segments = _traced(front, options[-1])  # cost descending: the last that fits is cheapest
+    return segments, predict_peak(p, segments)
+
+
+def _traced(front: list[list[list[Option]]], choice: Option) -> Segments:
+    """The schedule a top-front entry stands for."""
     segments: Segments = []
     a = 0
     while choice[2] is not None:
         b, ck, s2, idx = choice[2]
         segments.append((a, b, ck))
         a, choice = b, front[b][s2][idx]
-    segments = normalise(segments)
-    return segments, predict_peak(p, segments)
+    return normalise(segments)
 
 
 def schedules(p: ChainProfile, front: list[list[list[Option]]] | None = None
@@ -251,17 +256,8 @@ def schedules(p: ChainProfile, front: list[list[list[Option]]] | None = None
     """Every schedule of the top front: (unit-level segments, predicted peak, recompute FLOPs),
     peak ascending, recompute falling (the one-level plans worth having)."""
     front = front or fronts(p)
-    out = []
-    for choice in front[0][False]:
-        segments: Segments = []
-        a = 0
-        while choice[2] is not None:
-            b, ck, s2, idx = choice[2]
-            segments.append((a, b, ck))
-            a, choice = b, front[b][s2][idx]
-        segments = normalise(segments)
-        out.append((segments, predict_peak(p, segments), recompute_flops(p, segments)))
-    return out
+    found = [_traced(front, choice) for choice in front[0][False]]
+    return [(s, predict_peak(p, s), recompute_flops(p, s)) for s in found]
 
 
 def _least_need(p: ChainProfile) -> int:
