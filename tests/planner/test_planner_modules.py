@@ -95,6 +95,11 @@ def test_a_module_with_a_spine_is_planned_over_it_exactly():
         zoo.plan(model, x, least - 1)
     zoo.plan(model, x, float("inf"))
     assert not any("_zoo_spine" in m.__dict__ for m in model.modules())
+    x = torch.randn(4, 3, 64, 64)  # larger maps, more plans: every third measured
+    planner = zoo.planner.spine_planner(model, x)
+    for plan in planner.choices[::3]:
+        plan.apply(model)
+        assert measure_step(model, x)[0] == plan.predicted_peak
 
 
 def test_a_planned_module_trains_as_the_plain_one():

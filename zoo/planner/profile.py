@@ -218,6 +218,7 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
             wrapped = targets(model, chain)  # outer region's forward: stored at the top only
             prof.opaque = [o or any(wrapped[j] is not None for j in range(a, b))
                            for o, (a, b) in zip(prof.opaque, prof.units)]
+            prof.keeps_input = [k or o for k, o in zip(prof.keeps_input, prof.opaque)]
             prof.block_mode = block_mode
         return prof
     return _profile(model, example_input, loss_fn, block_mode, like, whole, fake)
@@ -314,6 +315,8 @@ def _from_plain(plain: Trace, units: list[tuple[int, int]], names: list[str]) ->
         # saw is kept out of their sight; less, the hooks saw storages older than the unit
         prof.opaque.append(grown - new_output > kept)
         prof.saved.append(max(0, grown - new_output))
+        if prof.opaque[-1]:  # torch's checkpoint keeps its inputs too, out of the hooks' sight
+            prof.keeps_input[-1] = True
         prof.act.append(plain.out_bytes[b - 1])
         prof.dgrad.append(plain.out_dgrad[b - 1])
         prof.fwd_rise.append(unit_peak(plain, "FG", blocks) - plain.mark[("F", a)])

@@ -65,6 +65,10 @@ def targets(model: nn.Module, chain: Sequence[Any]) -> list[nn.Module | None]:
     """Per chain block, the model's module that a save set checkpoints (None: no choice)."""
     own = {id(m) for m in model.modules()} - {id(model)}
     found = [_target(b, own) for b in chain]
+    in_place = [getattr(getattr(b, "module", b), "inplace", False) is True for b in chain]
+    for i in range(len(found)):  # a checkpoint must not see its input or output changed in
+        if in_place[i] or (i + 1 < len(found) and in_place[i + 1]):  # place (an in-place ReLU)
+            found[i] = None
     seen: set[int] = set()
     for i, m in enumerate(found):  # a module that runs in two blocks is not offered
         if m is not None and id(m) in seen:
