@@ -217,10 +217,8 @@ def spine_planner(model: nn.Module, example_input: Any,
         covered = all(any(b == n or b.startswith(n + ".") for n in names) for b in blocks)
         if len(names) < 2 or not covered:
             return None
-        # no save sets here: on timm's ViT a selective block after a checkpointed stem is
-        # predicted one boundary light (cause not found): plain blocks only, exact
         planner = Planner(Spine(model, names), example_input, loss_fn, modes=False,
-                          block_modes=False, slots=slots, compiled=compiled)
+                          slots=slots, compiled=compiled)
         planner.choices = [dataclasses.replace(c, spine=list(names)) for c in planner.choices]
         return planner
     finally:

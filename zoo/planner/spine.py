@@ -155,11 +155,19 @@ def _runs(call: _Call, counts: dict[str, int], ops: _Ops) -> list[list[str]]:
 
 
 def find_spine(model: nn.Module, example_input: Any) -> list[str]:
-    """The dotted names of ``model``'s longest spine (module docstring); [] when there is none
-    of two modules or more."""
+    """The dotted names of ``model``'s longest spine (module docstring) that starts on the
+    model's input (the planner counts the chain's input as held all step, which a tensor the
+    forward made first need not be); [] when there is none of two modules or more."""
     root, counts, ops = _trace_calls(model, example_input)
-    best = max(_runs(root, counts, ops), key=len, default=[])
+    first = {c.name: c for c in _calls(root)}
+    runs = [r for r in _runs(root, counts, ops)
+            if first[r[0]].args and first[r[0]].args[0] is root.args[0]]
+    best = max(runs, key=len, default=[])
     return best if len(best) >= 2 else []
+
+
+def _calls(call: _Call) -> list[_Call]:
+    return [call, *(c for k in call.children for c in _calls(k))]
 
 
 # ------------------------------------------------------------------------------------------------
