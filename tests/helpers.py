@@ -42,19 +42,25 @@ def run_steps(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
 
 
 def assert_same_training(plain: nn.Module, plain_forward: Callable, ckpt: nn.Module,
-                         ckpt_forward: Callable, x: torch.Tensor, steps: int = 2) -> None:
-    """Same outputs, gradients, parameters and buffers (BatchNorm statistics) after ``steps``."""
+                         ckpt_forward: Callable, x: torch.Tensor, steps: int = 2,
+                         exact: bool = False) -> None:
+    """Same outputs, gradients, parameters and buffers (BatchNorm statistics) after ``steps``;
+    ``exact``: bit for bit (no tolerance)."""
+    close = dict(rtol=0, atol=0) if exact else {}
     ckpt.load_state_dict(plain.state_dict())
     ref = run_steps(plain, plain_forward, x, steps)
     got = run_steps(ckpt, ckpt_forward, x, steps)
     for step, ((out_r, g_r), (out_g, g_g)) in enumerate(zip(ref, got)):
-        torch.testing.assert_close(out_g, out_r, msg=lambda m: f"step {step} output: {m}")
+        torch.testing.assert_close(out_g, out_r, **close,
+                                   msg=lambda m: f"step {step} output: {m}")
         for i, (a, b) in enumerate(zip(g_g, g_r)):
             assert (a is None) == (b is None), f"step {step}: parameter {i} gradient presence differs"
             if a is not None:
-                torch.testing.assert_close(a, b, msg=lambda m: f"step {step} grad {i}: {m}")
+                torch.testing.assert_close(a, b, **close,
+                                           msg=lambda m: f"step {step} grad {i}: {m}")
     for (name, a), b in zip(ckpt.state_dict().items(), plain.state_dict().values()):
-        torch.testing.assert_close(a, b, msg=lambda m: f"{name} after {steps} steps: {m}")
+        torch.testing.assert_close(a, b, **close,
+                                   msg=lambda m: f"{name} after {steps} steps: {m}")
 
 
 def train_step_peak(model: nn.Module, x: torch.Tensor) -> int:

@@ -197,6 +197,26 @@ def test_convert_batchnorm_any_subclass_under_torch_checkpoint(reentrant):
     assert_same_training(plain, plain, ckpt, forward, x, steps=3)
 
 
+class ScaledBN(nn.BatchNorm2d):
+    """A user's BatchNorm with its own forward around torch's (whose backward saves the running
+    statistics, so a recompute must not bump their version)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2 + 1
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_convert_batchnorm_subclass_wrapping_torch_forward_under_torch_checkpoint(reentrant):
+    plain = small_resnet_block(ScaledBN)
+    ckpt = copy.deepcopy(plain)
+    zoo.nn.convert_batchnorm(ckpt)
+    assert type(ckpt[1]).__name__ == "cp_ScaledBN"
+    forward = lambda t: torch_checkpoint.checkpoint(ckpt, t, use_reentrant=reentrant)  # noqa: E731
+    x = torch.randn(4, 3, 8, 8, requires_grad=True)
+    assert_same_training(plain, plain, ckpt, forward, x, steps=3, exact=True)
+    assert ckpt[1].num_batches_tracked.item() == 3
+
+
 def test_convert_batchnorm_leaves_layers_without_statistics_alone():
     from timm.layers import FrozenBatchNormAct2d
 

@@ -14,6 +14,7 @@ The project's figures all come from here, so every script measures the same way:
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 import statistics
@@ -25,8 +26,8 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["parse_bytes", "parse_budget", "format_bytes", "cpu_peak_bytes", "cuda_peak_bytes",
-           "count_flops", "median_seconds"]
+__all__ = ["parse_bytes", "parse_budget", "format_bytes", "mem_tracker", "cpu_peak_bytes",
+           "cuda_peak_bytes", "count_flops", "median_seconds"]
 
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9,
           "T": 1e12, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -106,15 +107,49 @@ def format_bytes(n: float) -> str:
     return f"{n / 2**20:.1f} MiB" if abs(n) < 2**30 else f"{n / 2**30:.2f} GiB"
 
 
+class _NoHook:
+    """Stands in MemTracker's table for the gradient hooks a frozen parameter cannot have."""
+
+    @staticmethod
+    def remove() -> None:
+        return None
+
+
+def mem_tracker() -> Any:
+    """A ``MemTracker`` that also measures models with frozen parameters (fine-tuning).
+
+    MemTracker registers a gradient hook on every parameter of every module it enters, and torch
+    refuses a hook on a tensor that does not require grad. A frozen parameter never gets a
+    gradient, so there is nothing for such a hook to count: it is marked as hooked already (an
+    entry whose ``remove`` does nothing), and its bytes are counted as a parameter's all the same.
+    """
+    return _frozen_aware_tracker()()
+
+
+@functools.cache
+def _frozen_aware_tracker() -> type:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class FrozenAwareMemTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module: Any, *args: Any, **kw: Any) -> Any:
+            handles = getattr(self, "_param_to_grad_hook_handles", None)
+            if handles is not None:
+                for param in module.parameters():
+                    if not param.requires_grad and handles.get(param, None) is None:
+                        handles[param] = (_NoHook, _NoHook)
+            return super()._track_module_params_and_buffers(module, *args, **kw)
+
+    return FrozenAwareMemTracker
+
+
 def cpu_peak_bytes(step: Callable[[], Any], track: Iterable[Any] = ()) -> int:
     """Exact peak bytes on the CPU while ``step()`` runs, counting ``track``'s state from the start.
 
     ``track`` holds modules and optimizers whose parameters, buffers, gradients and states exist
-    before the step (they count towards the peak, as they would on a GPU).
+    before the step (they count towards the peak, as they would on a GPU). Frozen parameters are
+    counted as parameters, and get no gradient (:func:`mem_tracker`).
     """
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
+    tracker = mem_tracker()
     tracker.track_external(*track)
     with tracker, warnings.catch_warnings():
         # temporary modules (e.g. a slice of an nn.Sequential) may be gone before their backward

@@ -92,7 +92,11 @@ class _SnapshotNorm:
     Such a forward may not take its update factor from ``momentum`` (timm's ``SplitBatchNorm2d``,
     a user's BatchNorm with a hand-written update), so the momentum-0 trick cannot be trusted:
     during a recompute the layer's own buffers are copied before its forward and written back
-    after, which leaves them exactly as the first forward did whatever the forward does.
+    after, which leaves them exactly as the first forward did whatever the forward does. The
+    write-back goes through ``.data``, which does not bump the buffers' version counters: the
+    recomputed graph saved ``running_mean``/``running_var`` (BatchNorm's backward takes them,
+    and reads them only in eval mode), and reentrant ``torch.utils.checkpoint`` runs backward
+    through that graph, where a bumped version is an error.
     """
 
     recompute_safe = True  # tells zoo.checkpoint's guard that this layer needs no snapshot
@@ -107,7 +111,7 @@ class _SnapshotNorm:
         finally:
             with torch.no_grad(), state_bookkeeping():
                 for live, old in zip(self.buffers(recurse=False), saved):
-                    live.copy_(old)
+                    live.data.copy_(old)
 
 
 # Forwards that take the running-statistics update factor from ``momentum`` and count

@@ -38,6 +38,43 @@ def _one_line(excinfo: pytest.ExceptionInfo) -> str:
     return message
 
 
+# -- pretrained_cfg and timm's data-config resolution ------------------------------------------
+CFG_KEYS = ("architecture", "input_size", "fixed_input_size", "interpolation", "crop_pct",
+            "crop_mode", "mean", "std", "num_classes", "pool_size", "first_conv", "classifier")
+IMAGE_KEYS = ("mean", "std", "interpolation", "crop_pct", "crop_mode")
+
+
+@pytest.mark.parametrize("name", zoo.list_models())
+def test_timms_data_config_resolution_reads_every_models_own_settings(name):
+    """timm's ``resolve_data_config`` and ``resolve_model_data_config`` take every setting from
+    the model's ``pretrained_cfg`` (none from timm's defaults), and the evaluation transform
+    they describe makes an input the model takes. A language model's input is token ids: its
+    ``input_size`` is the longest sequence and the image settings are timm's "none"."""
+    from PIL import Image
+    from timm.data import create_transform, resolve_data_config, resolve_model_data_config
+
+    with torch.device("meta"):
+        model = zoo.create_model(name).eval()
+    cfg = model.pretrained_cfg
+    assert set(CFG_KEYS) <= set(cfg) and cfg["architecture"] == name
+    resolved = resolve_model_data_config(model)
+    assert resolved == resolve_data_config(model=model)
+    assert resolved["input_size"] == cfg["input_size"]
+    if len(cfg["input_size"]) == 1:  # token ids (B, T)
+        assert all(cfg[k] is None for k in (*IMAGE_KEYS, "pool_size"))
+        ids = torch.zeros(1, *cfg["input_size"], dtype=torch.long, device="meta")
+        assert model(ids).shape[0] == 1
+        return
+    assert {k: resolved[k] for k in IMAGE_KEYS} == {k: cfg[k] for k in IMAGE_KEYS}
+    assert len(cfg["mean"]) == len(cfg["std"]) == cfg["input_size"][0]
+    channels, height, width = cfg["input_size"]
+    image = Image.new("RGB", (width + 13, height + 7))
+    x = create_transform(**resolved)(image)
+    assert x.shape == cfg["input_size"]
+    with torch.no_grad():
+        assert model(x[None].to("meta")).shape == (1, model.num_classes)
+
+
 # -- classifier and pooling (timm: test_model_default_cfgs, test_model_backward) ------------------
 @pytest.mark.parametrize("name", SMALL)
 def test_default_cfg_names_and_pre_logits_match_reset_classifier_zero(name):

@@ -88,7 +88,16 @@ def _traced_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict[str, An
     user's own ``context_fn`` is handed to torch as it is (torch's compiled checkpoint takes one,
     so it cannot be combined with ``save_ops`` there). The other keywords concern the eager
     recompute only.
+
+    When Dynamo cannot trace the region as one subgraph (a graph break inside it: an unsupported
+    call, ``torch._dynamo.graph_break()``, a ``momentum=None`` BatchNorm), it runs this call of
+    torch's checkpoint eagerly instead, whose recompute would update BatchNorm a second time
+    (pytorch/pytorch#96136). So the region's body is :func:`_compiled_body`, which is traced as
+    ``fn`` itself, and which Dynamo's eager fallback runs as the zoo's eager region would: ``fn``
+    without Dynamo, forward and recompute alike, the recompute under the zoo's recompute flag
+    and normalisation guard.
     """
+    fn = functools.partial(_compiled_body, fn)
     if context_fn is not None and context_fn is not torch_checkpoint.noop_context_fn:
         if save_ops:
             raise ValueError("zoo.checkpoint: under torch.compile, save_ops and context_fn cannot "
@@ -102,6 +111,41 @@ def _traced_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict[str, An
         return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=policy,
                                            **kwargs)
     return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+def _compiled_body(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """The body of a region under ``torch.compile`` (:func:`_traced_checkpoint`).
+
+    Traced by Dynamo, it is ``fn``. Run eagerly, it is Dynamo's fallback for a region it could
+    not trace as one subgraph, inside torch's eager checkpoint: ``fn`` runs without Dynamo (so
+    its forward and recompute run the same eager ops, and no compiled frame replays a buffer
+    update), and a run inside a backward pass, torch's recompute, runs under the zoo's recompute
+    flag and normalisation guard (torch's checkpoint itself replays the RNG and autocast state).
+    Dynamo never compiles this function's own frame (``skip_code`` below), only inlines it.
+    """
+    if torch.compiler.is_compiling():
+        return fn(*args, **kwargs)
+    if torch._C._current_graph_task_id() == -1:
+        return _without_dynamo(fn, *args, **kwargs)
+    now = _ForwardContext([], preserve_rng=False).__enter__()  # the autocast torch restored
+    with _RecomputeContext(now):
+        return _without_dynamo(fn, *args, **kwargs)
+
+
+def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
+def _skip_frame(code: Any) -> None:
+    """Dynamo compiles no frame of ``code`` (it still inlines it while tracing its caller)."""
+    skip = getattr(torch._dynamo.eval_frame, "skip_code", None)
+    if skip is None:
+        skip = torch._C._dynamo.eval_frame.skip_code  # torch < 2.5
+    skip(code)
+
+
+_without_dynamo = torch._dynamo.disable(_call)
+_skip_frame(_compiled_body.__code__)
 
 
 def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | None = None,

@@ -122,15 +122,23 @@ class ZooModel(nn.Module):
         self.num_classes, self.global_pool = num_classes, pool
 
     def data_cfg(self) -> dict:
-        """The family's data settings for ``pretrained_cfg``: input_size, mean, std, ..."""
+        """The family's data settings for ``pretrained_cfg``, under timm's keys: ``input_size``,
+        ``mean``, ``std``, ``interpolation``, ``crop_pct``, ``crop_mode``, ``pool_size``,
+        ``fixed_input_size``. A key left out takes timm's value for "none" (``None``)."""
         return {}
 
     @property
     def pretrained_cfg(self) -> dict:
-        """timm's ``pretrained_cfg``: input size, normalisation, classifier and first layer names,
-        ``num_classes``; ``weights``: the torchvision weights ``pretrained=True`` loads, if any."""
-        cfg = {"num_classes": self.num_classes, "classifier": self.classifier_name,
-               "first_conv": self.first_conv, "weights": getattr(self, "weights_name", None)}
+        """timm's ``pretrained_cfg``, every data and head key present: input size,
+        normalisation, resize and crop, pooled size, classifier and first layer names,
+        ``num_classes``, ``architecture`` (the registered name, for models built by
+        ``zoo.create_model``); ``weights``: the torchvision weights ``pretrained=True`` loads,
+        if any. timm's ``resolve_data_config`` reads it as it reads timm's own."""
+        cfg = {"architecture": getattr(self, "architecture", None),
+               "num_classes": self.num_classes, "classifier": self.classifier_name,
+               "first_conv": self.first_conv, "weights": getattr(self, "weights_name", None),
+               **dict.fromkeys(("input_size", "mean", "std", "interpolation", "crop_pct",
+                                "crop_mode", "pool_size")), "fixed_input_size": False}
         return {**cfg, **self.data_cfg()}
 
     @property

@@ -76,4 +76,5 @@ def create_model(name: str, num_classes: int | None = None, efficient: bool | st
     if num_classes is not None:
         kwargs["num_classes"] = num_classes
     model = _MODELS[name](efficient=efficient, **kwargs)
+    model.architecture = name  # timm's pretrained_cfg["architecture"]
     return load_pretrained(model, name) if pretrained else model

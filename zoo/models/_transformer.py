@@ -196,6 +196,13 @@ class TransformerModel(ZooModel):
     checkpoint_modes: ClassVar[tuple[str, ...]] = ("block", "sublayer", "selective")
     blocks: nn.Sequential
     global_pool = "token"  # the head reads the first token (ViT's class token, BERT's [CLS])
+    context_length: int  # the longest token sequence (language models)
+
+    def data_cfg(self) -> dict:
+        """A language model's: token ids, not images. ``input_size`` is the longest sequence,
+        ``(context_length,)`` (a sequence has no channels or pixels); the image settings (mean,
+        std, interpolation, crop, pooled size) keep timm's "none", ``None``."""
+        return {"input_size": (self.context_length,)}
 
     def forward_blocks(self, x: torch.Tensor,
                        attn_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -85,7 +85,7 @@ class Bert(TransformerModel):
         super().__init__()
         self.num_classes = num_classes
         self.num_features = embed_dim
-        self.vocab_size = vocab_size
+        self.vocab_size, self.context_length = vocab_size, max_positions
         self.embeddings = BertEmbeddings(vocab_size, max_positions, type_vocab_size, embed_dim,
                                          drop_rate)
         self.blocks = nn.Sequential(*[

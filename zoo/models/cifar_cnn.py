@@ -161,7 +161,8 @@ class CifarCNN(FeatureStages, ZooModel):
         """CIFAR-10's statistics at ``image_size`` (the head's Linear fixes it)."""
         side = self.image_size
         return dict(input_size=(self.in_chans, side, side), pool_size=(side // 4, side // 4),
-                    mean=CIFAR_MEAN, std=CIFAR_STD, interpolation="bilinear", crop_pct=1.0)
+                    mean=CIFAR_MEAN, std=CIFAR_STD, interpolation="bilinear", crop_pct=1.0,
+                    crop_mode="center")
 
 
 @register_model

@@ -355,9 +355,11 @@ class DenseNet(FeatureStages, ZooModel):
         """ImageNet models: 224 px, torchvision's normalisation; CIFAR ones: 32 px."""
         if self.stem == "cifar":
             return dict(input_size=(self.in_chans, 32, 32), pool_size=(8, 8), mean=CIFAR_MEAN,
-                        std=CIFAR_STD, interpolation="bilinear", crop_pct=1.0)
+                        std=CIFAR_STD, interpolation="bilinear", crop_pct=1.0,
+                        crop_mode="center")
         return dict(input_size=(self.in_chans, 224, 224), pool_size=(7, 7), mean=IMAGENET_MEAN,
-                    std=IMAGENET_STD, interpolation="bilinear", crop_pct=0.875)
+                    std=IMAGENET_STD, interpolation="bilinear", crop_pct=0.875,
+                    crop_mode="center")
 
 
 # ------------------------------------------------------------------------------------------------

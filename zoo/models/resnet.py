@@ -283,7 +283,8 @@ class ResNet(_ResNetBase):
     def data_cfg(self) -> dict:
         """ImageNet: 224 px, torchvision's normalisation and evaluation crop."""
         return dict(input_size=(self.in_chans, 224, 224), pool_size=(7, 7), mean=IMAGENET_MEAN,
-                    std=IMAGENET_STD, interpolation="bilinear", crop_pct=0.875)
+                    std=IMAGENET_STD, interpolation="bilinear", crop_pct=0.875,
+                    crop_mode="center")
 
 
 class CifarResNet(_ResNetBase):
@@ -362,7 +363,8 @@ class CifarResNet(_ResNetBase):
     def data_cfg(self) -> dict:
         """CIFAR: 32 px, CIFAR-10's channel statistics, no crop."""
         return dict(input_size=(self.in_chans, 32, 32), pool_size=(8, 8), mean=CIFAR_MEAN,
-                    std=CIFAR_STD, interpolation="bilinear", crop_pct=1.0)
+                    std=CIFAR_STD, interpolation="bilinear", crop_pct=1.0,
+                    crop_mode="center")
 
 
 # ------------------------------------------------------------------------------------------------

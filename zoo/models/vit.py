@@ -30,7 +30,7 @@ import torch
 from timm.layers import PatchEmbed, resample_abs_pos_embed, trunc_normal_
 from torch import nn
 
-from ._base import classifier
+from ._base import CIFAR_MEAN, CIFAR_STD, classifier
 from ._registry import register_model
 from ._transformer import Block, Step, TransformerModel
 
@@ -86,6 +86,21 @@ class VisionTransformer(TransformerModel):
                 trunc_normal_(m.weight, std=0.02)
                 nn.init.zeros_(m.bias)
         self.set_grad_checkpointing(efficient)
+
+    first_conv = "patch_embed.proj"
+
+    def data_cfg(self) -> dict:
+        """timm's ViT settings at ``img_size``: bicubic resize, centre crop, and mean = std = 0.5
+        with a 0.9 crop (its ImageNet ViTs'), or CIFAR-10's statistics and no crop for a model
+        made for 32 px. No pooled size (the head reads the class token); other image sides that
+        are multiples of the patch work too (the position embeddings are resampled)."""
+        side = self.img_size
+        if side <= 32:
+            mean, std, crop = CIFAR_MEAN, CIFAR_STD, 1.0
+        else:
+            mean, std, crop = (0.5,) * 3, (0.5,) * 3, 0.9
+        return dict(input_size=(3, side, side), mean=mean, std=std, interpolation="bicubic",
+                    crop_pct=crop, crop_mode="center")
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """Images (B, 3, H, W) -> tokens (B, 1 + H/p * W/p, dim): patches, class token, positions."""

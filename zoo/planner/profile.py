@@ -275,9 +275,10 @@ def _profile(model: nn.Module, example_input: torch.Tensor,
 
 
 def _units_of(plain: Trace, n: int) -> list[tuple[int, int]]:
-    """Blocks joined into units: a block whose output is its input's storage joins the one
-    before."""
-    starts = [j for j in range(n) if j == 0 or not plain.alias[j]]
+    """Blocks joined into units: a block joins the one before when its input is that block's
+    output's storage, or when that output needs no gradient (a frozen stem: such blocks save
+    nothing, so they join the first block that does)."""
+    starts = [j for j in range(n) if j == 0 or not plain.alias[j] and plain.out_dgrad[j - 1]]
     return [(a, b) for a, b in zip(starts, starts[1:] + [n])]
 
 
