@@ -101,7 +101,9 @@ def _rise(p: ChainProfile, trace: Trace, u: int, run: list[int], region_input: i
     and kept boundaries, but the region's input ``region_input``, come on top of that level)."""
     first, last = p.units[u]
     blocks = range(first, last)
-    start = trace.mark[("B", last - 1)]
+    start = trace.mark.get(("B", last - 1))
+    if start is None:  # its output needs no gradient (a frozen model): no backward runs
+        return 0
     if not run or ("BR", last - 1) not in trace.mark:  # (a region keeping nothing: no recompute)
         return unit_peak(trace, "B", blocks, start) - start
     held, live = 0, set()

@@ -123,6 +123,8 @@ class _Grid:
                             (F[a + 1][s2],)))
         for b in range(a + 1, last + (1 if e is None else 0)):
             hold, local, cost = m.checkpointed(a, b, s, e)
+            if local == INF:  # a unit in it runs stored only
+                continue
             out.append((("c", b), self.slot(local), self.slot(hold), cost,
                         (self.R[b][a][BY_REGION], F[b][NOT_HELD])))
         return out

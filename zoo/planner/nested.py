@@ -65,9 +65,10 @@ class NestedModel:
         self.n = p.n_units
         self.grads_after = [sum(p.grads[b:]) for b in range(self.n + 1)]
         # a checkpointed segment's forward saves nothing: its units' variants barely matter
-        # (the rises agree on the zoo's models); a unit that runs stored only does not count
-        self.rise_ckpt = [max(q.fwd_rise_ckpt[u] for q in self.profiles if not q.is_opaque(u))
-                          for u in range(self.n)]
+        # (the rises agree on the zoo's models); a unit that runs stored only does not count,
+        # and one that runs stored in every variant is never checkpointed
+        self.rise_ckpt = [max((q.fwd_rise_ckpt[u] for q in self.profiles if not q.is_opaque(u)),
+                              default=INF) for u in range(self.n)]
         self.flops_before = [0, *itertools.accumulate(p.flops)]
         self.fwd_ckpt = [[0] * (self.n + 1) for _ in range(self.n + 1)]  # unsaved forward peaks
         for a in range(self.n):
