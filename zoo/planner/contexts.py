@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from .trace import Trace
 
 if TYPE_CHECKING:
-    from .profile import ChainProfile
+    from .chain_profile import ChainProfile
 
 __all__ = ["nested_pattern", "blocks_of", "read_pattern", "fill_gaps", "unit_peak"]
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from .nested import (BY_REGION, BY_UNIT, NOT_HELD, STATES, Nested, NestedModel, _Least,
                      merge_stored, schedule_cost)
-from .profile import ChainProfile
+from .chain_profile import ChainProfile
 
 __all__ = ["Front", "FrontPlan", "solve_nested"]
 

@@ -30,7 +30,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .profile import ChainProfile
+from .chain_profile import ChainProfile
 from .solve import smallest_peak
 
 __all__ = ["Nested", "NestedModel", "schedule_cost", "least_peak", "chain_floor", "MAX_UNITS",

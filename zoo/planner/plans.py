@@ -9,7 +9,7 @@ from torch import nn
 
 from ..memory import format_bytes
 from .modes import ModeCost
-from .profile import ChainProfile
+from .chain_profile import ChainProfile
 from .savesets import apply_save_sets
 from .spine import SpineStep, apply_spine
 

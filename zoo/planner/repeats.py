@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from .profile import ChainProfile
+    from .chain_profile import ChainProfile
 
 __all__ = ["repeats", "expand", "kept_blocks", "whole_block"]
 

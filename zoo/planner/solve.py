@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .profile import ChainProfile
+from .chain_profile import ChainProfile
 
 __all__ = ["predict_peak", "recompute_flops", "solve", "normalise", "Segments", "schedules"]
 
