@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..blocks import checkpoint_module, is_checkpointed
-from ..checkpoint import checkpoint, run_blocks
+from ..checkpoint import run_plan
 from .fake import fake_state
 from .module_nesting import clear_nested
 from .tracker import storage_key
@@ -202,18 +202,6 @@ def _spine_forward(m: nn.Module, first: Callable | None, x: torch.Tensor) -> tor
     if m.__dict__.get("_zoo_spine_call"):
         return _own_forward(m, x)
     return x if first is None else first(x)
-
-
-def run_plan(steps: Sequence[Callable], plan: Any, x: torch.Tensor, offset: int = 0) -> Any:
-    """``steps`` by a block-level plan, checkpointed segments as regions (nested plans inside
-    theirs): what ``ZooModel.run_chain`` does for a zoo model's chain."""
-    for a, b, ck in plan:
-        part = steps[a - offset:b - offset]
-        if isinstance(ck, list):
-            x = checkpoint(run_plan, part, ck, x, a)
-        else:
-            x = checkpoint(run_blocks, part, x) if ck else run_blocks(part, x)
-    return x
 
 
 def _run_spine(steps: Sequence[SpineStep], plan: Any, runner: Callable | None,
