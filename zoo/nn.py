@@ -20,6 +20,7 @@ state_dict is exactly ``nn.BatchNorm2d``'s, so checkpoints load either way.
 from __future__ import annotations
 
 import copyreg
+import functools
 from typing import Any
 
 import torch
@@ -49,8 +50,10 @@ class _RecomputeSafeNorm:
 
     During a recompute the layer runs its ordinary train-mode forward (batch statistics, the same
     saved tensors as the first forward, which non-reentrant checkpoint verifies) with momentum 0:
-    the update ``(1 - 0) * running + 0 * batch`` writes back exactly the old value; the
-    ``num_batches_tracked`` increment is taken back afterwards. Two tiny in-place kernels, no copies.
+    the update ``(1 - 0) * running + 0 * batch`` writes back exactly the old value. Where the
+    forward skips a missing ``num_batches_tracked`` (torch's BatchNorm, timm's BatchNormAct2d) the
+    counter is set aside for that call, so no kernel runs for it; SyncBatchNorm's forward insists
+    on its counter, so there the increment is taken back afterwards (one tiny in-place kernel).
     """
 
     recompute_safe = True  # tells zoo.checkpoint's guard that this layer needs no snapshot
@@ -59,15 +62,32 @@ class _RecomputeSafeNorm:
         if not (self.training and self.track_running_stats and in_recompute()):
             return super().forward(input)
         self._check_input_dim(input)  # fail before touching any state
-        momentum = self.momentum
+        momentum, count = self.momentum, self._buffers.get("num_batches_tracked")
+        set_aside = count is not None and _skips_missing_count(type(self))
         self.momentum = 0.0
+        if set_aside:
+            self._buffers["num_batches_tracked"] = None
         try:
             return super().forward(input)
         finally:
             self.momentum = momentum
-            if self.num_batches_tracked is not None:
+            if set_aside:
+                self._buffers["num_batches_tracked"] = count
+            elif count is not None:
                 with torch.no_grad(), state_bookkeeping():
-                    self.num_batches_tracked.sub_(1)
+                    count.sub_(1)
+
+
+# BatchNorm forwards that read num_batches_tracked only when it is there (timm's named, not
+# imported: importing zoo must not import timm).
+_COUNT_OPTIONAL = {"torch.nn.modules.batchnorm._BatchNorm.forward",
+                   "timm.layers.norm_act.BatchNormAct2d.forward"}
+
+
+@functools.cache
+def _skips_missing_count(cls: type) -> bool:
+    """Whether the BatchNorm forward under the mixin in ``cls`` skips a missing counter."""
+    return _forward_name(super(_RecomputeSafeNorm, cls)) in _COUNT_OPTIONAL
 
 
 class cp_BatchNorm1d(_RecomputeSafeNorm, nn.BatchNorm1d):

@@ -21,6 +21,7 @@ from typing import Any
 from . import (chain, families, gpu, model_commands, outside, overhead, planner_levels,
                planner_modes, planner_time, planner_vs_compile, planner_vs_uniform, plots,
                primitive)
+from . import host_report
 
 __all__ = ["SUBCOMMANDS", "usage", "main"]
 
@@ -42,6 +43,7 @@ SUBCOMMANDS: dict[str, Callable[..., Any]] = {
     "planner-time": planner_time.planner_time,
     "planner-vs-compile": planner_vs_compile.planner_vs_compile,
     "gpu": gpu.gpu,
+    "host-cost": host_report.run_host_cost,
 }
 
 

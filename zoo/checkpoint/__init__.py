@@ -66,7 +66,7 @@ from . import keywords
 
 from .recompute import (_Both, _ForwardContext, _RecomputeContext, _cuda_devices,
                         is_recomputing, state_bookkeeping)
-from .region import _Region
+from .region import _inside_region, _Region, recorders
 
 __all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing", "split_segments",
            "state_bookkeeping"]
@@ -190,16 +190,21 @@ def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | N
     updated once, not twice; the RNG is also replayed on the current CUDA device and on the
     region's parameters' device; ``use_reentrant=True`` still gives non-reentrant semantics and
     no call warns; recomputed tensors a backward call did not use are freed when that call ends
-    (torch keeps them until the graph is freed).
+    (torch keeps them until the graph is freed); the recompute dispatches no detach of the tensors
+    it rebuilds, and a module's parameters saved by the region are kept, not rebuilt.
     """
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     if torch.compiler.is_compiling():
         return _traced_checkpoint(fn, args, kwargs, save_ops, context_fn)
+    if recorders and not _inside_region():
+        for record in recorders:
+            record(fn, args, kwargs, save_ops)
     opts = keywords.options(preserve_rng_state, context_fn, determinism_check, debug, early_stop)
 
     if not save_ops:
-        devices = _cuda_devices(fn, (*args, *kwargs.values())) if opts.preserve_rng else []
+        devices = _cuda_devices(fn, (*args, *kwargs.values())) \
+            if opts.preserve_rng and torch.cuda.is_initialized() else []
         with _ForwardContext(devices, opts.preserve_rng) as forward:
             return _Region(fn, args, kwargs, forward, opts).run()
     return _selective(fn, args, kwargs, save_ops, opts)

@@ -28,7 +28,7 @@ def _depth() -> int:
 
 
 def is_recomputing() -> bool:
-    """True only while a :func:`checkpoint` region is being recomputed for backward, on this thread.
+    """True only while a :func:`checkpoint` region is recomputed for backward, on this thread.
 
     Layers with side effects (running statistics, counters, logging) use it to act once per
     training step instead of once per forward *and* once per recompute. While ``torch.compile``
@@ -68,7 +68,9 @@ def state_bookkeeping() -> Iterator[None]:
 # normalisation layer entered by the recomputing thread from updating its running statistics a
 # second time. PyTorch's own BatchNorm/SyncBatchNorm/InstanceNorm forwards take their update
 # factor from ``momentum``: the recompute runs them with momentum 0, which writes
-# ``1 * running + 0 * batch``, the old value bit for bit, and the ``num_batches_tracked``
+# ``1 * running + 0 * batch``, the old value bit for bit. BatchNorm's ``num_batches_tracked`` is
+# set aside for the recompute (its forward skips a missing counter), so no kernel counts the
+# batch and none has to take the count back; SyncBatchNorm insists on its counter, so there the
 # increments are taken back afterwards (one tiny kernel per call). A subclass with its own forward
 # may update its buffers some other way, so its buffers are snapshotted before its first call and
 # copied back after instead. The undoing happens once, when the recompute ends (also when it
@@ -78,18 +80,20 @@ def state_bookkeeping() -> Iterator[None]:
 _NormBase = nn.modules.batchnorm._NormBase
 _MOMENTUM_FORWARDS = {nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward,
                       nn.modules.instancenorm._InstanceNorm.forward}
+_COUNT_OPTIONAL = nn.modules.batchnorm._BatchNorm.forward  # reads the counter only if present
 _hooks_lock = threading.Lock()
 _hooks_users = 0
 _hook_handles: list[torch.utils.hooks.RemovableHandle] = []
 
 
 class _Guarded:
-    """A normalisation layer touched by a recompute: what to put back, and how many calls to undo."""
+    """A normalisation layer touched by a recompute: what to put back, and how many calls to undo
+    (``count``: the ``num_batches_tracked`` set aside for the recompute, if any)."""
 
-    __slots__ = ("module", "saved", "calls")
+    __slots__ = ("module", "saved", "calls", "count")
 
-    def __init__(self, module: nn.Module, saved: Any):
-        self.module, self.saved, self.calls = module, saved, 0
+    def __init__(self, module: nn.Module, saved: Any, count: torch.Tensor | None = None):
+        self.module, self.saved, self.calls, self.count = module, saved, 0, count
 
 
 def _updates_stats(module: nn.Module) -> bool:
@@ -106,9 +110,14 @@ def _guard_norm(module: nn.Module, args: Any) -> None:
         return
     entry = guarded.get(id(module))
     if entry is None:
-        if type(module).forward in _MOMENTUM_FORWARDS:
-            entry = _Guarded(module, module.momentum)
+        forward = type(module).forward
+        if forward in _MOMENTUM_FORWARDS:
+            count = module._buffers.get("num_batches_tracked") \
+                if forward is _COUNT_OPTIONAL else None
+            entry = _Guarded(module, module.momentum, count)
             module.momentum = 0.0
+            if count is not None:
+                module._buffers["num_batches_tracked"] = None
         else:
             with torch.no_grad(), state_bookkeeping():
                 entry = _Guarded(module, [b.clone() for b in module.buffers(recurse=False)])
@@ -118,6 +127,8 @@ def _guard_norm(module: nn.Module, args: Any) -> None:
 
 def _unguard_norms(guarded: dict[int, _Guarded]) -> None:
     """Put back what :func:`_guard_norm` changed, as if the recompute never ran the layers."""
+    if not guarded:
+        return
     with torch.no_grad(), state_bookkeeping():
         for entry in guarded.values():
             module = entry.module
@@ -126,7 +137,9 @@ def _unguard_norms(guarded: dict[int, _Guarded]) -> None:
                     live.copy_(old)
                 continue
             module.momentum = entry.saved
-            if isinstance(module, nn.modules.batchnorm._BatchNorm) and \
+            if entry.count is not None:
+                module._buffers["num_batches_tracked"] = entry.count
+            elif isinstance(module, nn.modules.batchnorm._BatchNorm) and \
                     module.num_batches_tracked is not None:
                 module.num_batches_tracked.sub_(entry.calls)
 

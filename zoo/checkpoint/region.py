@@ -23,8 +23,13 @@ from .recompute import _ForwardContext, _local, _RecomputeContext
 # call did not consume is dropped when it ends (a partial backward, e.g. ``autograd.grad`` of an
 # intermediate, holds nothing afterwards; the next backward call recomputes). The rerun stops
 # as soon as the last slot is filled (ops after the last saved tensor are not recomputed).
-# The recompute's own graph keeps real tensors, so ``torch.autograd.grad`` inside the region
-# works, also during the forward (the region is then recomputed up to where the forward is).
+# What a region adds to the host's work is kept to Python: no op is dispatched beyond the ones
+# the recompute reruns. The recompute runs on the forward's own inputs (no detached copies), a
+# parameter the region saves is kept as it is (never recomputed), and each recomputed tensor goes
+# to its slot as it is; the recompute's own graph keeps only indices into a list that lives while
+# the recompute runs, so ``torch.autograd.grad`` inside the region works, also during the forward
+# (the region is then recomputed up to where the forward is), and no graph holds a recomputed
+# tensor afterwards.
 # A region nested in another hands its inputs to the outer one (``_SaveInputs``), which then
 # recomputes them when the inner region needs them.
 # torch.utils.checkpoint's non-reentrant path follows the same rules (its "Nestable Checkpoint"
@@ -32,6 +37,7 @@ from .recompute import _ForwardContext, _local, _RecomputeContext
 # python -m zoo.bench checkpoint --small measures the difference.
 # --------------------------------------------------------------------------------------------
 _engine = torch.autograd.Variable._execution_engine
+_Parameter = torch.nn.Parameter
 _exec_group = getattr(torch._C, "_get_graph_exec_group", None)  # torch >= 2.9
 _current_task = torch._C._current_graph_task_id
 
@@ -85,6 +91,11 @@ _SAVED = object()  # stands in a nested region's arguments for an input the oute
 # region): the planner's profiler counts them as kept, as autograd's saved tensors are.
 observers: list[Callable[[tuple, dict], None]] = []
 
+# Called with (fn, args, kwargs, save_ops) of every region not nested in another, before its
+# forward: the host-cost benchmark (zoo.bench.host_cost) replays each region on its own to count
+# the ops its recompute must redo.
+recorders: list[Callable[[Callable, tuple, dict, Any], None]] = []
+
 
 def _inside_region() -> int:
     """How many zoo regions are running their forward or recompute on this thread."""
@@ -95,7 +106,7 @@ class _Region:
     """One checkpointed call: its inputs, the forward's RNG/autocast state and its saved slots."""
 
     __slots__ = ("fn", "args", "kwargs", "versions", "forward", "opts", "slots", "filled",
-                 "in_forward", "last", "stop_early", "call", "saver")
+                 "in_forward", "last", "stop_early", "call", "saver", "live")
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, forward: _ForwardContext,
                  opts: keywords.Options):
@@ -108,7 +119,7 @@ class _Region:
         elif observers:
             for observe in observers:
                 observe(args, kwargs)
-        self.slots: list[weakref.ref[_Slot]] = []
+        self.slots: list[weakref.ref[_Slot] | None] = []  # None: a parameter, kept as it is
         self.filled = 0
         self.in_forward = True
         self.last: weakref.ref[torch.Tensor] | None = None
@@ -131,17 +142,22 @@ class _Region:
         self.kwargs = {k: kept(v) for k, v in self.kwargs.items()}
         self.versions = [(t, v) for t, v in self.versions if not t.requires_grad]
 
-    def inputs(self) -> tuple[list, dict]:
-        """The arguments for a recompute: tensors as new leaves of the recompute's graph."""
+    def inputs(self) -> tuple[Any, dict]:
+        """The arguments for a recompute: the forward's own (a nested region's from the enclosing
+        region, which recomputes them if needed).
+
+        They are passed as they are, not as new leaves: the recompute's graph then hangs off the
+        forward's, which costs nothing (backward never runs through it; its saved tensors go to
+        the slots) and spares a detach per input.
+        """
         if self.saver is None:
-            return ([_fresh_leaf(a) for a in self.args],
-                    {k: _fresh_leaf(v) for k, v in self.kwargs.items()})
-        tensors = self.saver.saved_tensors  # the outer region recomputes them if needed
+            return self.args, self.kwargs
+        tensors = self.saver.saved_tensors
         for tensor, version in zip(tensors, self.saver.metadata["versions"]):
             if tensor._version != version:
                 self.changed_in_place(version, tensor._version)
         saved = iter(tensors)
-        get = lambda v: next(saved).detach().requires_grad_() if v is _SAVED else v  # noqa
+        get = lambda v: next(saved) if v is _SAVED else v  # noqa: E731
         return [get(a) for a in self.args], {k: get(v) for k, v in self.kwargs.items()}
 
     def run(self) -> Any:
@@ -166,13 +182,21 @@ class _Region:
         self.last = None
         return out
 
-    def pack(self, tensor: torch.Tensor) -> _Slot:
+    def pack(self, tensor: torch.Tensor) -> _Slot | torch.Tensor:
+        if isinstance(tensor, _Parameter):
+            # A module's parameter lives on anyway: it is kept as it is, never recomputed, and
+            # its place in the recompute's order stays empty.
+            self.slots.append(None)
+            self.last = None
+            return tensor
         slot = _Slot(tensor.shape)
         self.slots.append(weakref.ref(slot))
         self.last = weakref.ref(tensor)
         return slot
 
-    def unpack(self, slot: _Slot) -> torch.Tensor:
+    def unpack(self, slot: _Slot | torch.Tensor) -> torch.Tensor:
+        if slot.__class__ is not _Slot:
+            return slot  # kept as it is (see pack)
         call = _backward_call()
         if call != self.call or call == -1:
             self.recompute(call)
@@ -199,9 +223,10 @@ class _Region:
         total, self.filled, self.call = len(self.slots), 0, call
         contexts = self.opts.contexts
         inside = _local.inside = _inside_region() + 1
+        live = self.live = []
         try:
             with torch.enable_grad(), _RecomputeContext(self.forward), \
-                    torch.autograd.graph.saved_tensors_hooks(self.fill, _same):
+                    torch.autograd.graph.saved_tensors_hooks(self.fill, live.__getitem__):
                 if contexts is None:
                     self.fn(*args, **kwargs)
                 else:
@@ -213,6 +238,7 @@ class _Region:
             pass
         finally:
             _local.inside = inside - 1
+            live.clear()
         if self.filled < total:
             self.fail("the recomputed region saved fewer tensors for backward than its forward "
                       f"did ({self.filled} < {total}), so it is not deterministic (does it branch "
@@ -221,7 +247,14 @@ class _Region:
         if isinstance(call, int) and call >= 0:  # drop the unused when this backward call ends
             _engine.queue_callback(functools.partial(_empty_slots, self.slots))
 
-    def fill(self, tensor: torch.Tensor) -> torch.Tensor:
+    def fill(self, tensor: torch.Tensor) -> int:
+        """Pack hook of the recompute: hand the tensor to its slot.
+
+        The slot takes the tensor as it is, its recompute graph attached; the recompute's graph
+        keeps only an index into ``live``, a list emptied when the recompute ends (it serves
+        ``autograd.grad`` inside the region while it runs). So no graph holds a recomputed
+        tensor: each is freed as soon as its node has used it, and no detach is needed.
+        """
         index, total = self.filled, len(self.slots)
         self.filled = index + 1
         if index >= total:
@@ -229,10 +262,9 @@ class _Region:
                 raise _StopRecompute  # what the forward saved is all rebuilt; the rest is unused
             self.fail("the recomputed region saved more tensors for backward than its forward "
                       f"did (more than {total}), so it is not deterministic given its inputs.")
-        if tensor.requires_grad:
-            tensor = tensor.detach()  # the recompute's graph must not hold its own outputs
-        slot = self.slots[index]()
-        if slot is not None:  # None: its node already ran and was freed
+        ref = self.slots[index]
+        slot = None if ref is None else ref()  # None: kept as it is, or its node already ran
+        if slot is not None:
             if slot.shape != tensor.shape and self.opts.check_shapes:
                 self.fail(f"saved tensor {index} of the region had shape {tuple(slot.shape)} in "
                           f"the forward but {tuple(tensor.shape)} in the recompute; the region "
@@ -240,7 +272,8 @@ class _Region:
             slot.value = tensor
         if index + 1 == total and self.stop_early:
             raise _StopRecompute
-        return tensor
+        self.live.append(tensor)
+        return index
 
     def changed_in_place(self, before: int, after: int) -> None:
         raise RuntimeError(
@@ -253,29 +286,13 @@ class _Region:
         raise RuntimeError(f"zoo.checkpoint: {message}{self.opts.debug_report()}")
 
 
-def _empty_slots(slots: list[weakref.ref[_Slot]]) -> None:
+def _empty_slots(slots: list[weakref.ref[_Slot] | None]) -> None:
     """Drop what a backward call recomputed but did not use (called when that call ends).
 
     It gets the region's slot list, not the region: holding the region would keep its inputs
     alive until the end of the whole backward pass.
     """
     for ref in slots:
-        slot = ref()
+        slot = None if ref is None else ref()
         if slot is not None:
             slot.value = None
-
-
-def _fresh_leaf(value: Any) -> Any:
-    """A tensor input as a new leaf of the recompute's own graph (same data, same requires_grad).
-
-    An input that does not require grad is passed as itself: a custom Function that saved it
-    gets back the very tensor object it saved, as without checkpointing.
-    """
-    if isinstance(value, torch.Tensor) and value.requires_grad:
-        return value.detach().requires_grad_()
-    return value
-
-
-def _same(tensor: torch.Tensor) -> torch.Tensor:
-    """Unpack hook of the recompute's own graph (``autograd.grad`` run inside the region)."""
-    return tensor

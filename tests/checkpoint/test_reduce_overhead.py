@@ -1,0 +1,71 @@
+"""``torch.compile(mode="reduce-overhead")`` of every family's efficient model trains exactly like
+the eager plain model.
+
+On a GPU this mode records the compiled step in CUDA graphs, which replay every kernel of the
+step without host work per region: the cure for a host-bound step of many small layers. On the
+CPU it compiles with inductor and runs without graphs, which still checks that every efficient
+model compiles in that mode (one graph, fullgraph=True) and matches eager plain: outputs,
+gradients, parameters and BatchNorm buffers over three SGD steps, in float64. The same test runs
+on CUDA, with the graphs, where there is a GPU.
+
+Dropout is switched off: inductor draws dropout from its own random stream (eager's, with
+``fallback_random``, only outside checkpointed regions), so no compiled model can match eager
+plain's masks; that a compiled region's backward reuses its forward's mask is
+test_compile.py's ``test_inductor_recompute_uses_the_forwards_dropout_mask``.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import assert_same_training
+from test_compile import small_models
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+
+def without_dropout(model: nn.Module) -> nn.Module:
+    """Every dropout of a zoo model at p = 0 (modules, DenseNet's and attention's rates)."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        for name in ("drop_rate", "attn_drop"):
+            if isinstance(getattr(m, name, None), float):
+                setattr(m, name, 0.0)
+    return model
+
+
+def efficient_models() -> list:
+    """The first (recommended, ``efficient=True``) mode of each family in ``small_models``."""
+    families: dict[str, object] = {}
+    for param in small_models():
+        families.setdefault(param.id.split("-")[0], param)
+    return list(families.values())
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("build, mode", efficient_models())
+def test_reduce_overhead_trains_like_eager_plain(build, mode, device):
+    torch.manual_seed(0)
+    plain = without_dropout(build()).double().to(device)
+    ckpt = copy.deepcopy(plain)
+    ckpt.set_grad_checkpointing(mode)
+    x = plain.example_input(2).to(device)
+    x = x.double() if x.is_floating_point() else x
+    torch._dynamo.reset()
+    compiled = torch.compile(ckpt, mode="reduce-overhead", fullgraph=True)
+
+    def step(inputs: torch.Tensor) -> torch.Tensor:
+        torch.compiler.cudagraph_mark_step_begin()  # a new training step: outputs may be reused
+        return compiled(inputs)
+
+    assert_same_training(plain, plain, ckpt, step, x, steps=3)
