@@ -77,13 +77,18 @@ def test_a_mode_below_every_chain_schedule_lowers_the_smallest_peak():
     modes = zoo.planner.profile_modes(model, x, result.step_flops)
     lowest = min(modes, key=lambda m: m.peak)
     assert lowest.peak < least_chain
-    chosen = zoo.plan(model, x, lowest.peak)
+    chosen = zoo.plan(model, x, lowest.peak, block_modes=False)
     assert chosen.mode == lowest.mode and model.grad_checkpointing == lowest.mode
     assert model.checkpoint_plan is None
     assert measure_step(model, x)[0] == chosen.predicted_peak <= lowest.peak
     assert chosen.smallest_peak == lowest.peak and "own checkpoint mode" in str(chosen)
     with pytest.raises(zoo.planner.BudgetTooSmallError, match=f"at least {lowest.peak} bytes"):
-        zoo.plan(model, x, lowest.peak - 1)
+        zoo.plan(model, x, lowest.peak - 1, block_modes=False)
+    model.set_grad_checkpointing(False)
+    # with the modes as per-block options the chain reaches that peak too, for less
+    mixed = zoo.plan(model, x, lowest.peak)
+    assert measure_step(model, x)[0] == mixed.predicted_peak <= lowest.peak
+    assert mixed.recompute_flops <= lowest.recompute_flops
 
 
 @pytest.fixture(scope="module")

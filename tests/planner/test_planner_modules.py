@@ -53,8 +53,10 @@ def hf_bert() -> tuple[nn.Module, torch.Tensor]:
     return transformers.BertModel(config), torch.randint(0, 100, (8, 32))
 
 
-@pytest.mark.parametrize("make", [tower, resnet18, hf_bert], ids=["user", "torchvision", "hf"])
+@pytest.mark.parametrize("make", [tower, hf_bert], ids=["user", "hf"])
 def test_any_module_is_planned_within_its_budget_as_measured(make):
+    """Blocks the forward does not hand on one to the next (a residual sum between them, a loop
+    passing keyword arguments): planned over those blocks, each choice measured."""
     model, x = make()
     model.train()
     roomy = zoo.plan(model, x, float("inf"))
@@ -73,6 +75,31 @@ def test_any_module_is_planned_within_its_budget_as_measured(make):
         previous = len(result.checkpointed)
     with pytest.raises(BudgetTooSmallError, match=f"at least {least} bytes"):
         zoo.plan(model, x, least - 1)
+
+
+def test_a_module_with_a_spine_is_planned_over_it_exactly():
+    """torchvision's ResNet-18 hands each call's output to the next (stem, blocks, pooling):
+    planned over that spine, every module of it a candidate region, its predictions exact."""
+    model, x = resnet18()
+    model.train()
+    roomy = zoo.plan(model, x, float("inf"))
+    assert roomy.spine[:4] == ["conv1", "bn1", "relu", "maxpool"] and roomy.recompute_flops == 0
+    plain, least = roomy.plain_peak, roomy.smallest_peak
+    assert least < plain and measure_step(model, x)[0] == plain
+    for budget in (least, (least + plain) // 2, plain - 1):
+        result = zoo.plan(model, x, budget)
+        peak, flops = measure_step(model, x)
+        assert peak == result.predicted_peak <= budget
+        assert flops - roomy.step_flops == result.recompute_flops
+    with pytest.raises(BudgetTooSmallError, match=f"at least {least} bytes"):
+        zoo.plan(model, x, least - 1)
+    zoo.plan(model, x, float("inf"))
+    assert not any("_zoo_spine" in m.__dict__ for m in model.modules())
+    x = torch.randn(4, 3, 64, 64)  # larger maps, more plans: every third measured
+    planner = zoo.planner.spine_planner(model, x)
+    for plan in planner.choices[::3]:
+        plan.apply(model)
+        assert measure_step(model, x)[0] == plan.predicted_peak
 
 
 def test_a_planned_module_trains_as_the_plain_one():

@@ -75,4 +75,13 @@ def test_compare_reports_both_sides() -> None:
         if row["zoo_peak_bytes"] is not None:  # zoo's plan meets torch's peak as its budget
             assert row["zoo_peak_bytes"] <= row["torch_peak_bytes"]
     assert result["zoo_least"]["peak_bytes"] <= result["plain_peak_bytes"]
+    for row in [*result["rows"], result["zoo_least"]]:  # the compile-safe plan, compiled
+        if row["zoo_c_peak_bytes"] is not None:
+            assert row["zoo_compiled_peak_bytes"] > 0  # measured; kept or not: the verdict
+            assert row["zoo_compiled_recompute_flops"] is not None
+    verdict = result["verdict"]
+    assert verdict["least_below_torch"] == (result["zoo_least"]["peak_bytes"]
+                                            < result["torch_least"]["torch_peak_bytes"])
+    assert verdict["compiled_keeps_plan"] == (verdict["compiled_not_kept"] == [])
+    assert verdict["every_fraction"] == (verdict["missed_fractions"] == [])
     assert "| tiny (4) | 0.3 |" in markdown([result])

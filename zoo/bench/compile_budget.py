@@ -10,8 +10,9 @@ inductor only generates kernels for those graphs afterwards.
 
 Here the partitioned forward and backward graphs run through ``torch.fx.Interpreter`` with the
 boxed calling convention (every value, inputs included, freed after its last use, as inductor's
-code frees them), so every op goes through the dispatcher and ``zoo.memory.cpu_peak_bytes``
-(MemTracker) and ``FlopCounterMode`` see a real step op by op. Dynamo refuses to run compiled
+code frees them), so every op goes through the dispatcher and the planner's counter
+(``zoo.planner.tracker.StepCounter``: MemTracker's bytes, FlopCounterMode's FLOPs) sees a real
+step op by op. Dynamo refuses to run compiled
 code under a dispatch mode (it falls back to eager), so the step is measured by replaying the
 compiled graph's callable on the inputs Dynamo gave it on the first call (the model's parameters,
 buffers and the batch: the same tensors), outside Dynamo's frame evaluation. Counters on the
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zoo.memory import count_flops, cpu_peak_bytes
+from zoo.planner.tracker import StepCounter
 
 __all__ = ["CompiledStep", "compile_step", "measure_compiled", "default_solver"]
 
@@ -125,13 +126,16 @@ def _check_replayable(model: nn.Module, x: torch.Tensor, args: tuple,
 def measure_compiled(model: nn.Module, x: torch.Tensor, budget: float,
                      loss_fn: Callable[[Any], torch.Tensor], solver: str | None = None
                      ) -> dict[str, Any]:
-    """Exact CPU peak bytes (model state tracked, as ``zoo.planner.measure_step`` does) and FLOPs
-    of the second step of ``model`` compiled under ``budget``; gradients left as that step set
-    them."""
+    """Exact CPU peak bytes (model state tracked, counted as ``zoo.planner.measure_step`` counts
+    them) and FLOPs of the second step of ``model`` compiled under ``budget``; gradients left as
+    that step set them."""
     step = compile_step(model, x, budget, loss_fn, solver)
     runs = step.counts["forward"]
-    peak = cpu_peak_bytes(step, track=(model,))
-    flops = count_flops(step)
-    if step.counts["forward"] != runs + 2 or step.counts["backward"] != runs + 2:
-        raise RuntimeError(f"the measured steps did not run the compiled graphs: {step.counts}")
-    return {"budget": budget, "solver": step.solver, "peak_bytes": peak, "flops": flops}
+    counter = StepCounter()  # bytes and FLOPs in one step (a recomputed dropout's RNG wrapper
+    counter.track(model)  # is a higher-order op FlopCounterMode does not take)
+    with counter:
+        step()
+    if step.counts["forward"] != runs + 1 or step.counts["backward"] != runs + 1:
+        raise RuntimeError(f"the measured step did not run the compiled graphs: {step.counts}")
+    return {"budget": budget, "solver": step.solver, "peak_bytes": counter.peak,
+            "flops": counter.flops}

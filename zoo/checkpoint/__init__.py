@@ -258,6 +258,20 @@ def run_blocks(blocks: Sequence[Callable[[Any], Any]], x: Any) -> Any:
     return x
 
 
+def run_plan(blocks: Sequence[Callable[[Any], Any]], plan: Sequence[tuple[int, int, Any]],
+             x: Any, offset: int = 0) -> Any:
+    """Run ``blocks`` by a block-level ``plan`` of ``(start, stop, checkpointed)`` segments
+    (block indices start at ``offset``): stored segments plainly, checkpointed ones as one
+    region each, nested plans (a list in place of the flag) inside their region, recursively."""
+    for a, b, ck in plan:
+        part = blocks[a - offset:b - offset]
+        if isinstance(ck, list):
+            x = checkpoint(run_plan, part, ck, x, a)
+        else:
+            x = checkpoint(run_blocks, part, x) if ck else run_blocks(part, x)
+    return x
+
+
 def checkpoint_sequential(blocks: Sequence[Callable[[Any], Any]] | nn.Sequential, x: Any,
                           segments: int | None = None, skip_last: bool = False, *,
                           use_reentrant: bool | None = None, preserve_rng_state: bool = True,

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..checkpoint import checkpoint, run_blocks
+from ..checkpoint import run_plan
 
 # (start, stop, checkpointed) segments covering the chain; ``checkpointed`` may be a nested plan of
 # the segment's own blocks: the segment is one checkpoint region whose recompute runs that plan
@@ -239,15 +239,3 @@ def _checked_plan(plan: Plan, start: int, stop: int, top: bool = False) -> list:
         where = "the chain has" if top else "its segment ends at"
         raise ValueError(f"the plan covers blocks {start}..{pos}, {where} {stop}")
     return out
-
-
-def run_plan(blocks: Sequence[Callable[[Any], Any]], plan: Plan, x: Any, offset: int = 0) -> Any:
-    """Run ``blocks`` by ``plan`` (block indices start at ``offset``): stored segments plainly,
-    checkpointed ones as one region each, nested plans inside their region (recursively)."""
-    for a, b, ck in plan:
-        part = blocks[a - offset:b - offset]
-        if isinstance(ck, list):
-            x = checkpoint(run_plan, part, ck, x, a)
-        else:
-            x = checkpoint(run_blocks, part, x) if ck else run_blocks(part, x)
-    return x

@@ -29,14 +29,15 @@ def extrapolate(pa: ChainProfile, pb: ChainProfile, batch: int, batch_a: int = 1
     """The profile at ``batch`` from the profiles at ``batch_a`` (``pa``) and ``batch_b``
     (``pb``), every byte and FLOP figure on the line through the two."""
     def line(a: Any, b: Any) -> Any:
-        if isinstance(a, bool) or not isinstance(a, int):
+        if isinstance(a, bool) or not isinstance(a, int) or not isinstance(b, int):
             return a
         return max(0, round(a + (batch - batch_a) * (b - a) / (batch_b - batch_a)))
 
     fields = {}
     for f in dataclasses.fields(ChainProfile):
         a, b = getattr(pa, f.name), getattr(pb, f.name)
-        if isinstance(a, list) and a and isinstance(a[0], int) and not isinstance(a[0], bool):
+        if isinstance(a, list) and any(isinstance(v, int) and not isinstance(v, bool)
+                                       for v in a):
             fields[f.name] = [line(x, y) for x, y in zip(a, b)]
         else:
             fields[f.name] = line(a, b)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["fake_state", "default_loss"]
+__all__ = ["fake_state", "default_loss", "FakeStep"]
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -35,3 +35,26 @@ def fake_state(model: nn.Module, fake: Any) -> dict[str, torch.Tensor]:
             copies[id(t)] = copy.requires_grad_(t.requires_grad) if t.is_leaf else copy
         state[name] = copies[id(t)]
     return state
+
+
+class FakeStep:
+    """Fake copies of a model's parameters and buffers and of an input, made once for the many
+    fake steps of a planning (making them costs a few hundred microseconds per tensor): the
+    ``mode`` (``FakeTensorMode``) they belong to, ``state`` by name, the unique ``tensors``, the
+    ``input``. :meth:`clear` drops the gradients a step left on them."""
+
+    def __init__(self, model: nn.Module, example_input: Any) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.mode = FakeTensorMode()
+        self.state = fake_state(model, self.mode)
+        self.tensors = list({id(t): t for t in self.state.values()}.values())
+        x = example_input
+        self.input = self.mode.from_tensor(x.detach()).requires_grad_(x.requires_grad) \
+            if isinstance(x, torch.Tensor) else x
+
+    def clear(self) -> None:
+        for t in self.tensors:
+            t.grad = None
+        if isinstance(self.input, torch.Tensor):
+            self.input.grad = None

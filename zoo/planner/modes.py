@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .fake import FakeStep
 from .measure import measure_step
 
 __all__ = ["ModeCost", "profile_modes"]
@@ -32,11 +33,14 @@ class ModeCost:
 
 
 def profile_modes(model: nn.Module, example_input: torch.Tensor, plain_flops: int,
-                  loss_fn: Callable[[Any], torch.Tensor] | None = None) -> list[ModeCost]:
-    """Every mode in ``model.checkpoint_modes`` measured on ``example_input`` (under
-    ``FakeTensorMode``; the model's own mode and plan are restored afterwards). ``plain_flops``:
-    a plain step's FLOPs, so a mode's recompute is its step's FLOPs beyond them."""
-    modes = tuple(getattr(model, "checkpoint_modes", ()))
+                  loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                  only: list[str] | None = None, fake: FakeStep | None = None
+                  ) -> list[ModeCost]:
+    """Every mode in ``model.checkpoint_modes`` (or in ``only``) measured on
+    ``example_input`` (under ``FakeTensorMode``; the model's own mode and plan are restored
+    afterwards). ``plain_flops``: a plain step's FLOPs, so a mode's recompute is its step's
+    FLOPs beyond them."""
+    modes = tuple(getattr(model, "checkpoint_modes", ())) if only is None else tuple(only)
     if not modes:
         return []
     active, plan = model.grad_checkpointing, model.checkpoint_plan
@@ -48,7 +52,7 @@ def profile_modes(model: nn.Module, example_input: torch.Tensor, plain_flops: in
                 model.set_grad_checkpointing(mode)
             except ValueError:  # e.g. a ResNet built with checkpoint_every > 1 has 'block' only
                 continue
-            peak, flops = measure_step(model, example_input, loss_fn)
+            peak, flops = measure_step(model, example_input, loss_fn, fake)
             costs.append(ModeCost(mode, peak, max(0, flops - plain_flops)))
     finally:
         model.set_grad_checkpointing(active if active is not None else False)

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .profile import ChainProfile
+from .chain_profile import ChainProfile
 
-__all__ = ["predict_peak", "recompute_flops", "solve", "normalise", "Segments"]
+__all__ = ["predict_peak", "recompute_flops", "solve", "normalise", "Segments", "schedules"]
 
 Segments = list[tuple[int, int, bool]]
 
@@ -67,7 +67,8 @@ def predict_peak(p: ChainProfile, segments: Sequence[tuple[int, int, bool]]) -> 
                 owner[a] = i
                 held += act[a]
             for u in range(a, b):
-                peak = max(peak, p.base + held + (0 if u in owner else act[u]) + p.fwd_rise_ckpt[u])
+                peak = max(peak, p.base + held + (0 if u in owner else act[u])
+                           + p.fwd_rise_ckpt[u])
         else:
             for u in range(a, b):
                 peak = max(peak, p.base + held + (0 if u in owner else act[u]) + p.fwd_rise[u])
@@ -92,7 +93,8 @@ def predict_peak(p: ChainProfile, segments: Sequence[tuple[int, int, bool]]) -> 
             seg = 0
             for u in range(a, b):
                 transient = 0 if u == a or u in live else act[u]
-                peak = max(peak, level + grads + p.dgrad[b] + own + seg + transient + p.fwd_rise[u])
+                peak = max(peak, level + grads + p.dgrad[b] + own + seg + transient
+                           + p.rise_in_recompute(u, u == b - 1))
                 seg += p.saved[u]
                 for k, keep in ((u, p.keeps_input[u]), (u + 1, p.keeps_output[u])):
                     if keep and k != a and k not in live:
@@ -101,8 +103,10 @@ def predict_peak(p: ChainProfile, segments: Sequence[tuple[int, int, bool]]) -> 
         else:
             own, live = 0, set(mine)
             seg = seg_saved[i] + sum(act[k] for k in mine)
+        before = i > 0 and not segs[i - 1][2] and p.keeps_output[a - 1]
         for u in range(b - 1, a - 1, -1):
-            peak = max(peak, level + grads + p.dgrad[u + 1] + own + seg + p.bwd_rise[u])
+            peak = max(peak, level + grads + p.dgrad[u + 1] + own + seg
+                       + p.rise_in_backward(u, ck, _held_by(p, u, a, ck, before)))
             seg -= p.saved[u]
             for k in (u + 1, u):
                 if k in live and not (k == u and u > a and p.keeps_output[u - 1]):
@@ -111,6 +115,14 @@ def predict_peak(p: ChainProfile, segments: Sequence[tuple[int, int, bool]]) -> 
             grads += p.grads[u]
         held = prefix
     return peak
+
+
+def _held_by(p: ChainProfile, u: int, a: int, ck: bool, before: bool) -> int:
+    """Who holds unit ``u``'s input besides itself, in a segment starting at ``a`` (``before``:
+    the segment before is stored and holds it): 0 nobody, 1 the unit before, 2 the region."""
+    if u > a:
+        return int(p.keeps_output[u - 1])
+    return 2 if ck else int(before)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -132,7 +144,8 @@ def _segment_terms(p: ChainProfile, a: int, b: int, ck: bool, held_before: bool,
         level = p.bwd_misc + grads_after + hold
         for u in range(a, b):  # recompute
             transient = 0 if u == a or u in live else act[u]
-            local = max(local, level + p.dgrad[b] + seg + transient + p.fwd_rise[u])
+            local = max(local, level + p.dgrad[b] + seg + transient
+                        + p.rise_in_recompute(u, u == b - 1))
             seg += p.saved[u]
             for k, keep in ((u, p.keeps_input[u]), (u + 1, p.keeps_output[u])):
                 if keep and k != a and k not in live:
@@ -155,7 +168,8 @@ def _segment_terms(p: ChainProfile, a: int, b: int, ck: bool, held_before: bool,
         holds_output = b in live
     grads = 0
     for u in range(b - 1, a - 1, -1):
-        local = max(local, level + grads + p.dgrad[u + 1] + seg + p.bwd_rise[u])
+        local = max(local, level + grads + p.dgrad[u + 1] + seg
+                    + p.rise_in_backward(u, ck, _held_by(p, u, a, ck, held_before)))
         seg -= p.saved[u]
         for k in (u + 1, u):
             if k in live and not (k == u and u > a and p.keeps_output[u - 1]):
@@ -179,7 +193,7 @@ def fronts(p: ChainProfile) -> list[list[list[Option]]]:
     front[n] = [[(p.act[n] + p.head_rise, 0, None)], [(p.head_rise, 0, None)]]
     for a in range(n - 1, -1, -1):
         for s in (False, True):
-            if s and a == 0:
+            if s and not p.held_in_plain(a):  # no stored segment before can hold its input
                 continue
             cands: list[Option] = []
             for b in range(a + 1, n + 1):
@@ -222,15 +236,28 @@ def solve(p: ChainProfile, budget: int,
     options = [o for o in front[0][False] if o[0] <= room]
     if not options:
         return None
-    choice = options[-1]  # need ascending, cost descending: the last that fits is the cheapest
+    segments = _traced(front, options[-1])  # cost descending: the last that fits is cheapest
+    return segments, predict_peak(p, segments)
+
+
+def _traced(front: list[list[list[Option]]], choice: Option) -> Segments:
+    """The schedule a top-front entry stands for."""
     segments: Segments = []
     a = 0
     while choice[2] is not None:
         b, ck, s2, idx = choice[2]
         segments.append((a, b, ck))
         a, choice = b, front[b][s2][idx]
-    segments = normalise(segments)
-    return segments, predict_peak(p, segments)
+    return normalise(segments)
+
+
+def schedules(p: ChainProfile, front: list[list[list[Option]]] | None = None
+              ) -> list[tuple[Segments, int, int]]:
+    """Every schedule of the top front: (unit-level segments, predicted peak, recompute FLOPs),
+    peak ascending, recompute falling (the one-level plans worth having)."""
+    front = front or fronts(p)
+    found = [_traced(front, choice) for choice in front[0][False]]
+    return [(s, predict_peak(p, s), recompute_flops(p, s)) for s in found]
 
 
 def _least_need(p: ChainProfile) -> int:
@@ -242,7 +269,7 @@ def _least_need(p: ChainProfile) -> int:
     need = [[0, 0] for _ in range(n + 1)]
     need[n] = [p.act[n] + p.head_rise, p.head_rise]
     for a in range(n - 1, -1, -1):
-        for s in ((False,) if a == 0 else (False, True)):
+        for s in ((False, True) if p.held_in_plain(a) else (False,)):
             options = []
             for b in range(a + 1, n + 1):
                 for ck in (False, True):

@@ -1,0 +1,166 @@
+"""The planner's memory model is exact: on a small member of every family, every plan it offers
+and random nested schedules with a block mode or a save set per block (DenseNet's
+``bottleneck``, a transformer's ``selective``, ``ops:matmul`` everywhere) are predicted to the
+byte and the FLOP of a measured step. And the byte counter it measures with is ``MemTracker``'s
+figure.
+
+Measured: one training step under ``FakeTensorMode`` (``zoo.planner.measure_step``, the lean
+counter of ``zoo.planner.tracker``; a real CPU step counts the same bytes, checked here too).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from test_planner_modes import small
+from test_planner_nested import nested_schedules
+from zoo.planner import Planner, block_plan, default_loss, measure_step
+from zoo.planner.measure import peak_bytes
+from zoo.planner.nested import NestedModel, schedule_cost
+from zoo.planner.savesets import apply_save_sets
+from zoo.planner.tracker import StepCounter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FAMILIES = ["resnet", "densenet", "cifar_cnn", "vit", "bert", "gpt2"]
+
+
+def measured(model: torch.nn.Module, x: torch.Tensor, segments: list,
+             block_modes: list | None) -> tuple[int, int]:
+    """A step's (peak, FLOPs) with the chain run by ``segments`` and ``block_modes`` (model
+    modes, or save sets: op-level choices)."""
+    chain = model.checkpoint_chain()
+    model.set_checkpoint_plan(segments)
+    model.set_checkpoint_block_modes(apply_save_sets(model, chain, block_modes))
+    try:
+        return measure_step(model, x)
+    finally:
+        model.set_checkpoint_plan(None)
+        model.set_checkpoint_block_modes(apply_save_sets(model, chain, None))
+
+
+def random_schedule(rng: random.Random, n: int) -> list:
+    """A nested schedule of ``n`` units: every one of a short chain, else random cuts with
+    segments stored, checkpointed, or checkpointed with an inner region."""
+    if n <= 5:
+        return rng.choice(list(nested_schedules(0, n, False)))
+    bounds = [0, *sorted(rng.sample(range(1, n), 3)), n]
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        kind = rng.randrange(3)
+        if kind == 0:
+            out.append((a, b, None))
+        elif kind == 1 or b - a < 2:
+            out.append((a, b, [(a, b, None)]))
+        else:
+            c = rng.randint(a + 1, b - 1)
+            out.append((a, b, [(a, c, [(a, c, None)]), (c, b, None)]))
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_plan_and_random_schedules_are_predicted_to_the_byte(family):
+    model, x = small(family)
+    planner = Planner(model, x, modes=False)
+    plain_flops = measure_step(model, x)[1]
+    choices = planner.choices
+    picks = sorted({0, len(choices) - 1, *range(0, len(choices), max(1, len(choices) // 5))})
+    for i in picks:
+        c = choices[i]
+        peak, flops = measured(model, x, c.segments, c.block_modes)
+        assert (peak, flops - plain_flops) == (c.predicted_peak, c.recompute_flops), i
+    profiles = [planner.profile, *planner.variants]
+    names = [q.block_mode for q in profiles]
+    m, p, rng = NestedModel(profiles), planner.profile, random.Random(0)
+    tried = 0
+    while tried < 6:
+        schedule = random_schedule(rng, p.n_units)
+        variants = [rng.randrange(len(profiles)) for _ in range(p.n_units)]
+        need, cost = schedule_cost(m, schedule, variants)
+        if need == float("inf"):  # a selective block inside a checkpointed segment
+            continue
+        tried += 1
+        modes = [names[variants[u]] for u, (a, b) in enumerate(p.units) for _ in range(a, b)]
+        peak, flops = measured(model, x, block_plan(p, schedule), modes)
+        assert (peak, flops - plain_flops) == (max(p.pre_peak, p.tail_peak, p.base + need),
+                                               cost), (schedule, modes)
+
+
+def test_the_fake_step_counts_what_a_real_step_holds():
+    model, x = small("densenet")
+    planner = Planner(model, x, modes=False)
+    plan = planner.choices[len(planner.choices) // 3]
+    plan.apply(model)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        default_loss(model(x)).backward()
+
+    model.zero_grad(set_to_none=True)
+    assert peak_bytes(step, [model]) == measure_step(model, x)[0] == plan.predicted_peak
+
+
+@pytest.mark.parametrize("mode", [None, "layer"])
+def test_the_counter_is_memtrackers_figure_and_flop_counters(mode):
+    """Without checkpoints the step counter and ``MemTracker`` agree; in a recompute that
+    calls modules, ``MemTracker``'s module hooks keep the recompute's graph a little longer (a
+    DenseNet ``layer``-mode step): the counter with those same hooks added agrees again. FLOPs
+    are ``FlopCounterMode``'s."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.mod_tracker import ModTracker
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, x = small("densenet")
+    model.set_grad_checkpointing(mode or False)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        default_loss(model(x)).backward()
+
+    def counted(hooks: bool) -> StepCounter:
+        model.zero_grad(set_to_none=True)
+        counter = StepCounter()
+        counter.track(model)
+        with ModTracker() if hooks else torch.autograd.graph.saved_tensors_hooks(
+                lambda t: t, lambda t: t), counter:
+            step()
+        return counter
+
+    model.zero_grad(set_to_none=True)
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        step()
+    memtracker = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    with FlopCounterMode(display=False) as flop_counter:
+        step()
+    plain, hooked = counted(False), counted(True)
+    assert hooked.peak == memtracker and plain.flops == flop_counter.get_total_flops()
+    assert (plain.peak == memtracker) == (mode is None)
+
+
+@pytest.mark.parametrize("family", ["resnet", "densenet", "vit"])
+def test_the_measured_peak_never_rises_as_the_budget_falls(family):
+    """20 budgets from the plain peak down to the least peak: each plan measures within its
+    budget and at or below the plan of the budget above it; its recompute never falls."""
+    model, x = small(family)
+    planner = Planner(model, x)
+    top, least = planner.plain_peak, planner.least_peak
+    last_peak, last_flops, seen = None, -1, {}
+    for i in range(20):
+        budget = top - (top - least) * i // 19
+        plan = planner.plan(budget)
+        key = (str(plan.segments), str(plan.block_modes), plan.mode)
+        if key not in seen:  # a plan kept from the budget above is measured once
+            plan.apply(model)
+            seen[key] = measure_step(model, x)[0]
+            model.set_checkpoint_plan(None)
+            model.set_checkpoint_block_modes(None)
+            model.set_grad_checkpointing(False)
+        peak = seen[key]
+        assert peak == plan.predicted_peak <= budget
+        assert last_peak is None or peak <= last_peak, (i, budget)
+        assert plan.recompute_flops >= last_flops
+        last_peak, last_flops = peak, plan.recompute_flops

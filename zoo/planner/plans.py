@@ -1,0 +1,155 @@
+"""What ``zoo.plan`` returns for a zoo model: :class:`Plan`, a checkpoint schedule of its chain (or
+one of its own hand modes) with what it is predicted to cost, printable as a table."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..memory import format_bytes
+from .modes import ModeCost
+from .chain_profile import ChainProfile
+from .savesets import apply_save_sets
+from .spine import SpineStep, apply_spine
+
+__all__ = ["Plan"]
+
+
+@dataclass
+class Plan:
+    """A checkpoint schedule for a model's chain and what the planner predicts it costs.
+
+    ``segments`` is block-level, as ``model.set_checkpoint_plan`` takes it: ``(start, stop,
+    checkpointed)`` where ``checkpointed`` is False (stored), True, or the inner plan the
+    segment's recompute runs (multi-level); ``block_modes`` (one entry per block, or None) runs
+    blocks in an intra-block checkpoint mode or checkpointed with a save set (a name of
+    ``zoo.planner.savesets.SAVE_SETS``: op-level choices). When ``mode`` is set, the plan is
+    that hand mode of the model (``model.set_grad_checkpointing(mode)``) and ``segments`` is
+    empty. Peaks are
+    bytes of one training step (forward, loss, backward; parameters and gradients included) as
+    ``zoo.planner.measure_step`` measures them; ``overhead`` is recompute FLOPs over a plain
+    step's FLOPs; ``modes``: the hand modes that were candidates, as measured; ``spine``: for a
+    module without the zoo's chain, the dotted names of the submodules it was planned over
+    (``zoo.planner.spine``), whose calls the segments cover.
+    """
+
+    segments: list[tuple[int, int, Any]]
+    budget: int | float
+    predicted_peak: int
+    plain_peak: int
+    smallest_peak: int
+    recompute_flops: int
+    step_flops: int
+    profile: ChainProfile
+    mode: str | None = None
+    modes: tuple[ModeCost, ...] = ()
+    block_modes: list[str | None] | None = None
+    cost: str = "flops"
+    spine: list[str] | None = None
+
+    def apply(self, model: nn.Module) -> None:
+        """Make ``model`` run this plan (its chain's segments with their block modes, or its
+        hand mode; a module planned over its spine runs the segments there)."""
+        if self.spine is not None:
+            apply_spine(model, self.spine, self.segments)
+            apply_save_sets(model, [SpineStep(model.get_submodule(n), n) for n in self.spine],
+                            self.block_modes)
+            return
+        with_modes = hasattr(model, "set_checkpoint_block_modes")
+        chain = model.checkpoint_chain()
+        if self.mode is None:
+            model.set_checkpoint_plan(self.segments)
+            modes = apply_save_sets(model, chain, self.block_modes)
+            if with_modes:
+                model.set_checkpoint_block_modes(modes)
+        else:
+            model.set_checkpoint_plan(None)
+            apply_save_sets(model, chain, None)
+            if with_modes:
+                model.set_checkpoint_block_modes(None)
+            model.set_grad_checkpointing(self.mode)
+
+    @property
+    def overhead(self) -> float:
+        return self.recompute_flops / self.step_flops if self.step_flops else 0.0
+
+    @property
+    def checkpointed_blocks(self) -> list[int]:
+        """Blocks inside a checkpointed segment (recomputed at least once)."""
+        return [j for a, b, ck in self.segments if ck is not False for j in range(a, b)]
+
+    @property
+    def levels(self) -> int:
+        """How deep the checkpoints nest: 0 (none), 1 (one-level segments), 2, ..."""
+        return _depth(self.segments)
+
+    def _amount(self, n: int) -> str:
+        return f"{n / 1e6:.2f} ms" if self.cost == "time" else _flops(n)
+
+    def _summary(self) -> str:
+        roomy = "; at or above the plain peak: nothing checkpointed" \
+            if self.budget >= self.plain_peak else ""
+        peak = format_bytes(self.predicted_peak)
+        return (f"budget {_budget(self.budget)}: predicted peak {peak}"
+                f" (plain {format_bytes(self.plain_peak)}, smallest feasible "
+                f"{format_bytes(self.smallest_peak)}{roomy})")
+
+    def __str__(self) -> str:
+        if self.mode is not None:
+            others = ", ".join(f"{m.mode} {format_bytes(m.peak)} +{_flops(m.recompute_flops)}"
+                               for m in self.modes)
+            return "\n".join([
+                f"the model's own checkpoint mode {self.mode!r} (measured; cheapest that fits)",
+                self._summary(),
+                f"+{_flops(self.recompute_flops)} recomputed, +{100 * self.overhead:.1f}% of a "
+                f"plain step's {_flops(self.step_flops)}; modes measured: {others}"])
+        p = self.profile
+        unit = "fwd ms" if self.cost == "time" else "fwd MFLOP"
+        lines = [f"| block | name | checkpointed in (outer to inner) | activations | block mode "
+                 f"| {unit} |", "|---:|---|---|---|---|---:|"]
+        path = _paths(self.segments, p.n_blocks)
+        flops = {a: p.flops[u] for u, (a, _) in enumerate(p.units)}
+        for j in range(p.n_blocks):
+            mode = (self.block_modes or [None] * p.n_blocks)[j] or ""
+            what = "recomputed" if path[j] else "saved"
+            f = f"{flops[j] / 1e6:.1f}" if j in flops else ""
+            lines.append(f"| {j} | {p.block_names[j]} | {' > '.join(path[j]) or '-'} | {what} | "
+                         f"{mode} | {f} |")
+        n_ck = len(self.checkpointed_blocks)
+        lines += [
+            "",
+            self._summary(),
+            f"{n_ck} of {p.n_blocks} blocks recomputed, checkpoints {self.levels} level(s) deep: "
+            f"+{self._amount(self.recompute_flops)} recomputed, +{100 * self.overhead:.1f}% of "
+            f"a plain step's {self._amount(self.step_flops)}",
+        ]
+        return "\n".join(lines)
+
+
+def _depth(segments: list) -> int:
+    return max((1 + (_depth(ck) if isinstance(ck, list) else 0) for *_, ck in segments
+                if ck is not False), default=0)
+
+
+def _paths(segments: list, n: int, outer: tuple[str, ...] = ()) -> list[list[str]]:
+    """For each block, the checkpointed segments around it, outermost first ("3-9")."""
+    out: list[list[str]] = [[] for _ in range(n)]
+    for a, b, ck in segments:
+        here = (*outer, f"{a}-{b - 1}") if ck is not False else outer
+        if isinstance(ck, list):
+            inner = _paths(ck, n, here)
+            for j in range(a, b):
+                out[j] = inner[j]
+        else:
+            for j in range(a, b):
+                out[j] = list(here)
+    return out
+
+
+def _budget(n: int | float) -> str:
+    return "inf (no limit)" if n == float("inf") else format_bytes(n)
+
+
+def _flops(n: int) -> str:  # ns when a plan's cost is "time"
+    return f"{n / 1e9:.2f} GFLOP" if n >= 1e9 else f"{n / 1e6:.1f} MFLOP"
