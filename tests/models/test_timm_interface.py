@@ -25,7 +25,7 @@ SMALL = [n for n in zoo.list_models() if n not in GIANTS]
 
 
 # A deep RevNet in eval mode with BatchNorm's initial statistics (mean 0, variance 1) grows past
-# the +-32768 that float32's int32 streams hold, and says so with NaN (zoo.reversible's range
+# the 16384 that float32's int32 streams hold, and says so with NaN (zoo.reversible's range
 # check); float64's int64 streams hold it. Trained statistics keep the activations in range.
 WIDE_GRID = {"revnet110"}
 

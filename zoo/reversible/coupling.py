@@ -1,0 +1,30 @@
+"""What a reversible sequence runs: a block with ``f`` and ``g`` (:class:`ReversibleBlock`), and
+:class:`Coupling`, such a block made of two modules."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+__all__ = ["ReversibleBlock", "Coupling"]
+
+
+class ReversibleBlock(Protocol):
+    """What :func:`reversible_sequence` runs: an ``nn.Module`` with ``f`` and ``g``."""
+
+    def f(self, x: torch.Tensor, *args: Any) -> torch.Tensor: ...
+
+    def g(self, x: torch.Tensor, *args: Any) -> torch.Tensor: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+
+class Coupling(nn.Module):
+    """A reversible block made of two modules: ``f`` and ``g`` are its submodules (so the
+    state_dict names are ``f.*`` and ``g.*``); extra arguments are not passed on."""
+
+    def __init__(self, f: nn.Module, g: nn.Module) -> None:
+        super().__init__()
+        self.f, self.g = f, g

@@ -1,0 +1,253 @@
+"""``rebuild=True``: keep the last block's integer outputs and, in backward, rebuild every
+block's inputs from its outputs, recomputing ``G`` then ``F`` once each."""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..checkpoint.recompute import _cuda_devices, _ForwardContext, _RecomputeContext
+from .coupling import ReversibleBlock
+from .grid import Grid, _add, _checked, _enter, from_fixed
+
+# torch.autograd.grad takes an output's gradient edge in place of the output from torch 2.5 on
+# (older versions keep each recomputed output alive through its backward: a little more memory)
+_EDGE_OUTPUTS = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+class _Run:
+    """What the rebuilding Function needs besides tensors: the blocks, the extra arguments, each
+    block's trainable parameters (indices into the Function's parameter inputs), and the RNG /
+    autocast state each ``f`` and ``g`` ran under in the forward."""
+
+    def __init__(self, blocks: Sequence[ReversibleBlock], args: tuple, grid: Grid,
+                 preserve_rng: bool):
+        self.blocks, self.args, self.grid = list(blocks), args, grid
+        self.preserve_rng = preserve_rng
+        index: dict[int, int] = {}
+        self.params: list[nn.Parameter] = []
+        self.block_params: list[dict[int, list[str]]] = []  # parameter index -> its names
+        for block in self.blocks:
+            names: dict[int, list[str]] = {}
+            for name, p in block.named_parameters(remove_duplicate=False):
+                if p.requires_grad:
+                    if id(p) not in index:
+                        index[id(p)] = len(self.params)
+                        self.params.append(p)
+                    names.setdefault(index[id(p)], []).append(name)
+            self.block_params.append(names)
+        self.contexts: list[tuple[_ForwardContext, _ForwardContext]] = []
+
+
+@contextlib.contextmanager
+def _aliased(module: nn.Module, names: dict[int, list[str]],
+             aliases: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Run ``module`` with its parameters replaced by ``aliases`` (detached, same storage), so
+    that gradients computed for a recompute never touch the real parameters or their hooks."""
+    swapped = []
+    for j, alias in aliases.items():
+        for name in names[j]:
+            owner_name, _, attr = name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            swapped.append((owner, attr, owner._parameters[attr]))
+            owner._parameters[attr] = alias
+    try:
+        yield
+    finally:
+        for owner, attr, param in swapped:
+            owner._parameters[attr] = param
+
+
+class _Rebuild(torch.autograd.Function):
+    """The whole sequence as one node: forward keeps only the last block's integer outputs;
+    backward rebuilds each block's inputs and recomputes ``G`` then ``F``, once each."""
+
+    @staticmethod
+    def forward(ctx: Any, run: _Run, x1: torch.Tensor, x2: torch.Tensor,
+                *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        devices = _cuda_devices(run.blocks[0], (x1, x2)) if run.preserve_rng else []
+        grid, checks = run.grid, []
+        (k1, _), (k2, v2) = _enter(x1, grid, checks), _enter(x2, grid, checks)
+        streams = (k1, k2)
+        views: list[torch.Tensor | None] = [None, v2]  # the float views alive: the one in use
+        del _, v2
+        for block in run.blocks:
+            contexts = []
+            for j, fn in ((0, block.f), (1, block.g)):  # y1 = x1 + F(x2), y2 = x2 + G(y1)
+                with _ForwardContext(devices, run.preserve_rng) as at:
+                    views[j] = None  # this stream's old view, already used
+                    views[j] = _add(streams[j], fn(views[1 - j], *run.args), grid, checks,
+                                    inplace=True)[1]
+                contexts.append(at)
+            run.contexts.append((contexts[0], contexts[1]))
+        ctx.save_for_backward(k1, k2)
+        ctx.run = run
+        return _checked(views[0], views[1], grid, checks)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, a1: torch.Tensor, a2: torch.Tensor) -> tuple[Any, ...]:
+        run, grid = ctx.run, ctx.run.grid
+        try:
+            k1, k2 = ctx.saved_tensors
+        except RuntimeError as e:
+            if "inplace" not in str(e):
+                raise
+            raise RuntimeError("reversible_sequence: backward ran twice through a sequence with "
+                               "rebuild=True (retain_graph=True); its streams are rebuilt in "
+                               "place, so run the forward again, or use rebuild=False") from None
+        grads: list[torch.Tensor | None] = [None] * len(run.params)
+        for i in reversed(range(len(run.blocks))):
+            block, (at_f, at_g) = run.blocks[i], run.contexts[i]
+            named = run.block_params[i]
+            aliases = {j: run.params[j].detach().requires_grad_() for j in named}
+            with _aliased(block, named, aliases):
+                # G on y1 (k1): x2 = y2 - G(y1), then G's gradients; a1 is ours (_Fresh)
+                _undo(block.g, k1, k2, a2, a1, grads, aliases, grid, at_g, run.args)
+                # F on x2 (k2): x1 = y1 - F(x2), then F's gradients
+                _undo(block.f, k2, k1, a1, a2, grads, aliases, grid, at_f, run.args)
+        return (None, a1, a2, *grads)
+
+
+def _undo(fn: Any, k_in: torch.Tensor, k_out: torch.Tensor, seed: torch.Tensor,
+          into: torch.Tensor, grads: list[torch.Tensor | None], aliases: dict[int, torch.Tensor],
+          grid: Grid, at: _ForwardContext, args: tuple) -> None:
+    """One half of a block backwards: recompute ``fn`` on stream ``k_in``, take its output off
+    ``k_out`` (in place: the streams are the rebuild's own), then its gradients for ``seed``
+    (the output's gradient): the input's is added to ``into`` in place, the parameters' to
+    ``grads``.
+
+    What stays alive is what the gradients need and no more: ``fn``'s output is put on the grid
+    (in its own memory when its graph did not save it) and let go before its backward (its
+    graph is reached by its gradient edge), and ``fn``'s input, a float view of ``k_in``, is
+    not kept in its graph but made again from ``k_in`` when the backward needs it (``k_in`` does
+    not change meanwhile)."""
+    out, edge, owned = _recompute(fn, k_in, grid, at, args)
+    _take_off(k_out, out, grid, owned)
+    if not out.requires_grad:
+        return
+    target: torch.Tensor | torch.autograd.graph.GradientEdge = out
+    if _EDGE_OUTPUTS:
+        target = torch.autograd.graph.get_gradient_edge(out)
+    if seed.dtype != out.dtype:  # autograd casts a gradient to its output's dtype
+        seed = seed.to(out.dtype)
+    del out
+    got = torch.autograd.grad(target, [edge, *aliases.values()], seed, allow_unused=True)
+    del target, seed
+    if got[0] is not None:
+        into.add_(got[0])
+    _accumulate(grads, aliases, got[1:])
+
+
+class _StreamView(torch.autograd.Function):
+    """The float view of a stream as the first node of a recompute's graph: the gradient
+    arriving here is the input gradient (read at this node's edge; the node itself never runs).
+    Unlike a leaf, it holds no tensor, so the view can be let go."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, k: torch.Tensor, grid: Grid) -> torch.Tensor:
+        return from_fixed(k, grid)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+        return None, None, None
+
+
+class _RemakeView(torch.autograd.graph.saved_tensors_hooks):
+    """While a recompute records its graph: a saved tensor that lives in the stream's float
+    view is not kept but made again from the stream when backward unpacks it (one copy at a
+    time, shared by every node that saved it), bit for bit the same values. ``saved`` lists
+    the storages of the others (weakly: every saved tensor holds the pack hook until released).
+    """
+
+    def __init__(self, view: torch.Tensor, k: torch.Tensor, grid: Grid) -> None:
+        storage, made = weakref.ref(view.untyped_storage()), [lambda: None]
+        saved = self.saved = [storage]  # the hooks must not hold self (a cycle holding k)
+
+        def pack(t: torch.Tensor) -> Any:
+            st = t.untyped_storage()
+            if st is not storage():
+                saved.append(weakref.ref(st))
+                return t
+            return t.size(), t.stride(), t.storage_offset()
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if isinstance(packed, torch.Tensor):
+                return packed
+            again = made[0]()
+            if again is None:
+                again = from_fixed(k, grid)
+                made[0] = weakref.ref(again)
+            return again.as_strided(*packed)
+
+        super().__init__(pack, unpack)
+
+
+def _recompute(fn: Any, k: torch.Tensor, grid: Grid, at: _ForwardContext, args: tuple
+               ) -> tuple[torch.Tensor, torch.autograd.graph.GradientEdge, bool]:
+    """``fn`` on the float view of ``k``, under the forward's RNG and autocast state and the
+    recompute guard (BatchNorm statistics are not updated a second time): its output, the edge
+    where its input's gradient arrives, and whether the output's memory is the rebuild's own
+    (no view of another tensor, nor saved by the graph)."""
+    with torch.enable_grad():
+        # a non-leaf input, as in the stored network: module hooks that watch their inputs'
+        # gradients (torch's ModTracker, under MemTracker) cannot watch a leaf during a nested
+        # torch.autograd.grad
+        view = _StreamView.apply(_anchor(k.device), k, grid)
+        edge = torch.autograd.graph.get_gradient_edge(view)
+        remake = _RemakeView(view, k, grid)
+        with remake, _RecomputeContext(at):
+            out = fn(view, *args)
+    st = out.untyped_storage()
+    return out, edge, out._base is None and all(r() is not st for r in remake.saved)
+
+
+def _take_off(k: torch.Tensor, out: torch.Tensor, grid: Grid, owned: bool) -> None:
+    """``k -= to_fixed(out)``, bit for bit; an ``owned`` output is scaled in place (one
+    temporary the size of ``k`` instead of two)."""
+    if out.dtype in (torch.float16, torch.bfloat16):
+        scaled = out.float().mul_(grid.scale)
+    elif owned:
+        scaled = out.detach().mul_(grid.scale)
+    else:
+        scaled = out * grid.scale
+    k.sub_(scaled.to(grid.stream))
+
+
+def _anchor(device: torch.device) -> torch.Tensor:
+    """An empty tensor requiring grad: what makes :class:`_StreamView`'s output part of a graph."""
+    return torch.empty(0, device=device, requires_grad=True)
+
+
+def _accumulate(grads: list[torch.Tensor | None], aliases: dict[int, torch.Tensor],
+                got: Sequence[torch.Tensor | None]) -> None:
+    """Add a recompute's parameter gradients, in the order autograd would (G before F, later
+    blocks first), to the sums returned for the parameters."""
+    for j, grad in zip(aliases, got):
+        if grad is not None:
+            grads[j] = grad if grads[j] is None else grads[j] + grad
+
+
+class _Fresh(torch.autograd.Function):
+    """The identity, whose backward hands on copies of the incoming gradients: the rebuild then
+    owns the gradients it receives and sums into them in place (the engine holds a node's
+    incoming gradients while the node runs, so working copies would double them)."""
+
+    @staticmethod
+    def forward(ctx: Any, y1: torch.Tensor, y2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return y1.detach(), y2.detach()  # not views: the outputs may be changed in place
+
+    @staticmethod
+    def backward(ctx: Any, a1: torch.Tensor, a2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return a1.clone(), a2.clone()
+
+
+@torch.compiler.disable
+def _rebuilt(blocks: Sequence[ReversibleBlock], x1: torch.Tensor, x2: torch.Tensor, args: tuple,
+             grid: Grid, preserve_rng: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    run = _Run(blocks, args, grid, preserve_rng)
+    return _Fresh.apply(*_Rebuild.apply(run, x1, x2, *run.params))
