@@ -127,3 +127,25 @@ def test_a_plan_is_within_its_budget_as_measured_at_the_predicted_floor():
         result = zoo.plan(model, x, budget, modes=False, block_modes=False)
     assert measure_step(model, x)[0] == result.predicted_peak <= budget
     model.set_checkpoint_plan(None)
+
+
+def test_a_planned_model_planned_again_is_planned_as_the_fresh_model():
+    """A zoo model planned at one budget and then at another is profiled without the first plan
+    (its segments, block modes and save sets): both plans equal those of a fresh model, and
+    ``apply=False`` leaves the applied plan in place."""
+    torch.manual_seed(0)
+    model = zoo.create_model("resnet20")
+    x = model.example_input(4)
+    fresh = zoo.create_model("resnet20")
+    with pytest.raises(zoo.planner.BudgetTooSmallError) as floor:
+        zoo.plan(fresh, x, 1, apply=False)
+    least = zoo.plan(fresh, x, floor.value.smallest, apply=False)
+    first = zoo.plan(model, x, (least.predicted_peak + least.plain_peak) // 2)
+    applied = (model.checkpoint_plan, model.checkpoint_block_modes)
+    again = zoo.plan(model, x, least.predicted_peak, apply=False)
+    assert (model.checkpoint_plan, model.checkpoint_block_modes) == applied
+    assert (again.segments, again.block_modes, again.predicted_peak) == \
+        (least.segments, least.block_modes, least.predicted_peak)
+    assert again.plain_peak == first.plain_peak == least.plain_peak
+    zoo.plan(model, x, least.predicted_peak)
+    assert measure_step(model, x)[0] == least.predicted_peak

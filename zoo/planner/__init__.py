@@ -44,7 +44,7 @@ from .modules import ModulePlan, plan_module
 from .nested import chain_floor, least_peak
 from .planner import (Planner, block_plan, plan_choices, profile_block_modes, solve_profile,
                       spine_planner)
-from .plans import Plan
+from .plans import Plan, plan_set_aside
 from .profile import ChainProfile, profile_chain
 from .solve import predict_peak, recompute_flops, smallest_peak
 from .timing import time_profile
@@ -108,27 +108,32 @@ def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | flo
     budget = parse_budget(memory_budget, device)
     if cost not in ("flops", "time"):
         raise ValueError(f"cost must be 'flops' or 'time', got {cost!r}")
-    if cost == "time" and hasattr(model, "checkpoint_chain") and budget != float("inf"):
-        profile = time_profile(model, example_input, profile_chain(model, example_input, loss_fn),
-                               loss_fn)
-        result = dataclasses.replace(solve_profile(profile, budget), cost="time")
-        if apply:
-            result.apply(model)
-        return result
-    spine = spine_planner(model, example_input, loss_fn, compiled=compiled) \
-        if not hasattr(model, "checkpoint_chain") and modules is None else None
-    if spine is not None:
-        result = spine.plan(budget)
-    elif not hasattr(model, "checkpoint_chain") or modules is not None:
-        result = plan_module(model, example_input, budget, loss_fn, modules)
-    elif budget == float("inf"):
-        result = _no_limit(model, example_input, loss_fn)
+    if hasattr(model, "checkpoint_chain") and modules is None:
+        with plan_set_aside(model):  # a plan applied before is not the plain step's
+            result = _plan_zoo_model(model, example_input, budget, loss_fn, cost, modes,
+                                     block_modes, compiled)
     else:
-        result = Planner(model, example_input, loss_fn, modes=modes, block_modes=block_modes,
-                         compiled=compiled).plan(budget)
+        spine = spine_planner(model, example_input, loss_fn, compiled=compiled) \
+            if modules is None else None
+        result = spine.plan(budget) if spine is not None else \
+            plan_module(model, example_input, budget, loss_fn, modules)
     if apply:
         result.apply(model)
     return result
+
+
+def _plan_zoo_model(model: nn.Module, example_input: torch.Tensor, budget: float,
+                    loss_fn: Callable[[Any], torch.Tensor] | None, cost: str, modes: Any,
+                    block_modes: Any, compiled: bool) -> Plan:
+    """:func:`plan` for a model with the zoo's chain, with no plan applied to it."""
+    if budget == float("inf"):
+        return _no_limit(model, example_input, loss_fn)
+    if cost == "time":
+        profile = time_profile(model, example_input, profile_chain(model, example_input, loss_fn),
+                               loss_fn)
+        return dataclasses.replace(solve_profile(profile, budget), cost="time")
+    return Planner(model, example_input, loss_fn, modes=modes, block_modes=block_modes,
+                   compiled=compiled).plan(budget)
 
 
 def solve_measured(model: nn.Module, example_input: torch.Tensor,
