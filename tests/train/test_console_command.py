@@ -46,4 +46,5 @@ def test_recipes_are_the_checkouts_configs_folder():
     checked in tests/test_package.py)."""
     assert recipes_dir() == ROOT / "configs"
     assert sorted(p.name for p in recipes_dir().glob("*.yaml")) == [
-        "cifar_cnn.yaml", "densenet_bc_100.yaml", "resnet110.yaml", "vit_cifar.yaml"]
+        "cifar_cnn.yaml", "densenet_bc_100.yaml", "resnet110.yaml", "revnet110.yaml",
+        "vit_cifar.yaml"]
