@@ -118,10 +118,7 @@ def _block_mode_profiles(model: nn.Module, example_input: torch.Tensor,
                          loss_fn: Callable[[Any], torch.Tensor] | None,
                          like: ChainProfile | None, fake: FakeStep | None = None
                          ) -> tuple[list[ChainProfile], set[str]]:
-    """:func:`profile_block_modes` and the modes whose per-block form is profiled. A mode whose
-    blocks look checkpointed whole (one region keeping the block's input) is left to be measured
-    as a hand mode instead: a reversible stage looks so (its first unit checkpointed) while its
-    rebuild keeps far less, which the chain's memory model does not describe."""
+    """:func:`profile_block_modes` and the modes that have a per-block form."""
     profiles, per_block = [], set()
     for mode in [*getattr(model, "checkpoint_modes", ()), *SAVE_SETS]:
         try:
@@ -129,8 +126,8 @@ def _block_mode_profiles(model: nn.Module, example_input: torch.Tensor,
                                   fake=fake)
         except ValueError:
             continue
+        per_block.add(mode)
         if found is not None:
-            per_block.add(mode)
             profiles.append(found)
     return profiles, per_block
 
