@@ -127,6 +127,11 @@ def _profile(model: nn.Module, example_input: torch.Tensor,
         sub = _from_plain(plain, sub_units, [names[j] for j in order])
         prof = None
     if not whole and whole_block(plain.regions, plain.in_key, sub.units):
+        if any(set(plain.saved.get(j, {})) - {plain.in_key[a]}
+               for a, b in sub.units for j in range(a, b) if plain.regions.get(j)):
+            raise ValueError(f"block mode {block_mode!r}: a block keeps more than its one "
+                             f"checkpoint region describes (a reversible stage's streams); "
+                             f"measured as a hand mode")
         return None
     sub.step_flops = step_flops - sub.inner_flops
     for shift in range(4):
