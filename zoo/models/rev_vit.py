@@ -80,6 +80,7 @@ class ReversibleTransformer:
     ``make_reversible`` to turn the built model's blocks into :class:`RevBlock` couplings."""
 
     checkpoint_modes = (MODE,)
+    planner_hand_modes = (MODE,)  # the rebuild keeps its streams: measured whole by zoo.plan
     run_chain_block = ZooModel.run_chain_block  # the tower takes the block mode itself
     blocks: nn.Sequential
 

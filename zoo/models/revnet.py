@@ -149,6 +149,7 @@ class RevNet(_ResNetBase):
     """
 
     checkpoint_modes = (MODE,)
+    planner_hand_modes = (MODE,)  # the rebuild keeps its streams: measured whole by zoo.plan
     example_input = CifarResNet.example_input  # random 32x32 images
     data_cfg = CifarResNet.data_cfg  # CIFAR's size and statistics
 

@@ -118,9 +118,14 @@ def _block_mode_profiles(model: nn.Module, example_input: torch.Tensor,
                          loss_fn: Callable[[Any], torch.Tensor] | None,
                          like: ChainProfile | None, fake: FakeStep | None = None
                          ) -> tuple[list[ChainProfile], set[str]]:
-    """:func:`profile_block_modes` and the modes that have a per-block form."""
+    """:func:`profile_block_modes` and the modes that have a per-block form. A model's
+    ``planner_hand_modes`` (a reversible model's ``reversible``: its rebuild keeps its streams,
+    which the chain's memory model does not describe) are left to be measured whole."""
     profiles, per_block = [], set()
+    hand_only = set(getattr(model, "planner_hand_modes", ()))
     for mode in [*getattr(model, "checkpoint_modes", ()), *SAVE_SETS]:
+        if mode in hand_only:
+            continue
         try:
             found = profile_chain(model, example_input, loss_fn, mode, like=like, whole=False,
                                   fake=fake)
