@@ -9,11 +9,10 @@ from typing import Any
 
 from torch import nn
 
-from ..blocks import checkpoint_module, is_checkpointed
 from ..memory import format_bytes
 from .modes import ModeCost
 from .chain_profile import ChainProfile
-from .savesets import apply_save_sets, targets
+from .savesets import apply_save_sets, save_sets_removed
 from .spine import SpineStep, apply_spine
 
 __all__ = ["Plan", "plan_set_aside"]
@@ -24,23 +23,17 @@ def plan_set_aside(model: nn.Module) -> Iterator[None]:
     """A zoo model without the plan applied to it before (its segments, block modes and save
     sets) for the duration, put back afterwards: planning profiles the model's plain step, which
     a plan left in place would change (a model planned at one budget, then at another)."""
-    found = [m for m in targets(model, model.checkpoint_chain()) if m is not None]
-    save_sets = {m: dict(m._zoo_checkpoint_options) for m in found
-                 if is_checkpointed(m) and "save_ops" in m._zoo_checkpoint_options}
     plan, modes = model.checkpoint_plan, getattr(model, "checkpoint_block_modes", None)
     model.checkpoint_plan = None
     if modes is not None:
         model.checkpoint_block_modes = None
-    for m in save_sets:
-        checkpoint_module(m, False)
     try:
-        yield
+        with save_sets_removed(model, model.checkpoint_chain()):
+            yield
     finally:
         model.checkpoint_plan = plan
         if modes is not None:
             model.checkpoint_block_modes = modes
-        for m, options in save_sets.items():
-            checkpoint_module(m, True, **options)
 
 
 @dataclass

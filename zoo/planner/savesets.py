@@ -79,17 +79,35 @@ def targets(model: nn.Module, chain: Sequence[Any]) -> list[nn.Module | None]:
 
 
 @contextlib.contextmanager
-def save_set_applied(model: nn.Module, chain: Sequence[Any], name: str) -> Iterator[None]:
-    """Every chain block with a target checkpointed with save set ``name`` for the duration."""
-    found = [m for m in targets(model, chain) if m is not None]
-    before = {m: dict(m._zoo_checkpoint_options) if is_checkpointed(m) else None for m in found}
-    for m in found:
-        checkpoint_module(m, True, save_ops=SAVE_SETS[name])
+def _put_back(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """``modules``' checkpoints (on or off, with their options) as they are now, put back after."""
+    before = {m: dict(m._zoo_checkpoint_options) if is_checkpointed(m) else None for m in modules}
     try:
         yield
     finally:
         for m, options in before.items():
             checkpoint_module(m, options is not None, **(options or {}))
+
+
+@contextlib.contextmanager
+def save_set_applied(model: nn.Module, chain: Sequence[Any], name: str) -> Iterator[None]:
+    """Every chain block with a target checkpointed with save set ``name`` for the duration."""
+    found = [m for m in targets(model, chain) if m is not None]
+    with _put_back(found):
+        for m in found:
+            checkpoint_module(m, True, save_ops=SAVE_SETS[name])
+        yield
+
+
+@contextlib.contextmanager
+def save_sets_removed(model: nn.Module, chain: Sequence[Any]) -> Iterator[None]:
+    """The chain's save-set checkpoints taken off for the duration, put back after."""
+    found = [m for m in targets(model, chain) if m is not None and is_checkpointed(m)
+             and "save_ops" in m._zoo_checkpoint_options]
+    with _put_back(found):
+        for m in found:
+            checkpoint_module(m, False)
+        yield
 
 
 def apply_save_sets(model: nn.Module, chain: Sequence[Any],
