@@ -64,9 +64,10 @@ from torch.utils import checkpoint as torch_checkpoint
 
 from . import keywords
 
-from .recompute import (_Both, _ForwardContext, _RecomputeContext, _cuda_devices,
-                        is_recomputing, state_bookkeeping)
+from .recompute import (_ForwardContext, _RecomputeContext, _cuda_devices, is_recomputing,
+                        state_bookkeeping)
 from .region import _inside_region, _Region, recorders
+from .selective import Selective, save_set
 
 __all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing", "split_segments",
            "state_bookkeeping"]
@@ -202,32 +203,12 @@ def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | N
             record(fn, args, kwargs, save_ops)
     opts = keywords.options(preserve_rng_state, context_fn, determinism_check, debug, early_stop)
 
-    if not save_ops:
-        devices = _cuda_devices(fn, (*args, *kwargs.values())) \
-            if opts.preserve_rng and torch.cuda.is_initialized() else []
-        with _ForwardContext(devices, opts.preserve_rng) as forward:
-            return _Region(fn, args, kwargs, forward, opts).run()
-    return _selective(fn, args, kwargs, save_ops, opts)
-
-
-def _selective(fn: Callable[..., Any], args: tuple, kwargs: dict, save_ops: Collection[Any],
-               opts: keywords.Options) -> Any:
-    """Selective recompute (``save_ops``) on torch's checkpoint, with the zoo's contexts."""
-    def context_fn() -> tuple[Any, Any]:
-        devices = _cuda_devices(fn, (*args, *kwargs.values())) if opts.preserve_rng else []
-        forward = _ForwardContext(devices, opts.preserve_rng)
-        recompute = _RecomputeContext(forward)
-        sac_forward, sac_recompute = torch_checkpoint.create_selective_checkpoint_contexts(
-            list(save_ops))
-        user = opts.contexts or ()
-        return (_Both(forward, sac_forward, *user[:1]),
-                _Both(recompute, sac_recompute, *user[1:]))
-
-    call = (lambda *a: fn(*a, **kwargs)) if kwargs else fn
-    with keywords.early_stop_context(opts):
-        return torch_checkpoint.checkpoint(call, *args, use_reentrant=False,
-                                           preserve_rng_state=False, context_fn=context_fn,
-                                           **keywords.torch_call_keywords(opts))
+    devices = _cuda_devices(fn, (*args, *kwargs.values())) \
+        if opts.preserve_rng and torch.cuda.is_initialized() else []
+    if save_ops:
+        fn = Selective(fn, save_set(save_ops))
+    with _ForwardContext(devices, opts.preserve_rng) as forward:
+        return _Region(fn, args, kwargs, forward, opts).run()
 
 
 def split_segments(n: int, segments: int | None) -> list[range]:

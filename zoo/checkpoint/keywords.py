@@ -126,15 +126,3 @@ def _user_contexts(context_fn: Callable[[], Any] | None) -> tuple[Any, Any] | No
         raise TypeError("zoo.checkpoint: context_fn must return a tuple of two context managers "
                         f"(forward, recompute), got {type(contexts).__name__}")
     return contexts
-
-
-def torch_call_keywords(opts: Options) -> dict[str, Any]:
-    """The keywords for torch's checkpoint on the selective path (``save_ops``)."""
-    return {"determinism_check": "default" if opts.check_shapes else "none"}
-
-
-def early_stop_context(opts: Options) -> Any:
-    """torch's early-stop switch set to this region's choice (the selective path runs on torch)."""
-    if opts is DEFAULT:
-        return contextlib.nullcontext()
-    return torch_checkpoint.set_checkpoint_early_stop(opts.early_stop)

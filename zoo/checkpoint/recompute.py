@@ -56,7 +56,8 @@ def state_bookkeeping() -> Iterator[None]:
     with that mode lifted; any other mode (FakeTensorMode, MemTracker) stays active.
     """
     mode = _python_dispatch._get_current_dispatch_mode()
-    if _SAC_REPLAY_MODE is not None and isinstance(mode, _SAC_REPLAY_MODE):
+    if getattr(mode, "bookkeeping_outside", False) or (
+            _SAC_REPLAY_MODE is not None and isinstance(mode, _SAC_REPLAY_MODE)):
         with _python_dispatch._pop_mode_temporarily():
             yield
     else:
@@ -258,5 +259,3 @@ class _RecomputeContext:
             for device, state in zip(self.forward.cuda_devices, self.cuda_states):
                 torch.cuda.set_rng_state(state, device)
 
-
-_Both = keywords.Both
