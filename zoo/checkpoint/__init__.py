@@ -28,8 +28,8 @@ matters on models made of many small layers), and adds:
   uses it, together with a backward-pass check, to be exact under anyone's checkpoint);
 * optional selective recompute (``save_ops``): the outputs of the named ops are kept and only the
   cheap rest is recomputed (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-  Transformer Models", Megatron-LM). This path runs on ``torch.utils.checkpoint`` with the
-  guard and RNG contexts passed as its ``context_fn``;
+  Transformer Models", Megatron-LM), in the same region (:mod:`zoo.checkpoint.selective`), with
+  no op dispatched beyond what the recompute reruns;
 * ``torch.compile`` support with no graph break (``fullgraph=True``): while Dynamo traces, each
   region becomes torch's ``tag_activation_checkpoint`` subgraph and AOTAutograd's partitioner
   does the recompute inside the backward graph, where the contract holds by construction
@@ -50,7 +50,8 @@ nothing is recomputed, so there is nothing to pay.
 
 Files: this one holds the public calls; :mod:`zoo.checkpoint.region` the saved-tensor region;
 :mod:`zoo.checkpoint.recompute` the recompute flag, normalisation guard and RNG/autocast contexts;
-:mod:`zoo.checkpoint.keywords` torch's keywords.
+:mod:`zoo.checkpoint.selective` what ``save_ops`` keeps and serves; :mod:`zoo.checkpoint.keywords`
+torch's keywords.
 """
 from __future__ import annotations
 
@@ -169,6 +170,9 @@ def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | N
         **kwargs: passed to ``fn`` unchanged (any keyword not named here goes to ``fn``).
         save_ops: optional ATen ops (e.g. ``{torch.ops.aten.mm.default}``) whose outputs are kept
             instead of recomputed: selective recompute, Megatron-style. ``None`` recomputes all.
+            The kept outputs serve one recompute, as with torch's selective checkpoint: a second
+            backward through such a region (``retain_graph=True``, double backward) is an error
+            that says so.
 
     ``use_reentrant``, ``preserve_rng_state``, ``context_fn``, ``determinism_check``, ``debug`` and
     ``early_stop`` are ``torch.utils.checkpoint.checkpoint``'s keywords, so that zoo.checkpoint can

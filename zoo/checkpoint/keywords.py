@@ -15,8 +15,7 @@ timm). What each one means for a zoo region:
 * ``determinism_check``: ``"default"`` compares each recomputed saved tensor's shape with the
   forward's; ``"none"`` skips that comparison. The number of saved tensors is always compared.
 * ``debug=True`` (or ``torch.utils.checkpoint.set_checkpoint_debug_enabled(True)``): the
-  non-determinism errors also list the ATen ops the forward and the recompute ran, in order
-  (with ``save_ops`` the region runs on torch's checkpoint, whose own errors are raised as is).
+  non-determinism errors also list the ATen ops the forward and the recompute ran, in order.
 * ``early_stop`` (and ``torch.utils.checkpoint.set_checkpoint_early_stop``, which takes
   precedence as in torch): ``False`` runs every recompute to the end of the region and makes a
   recompute that saves more tensors than the forward an error.
