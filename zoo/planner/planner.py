@@ -128,7 +128,7 @@ def _block_mode_profiles(model: nn.Module, example_input: torch.Tensor,
             continue
         try:
             found = profile_chain(model, example_input, loss_fn, mode, like=like, whole=False,
-                                  fake=fake)
+                                  fake=fake, max_units=MAX_UNITS)
         except ValueError:
             continue
         per_block.add(mode)
@@ -163,7 +163,7 @@ class Planner:
     ``slots``: the memory grid of the nested search. A chain of more than ``MAX_UNITS`` units
     (ResNet-1202's 602) is searched nested over joined units (``repeats.joined``: runs of
     identical blocks taken a few at a time, each profiled whole, so the memory model stays
-    exact), without per-block modes. ``compiled``: plans for a model that will
+    exact; a per-block mode then runs in every block of a joined unit). ``compiled``: plans for a model that will
     run under ``torch.compile``: one-level schedules of plain blocks only, which AOTAutograd's
     partitioner keeps (it recomputes each tagged op once, so a nested schedule's recompute
     within a recompute, and a block's own checkpoints inside a stored block, are not kept:
@@ -178,8 +178,6 @@ class Planner:
         fake = FakeStep(model, example_input)
         self.profile = profile or profile_chain(model, example_input, loss_fn, fake=fake,
                                                 max_units=MAX_UNITS)
-        if self.profile.joined:  # its units are runs of blocks: per-block modes do not apply
-            block_modes = False
         self.variants, per_block = _block_mode_profiles(model, example_input, loss_fn,
                                                         self.profile, fake) \
             if block_modes and profile is None else ([], set())

@@ -114,14 +114,15 @@ def _profile(model: nn.Module, example_input: torch.Tensor,
         order, sub_units = kept_blocks(like.units, like.repeats)
         plain, _, step_flops = traced_step(model, example_input, loss_fn,
                                            [(0, len(order), False)], block_mode, order, fake)
-        if _units_of(plain, len(order)) != sub_units or like.joined:
+        natural = _units_of(plain, len(order))
+        if not _fits(sub_units, natural, like.joined):
             like = None  # the mode joins blocks differently: profile the whole chain
     if like is None or not like.repeats or like.n_blocks != n:
         plain, plain_peak, step_flops = traced_step(model, example_input, loss_fn,
                                                     [(0, n, False)], block_mode, fake=fake)
         if plain.length != n:
             raise ValueError(f"run_chain ran {plain.length} blocks, checkpoint_chain() has {n}")
-        units = _units_of(plain, n)
+        units = natural = _units_of(plain, n)
         many = max_units is not None and len(units) > max_units
         if many:
             units = joined(chain, units, plain.meta, max_units // 2)
@@ -134,9 +135,9 @@ def _profile(model: nn.Module, example_input: torch.Tensor,
     else:
         sub = _from_plain(plain, sub_units, [names[j] for j in order])
         prof = None
-    if not whole and whole_block(plain.regions, plain.in_key, sub.units):
+    if not whole and whole_block(plain.regions, plain.in_key, natural):
         if any(set(plain.saved.get(j, {})) - {plain.in_key[a]}
-               for a, b in sub.units for j in range(a, b) if plain.regions.get(j)):
+               for a, b in natural for j in range(a, b) if plain.regions.get(j)):
             raise ValueError(f"block mode {block_mode!r}: a block keeps more than its one "
                              f"checkpoint region describes (a reversible stage's streams); "
                              f"measured as a hand mode")
@@ -150,7 +151,7 @@ def _profile(model: nn.Module, example_input: torch.Tensor,
     fill_gaps(sub)
     if prof is None:  # everything from the kept units
         prof = expand(sub, like.repeats, like.units, names)
-        prof.repeats = like.repeats
+        prof.repeats, prof.joined = like.repeats, like.joined
     else:  # the whole plain step, and what the other runs saw
         full = expand(sub, prof.repeats, prof.units, names)
         for name in CONTEXTS:
@@ -158,6 +159,14 @@ def _profile(model: nn.Module, example_input: torch.Tensor,
         prof.step_flops = step_flops - prof.inner_flops
     prof.block_mode = block_mode
     return prof
+
+
+def _fits(units: list[tuple[int, int]], natural: list[tuple[int, int]], joined: bool) -> bool:
+    """Whether a profile's ``units`` serve a mode whose own units are ``natural``: the same, or
+    for joined units, each a run of whole ``natural`` units."""
+    if not joined:
+        return units == natural
+    return {a for a, _ in units} <= {a for a, _ in natural}
 
 
 def _units_of(plain: Trace, n: int) -> list[tuple[int, int]]:
