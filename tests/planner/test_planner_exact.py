@@ -71,11 +71,19 @@ def test_every_plan_and_random_schedules_are_predicted_to_the_byte(family):
         c = choices[i]
         peak, flops = measured(model, x, c.segments, c.block_modes)
         assert (peak, flops - plain_flops) == (c.predicted_peak, c.recompute_flops), i
-    profiles = [planner.profile, *planner.variants]
+    random_schedules_are_exact(model, x, planner, plain_flops, 6)
+
+
+def random_schedules_are_exact(model: torch.nn.Module, x: torch.Tensor, planner: Planner,
+                               plain_flops: int, count: int) -> None:
+    """``count`` random nested schedules with a random variant per unit, each measured: peak and
+    recompute as predicted."""
+    p = planner.profile
+    profiles = [p, *(q for q in planner.variants if q.units == p.units)]
     names = [q.block_mode for q in profiles]
-    m, p, rng = NestedModel(profiles), planner.profile, random.Random(0)
+    m, rng = NestedModel(profiles), random.Random(0)
     tried = 0
-    while tried < 6:
+    while tried < count:
         schedule = random_schedule(rng, p.n_units)
         variants = [rng.randrange(len(profiles)) for _ in range(p.n_units)]
         need, cost = schedule_cost(m, schedule, variants)
@@ -182,27 +190,10 @@ def test_a_long_chain_is_planned_nested_over_joined_units_to_the_byte(monkeypatc
     assert p.joined and p.n_units <= 12 < len(model.checkpoint_chain())
     assert any(q.units == p.units for q in planner.variants)
     plain_flops = measure_step(model, x)[1]
-
-    def depth(plan: list) -> int:
-        return max([0, *(1 + depth(c) for _, _, c in plan if isinstance(c, list))])
-
     choices = planner.choices
-    nested = [c for c in choices if depth(c.segments) >= 2]  # checkpoints inside a recompute
+    nested = [c for c in choices if c.levels >= 2]  # checkpoints inside a recompute
     assert nested
     for c in [nested[0], *choices[::max(1, len(choices) // 5)]]:
         peak, flops = measured(model, x, c.segments, c.block_modes)
         assert (peak, flops - plain_flops) == (c.predicted_peak, c.recompute_flops)
-    profiles = [p, *(q for q in planner.variants if q.units == p.units)]
-    names = [q.block_mode for q in profiles]
-    m, rng, tried = NestedModel(profiles), random.Random(0), 0
-    while tried < 4:
-        schedule = random_schedule(rng, p.n_units)
-        variants = [rng.randrange(len(profiles)) for _ in range(p.n_units)]
-        need, cost = schedule_cost(m, schedule, variants)
-        if need == float("inf"):
-            continue
-        tried += 1
-        modes = [names[variants[u]] for u, (a, b) in enumerate(p.units) for _ in range(a, b)]
-        peak, flops = measured(model, x, block_plan(p, schedule), modes)
-        assert (peak, flops - plain_flops) == (max(p.pre_peak, p.tail_peak, p.base + need),
-                                               cost), (schedule, modes)
+    random_schedules_are_exact(model, x, planner, plain_flops, 4)
