@@ -164,8 +164,8 @@ class Planner:
     (ResNet-1202's 602) is searched nested over joined units (``repeats.joined``: runs of
     identical blocks taken a few at a time, each profiled whole, so the memory model stays
     exact; a per-block mode then runs in every block of a joined unit). ``compiled``: plans
-    for a model that will run under ``torch.compile``: one-level schedules of plain blocks only, which AOTAutograd's
-    partitioner keeps (it recomputes each tagged op once, so a nested schedule's recompute
+    for a model that will run under ``torch.compile``: one-level schedules of plain blocks
+    only, which AOTAutograd's partitioner keeps (it recomputes each tagged op once, so a nested schedule's recompute
     within a recompute, and a block's own checkpoints inside a stored block, are not kept:
     their compiled step holds more than planned; tests/planner/test_planner_compile.py)."""
 
