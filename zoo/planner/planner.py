@@ -165,9 +165,10 @@ class Planner:
     identical blocks taken a few at a time, each profiled whole, so the memory model stays
     exact; a per-block mode then runs in every block of a joined unit). ``compiled``: plans
     for a model that will run under ``torch.compile``: one-level schedules of plain blocks
-    only, which AOTAutograd's partitioner keeps (it recomputes each tagged op once, so a nested schedule's recompute
-    within a recompute, and a block's own checkpoints inside a stored block, are not kept:
-    their compiled step holds more than planned; tests/planner/test_planner_compile.py)."""
+    only, which AOTAutograd's partitioner keeps (it recomputes each tagged op once, so a
+    nested schedule's recompute within a recompute, and a block's own checkpoints inside a
+    stored block, are not kept: their compiled step holds more than planned;
+    tests/planner/test_planner_compile.py)."""
 
     def __init__(self, model: nn.Module, example_input: torch.Tensor,
                  loss_fn: Callable[[Any], torch.Tensor] | None = None, *, modes: bool = True,
