@@ -73,7 +73,7 @@ __all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing", "split_segme
 
 
 def _traced_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
-                       save_ops: Collection[Any] | None,
+                       save_ops: Collection[Any] | Callable[..., bool] | None,
                        context_fn: Callable[[], tuple[Any, Any]] | None = None) -> Any:
     """The region as ``torch.compile`` sees it: torch's checkpoint, which Dynamo turns into one
     ``tag_activation_checkpoint`` subgraph of the model's graph (no graph break).
@@ -107,7 +107,7 @@ def _traced_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict[str, An
                                            **kwargs)
     if save_ops:
         policy = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts,
-                                   list(save_ops))
+                                   _policy(save_ops))
         return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=policy,
                                            **kwargs)
     return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
@@ -148,7 +148,8 @@ _without_dynamo = torch._dynamo.disable(_call)
 _skip_frame(_compiled_body.__code__)
 
 
-def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | None = None,
+def checkpoint(fn: Callable[..., Any], *args: Any,
+               save_ops: Collection[Any] | Callable[..., bool] | None = None,
                use_reentrant: bool | None = None, preserve_rng_state: bool = True,
                context_fn: Callable[[], tuple[Any, Any]] | None = None,
                determinism_check: str = "default", debug: bool = False,
@@ -168,6 +169,9 @@ def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | N
         **kwargs: passed to ``fn`` unchanged (any keyword not named here goes to ``fn``).
         save_ops: optional ATen ops (e.g. ``{torch.ops.aten.mm.default}``) whose outputs are kept
             instead of recomputed: selective recompute, Megatron-style. ``None`` recomputes all.
+            Or a function ``keep(op, *args, **kwargs) -> bool`` called on every op the region
+            runs (in forward and in the recompute alike, so it must answer the same both
+            times), for a choice finer than the op's name (the zoo planner's save sets).
 
     ``use_reentrant``, ``preserve_rng_state``, ``context_fn``, ``determinism_check``, ``debug`` and
     ``early_stop`` are ``torch.utils.checkpoint.checkpoint``'s keywords, so that zoo.checkpoint can
@@ -210,7 +214,21 @@ def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | N
     return _selective(fn, args, kwargs, save_ops, opts)
 
 
-def _selective(fn: Callable[..., Any], args: tuple, kwargs: dict, save_ops: Collection[Any],
+def _policy(save_ops: Collection[Any] | Callable[..., bool]) -> Any:
+    """``save_ops`` as torch's selective-checkpoint policy: a list of ops, or a function."""
+    if not callable(save_ops):
+        return list(save_ops)
+    keep = save_ops
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        policies = torch_checkpoint.CheckpointPolicy
+        return policies.MUST_SAVE if keep(op, *args, **kwargs) else policies.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _selective(fn: Callable[..., Any], args: tuple, kwargs: dict,
+               save_ops: Collection[Any] | Callable[..., bool],
                opts: keywords.Options) -> Any:
     """Selective recompute (``save_ops``) on torch's checkpoint, with the zoo's contexts."""
     def context_fn() -> tuple[Any, Any]:
@@ -218,7 +236,7 @@ def _selective(fn: Callable[..., Any], args: tuple, kwargs: dict, save_ops: Coll
         forward = _ForwardContext(devices, opts.preserve_rng)
         recompute = _RecomputeContext(forward)
         sac_forward, sac_recompute = torch_checkpoint.create_selective_checkpoint_contexts(
-            list(save_ops))
+            _policy(save_ops))
         user = opts.contexts or ()
         return (_Both(forward, sac_forward, *user[:1]),
                 _Both(recompute, sac_recompute, *user[1:]))

@@ -31,6 +31,10 @@ figures from ``python -m zoo.bench transformers``, one training step):
   output-projection and MLP linears) and recomputes only the attention core (softmax(QK^T)V and
   its dropout) and the pointwise ops (LayerNorm, GELU, dropout, residual adds): no matmul runs
   twice. BERT-base batch 64 x 128: 0.506x the plain peak at +0.9% FLOPs.
+* ``"selective_sublayer"``: each sublayer is one checkpoint keeping the outputs of its matmuls
+  and attention core but not its last linear's (``attn.proj``, ``mlp.fc2``: they only feed the
+  residual sums, and the recompute stops before them), so no matmul runs twice and a block
+  keeps its two residual-stream inputs, qkv, the attention output and ``fc1``'s output.
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ from timm.layers import DropPath, Mlp
 from torch import nn
 
 from ..checkpoint import checkpoint
+from ..checkpoint.policies import MATMUL_OPS, AllBut
 from ._base import ZooModel
 
 __all__ = ["Attention", "Block", "TransformerModel", "Step", "SELECTIVE_SAVE_OPS", "run_blocks",
@@ -146,7 +151,7 @@ class Block(nn.Module):
 def run_blocks(blocks: Sequence[Block], x: torch.Tensor, mode: str | None,
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Run ``blocks`` in order under checkpoint ``mode`` (see the module docstring): ``None``
-    (plain), ``"block"``, ``"sublayer"`` or ``"selective"``.
+    (plain), ``"block"``, ``"sublayer"``, ``"selective"`` or ``"selective_sublayer"``.
 
     In ``"block"`` mode the last block runs plainly: backward needs its activations first, so
     recomputing them would cost FLOPs and save no peak memory (as
@@ -165,8 +170,12 @@ def run_blocks(blocks: Sequence[Block], x: torch.Tensor, mode: str | None,
         elif mode == "sublayer":
             x = checkpoint(block.attention_sublayer, x, attn_mask)
             x = checkpoint(block.mlp_sublayer, x)
-        else:
+        elif mode == "selective":
             x = checkpoint(block, x, attn_mask, save_ops=SELECTIVE_SAVE_OPS)
+        else:
+            x = checkpoint(block.attention_sublayer, x, attn_mask,
+                           save_ops=AllBut(MATMUL_OPS, block.attn.proj))
+            x = checkpoint(block.mlp_sublayer, x, save_ops=AllBut(MATMUL_OPS, block.mlp.fc2))
     return x
 
 
@@ -193,7 +202,8 @@ class TransformerModel(ZooModel):
     """Base of the zoo's transformers: ``self.blocks`` (an ``nn.Sequential`` of :class:`Block`)
     run under the active checkpoint mode, or under a planner's ``checkpoint_plan``."""
 
-    checkpoint_modes: ClassVar[tuple[str, ...]] = ("block", "sublayer", "selective")
+    checkpoint_modes: ClassVar[tuple[str, ...]] = ("block", "sublayer", "selective",
+                                                    "selective_sublayer")
     blocks: nn.Sequential
     global_pool = "token"  # the head reads the first token (ViT's class token, BERT's [CLS])
     context_length: int  # the longest token sequence (language models)

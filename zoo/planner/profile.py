@@ -83,12 +83,13 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
     if not chain:
         raise ValueError(f"{type(model).__name__}.checkpoint_chain() is empty")
     if is_save_set(block_mode):  # an op-level choice: the blocks' own modules wrapped
-        if not any(t is not None for t in targets(model, chain)):
+        wrapped = targets(model, chain, block_mode)
+        if not any(t is not None for t in wrapped):
             return None
         with save_set_applied(model, chain, block_mode):
             prof = _profile(model, example_input, loss_fn, None, like, whole, fake)
         if prof is not None:  # torch's selective checkpoint keeps its cache even inside an
-            wrapped = targets(model, chain)  # outer region's forward: stored at the top only
+            # outer region's forward: stored at the top only
             prof.opaque = [o or any(wrapped[j] is not None for j in range(a, b))
                            for o, (a, b) in zip(prof.opaque, prof.units)]
             prof.keeps_input = [k or o for k, o in zip(prof.keeps_input, prof.opaque)]
