@@ -32,9 +32,10 @@ figures from ``python -m zoo.bench transformers``, one training step):
   its dropout) and the pointwise ops (LayerNorm, GELU, dropout, residual adds): no matmul runs
   twice. BERT-base batch 64 x 128: 0.506x the plain peak at +0.9% FLOPs.
 * ``"selective_sublayer"``: each sublayer is one checkpoint keeping the outputs of its matmuls
-  and attention core but not its last linear's (``attn.proj``, ``mlp.fc2``: they only feed the
-  residual sums, and the recompute stops before them), so no matmul runs twice and a block
-  keeps its two residual-stream inputs, qkv, the attention output and ``fc1``'s output.
+  (``aten.mm`` / ``aten.addmm``) but not its last linear's (``attn.proj``, ``mlp.fc2``: they
+  only feed the residual sums, and the recompute stops before them), so no linear runs twice; the
+  attention core and the pointwise ops are recomputed, and a block keeps its two residual-stream
+  inputs, qkv and ``fc1``'s output.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ from timm.layers import DropPath, Mlp
 from torch import nn
 
 from ..checkpoint import checkpoint
-from ..checkpoint.policies import MATMUL_OPS, AllBut
+from ..checkpoint.policies import AllBut
 from ._base import ZooModel
 
 __all__ = ["Attention", "Block", "TransformerModel", "Step", "SELECTIVE_SAVE_OPS", "run_blocks",
@@ -174,8 +175,9 @@ def run_blocks(blocks: Sequence[Block], x: torch.Tensor, mode: str | None,
             x = checkpoint(block, x, attn_mask, save_ops=SELECTIVE_SAVE_OPS)
         else:
             x = checkpoint(block.attention_sublayer, x, attn_mask,
-                           save_ops=AllBut(MATMUL_OPS, block.attn.proj))
-            x = checkpoint(block.mlp_sublayer, x, save_ops=AllBut(MATMUL_OPS, block.mlp.fc2))
+                           save_ops=AllBut(SELECTIVE_SAVE_OPS, block.attn.proj))
+            x = checkpoint(block.mlp_sublayer, x,
+                           save_ops=AllBut(SELECTIVE_SAVE_OPS, block.mlp.fc2))
     return x
 
 
