@@ -31,11 +31,12 @@ figures from ``python -m zoo.bench transformers``, one training step):
   output-projection and MLP linears) and recomputes only the attention core (softmax(QK^T)V and
   its dropout) and the pointwise ops (LayerNorm, GELU, dropout, residual adds): no matmul runs
   twice. BERT-base batch 64 x 128: 0.506x the plain peak at +0.9% FLOPs.
-* ``"selective_sublayer"``: each sublayer is one checkpoint keeping the outputs of its matmuls
-  (``aten.mm`` / ``aten.addmm``) but not its last linear's (``attn.proj``, ``mlp.fc2``: they
-  only feed the residual sums, and the recompute stops before them), so no linear runs twice; the
-  attention core and the pointwise ops are recomputed, and a block keeps its two residual-stream
-  inputs, qkv and ``fc1``'s output.
+* ``"selective_sublayer"``: each sublayer is selective on its own, keeping the outputs of its
+  matmuls (``aten.mm`` / ``aten.addmm``) but, pre-norm, not its last linear's (``attn.proj``,
+  ``mlp.fc2``: they only feed the residual sums, and the recompute stops before them), so no
+  linear runs twice without dropout after it; the attention core and the pointwise ops are
+  recomputed, and a pre-norm block keeps its two residual-stream inputs, qkv and ``fc1``'s
+  output (:func:`_selective_sublayers`).
 """
 from __future__ import annotations
 
@@ -184,20 +185,23 @@ def run_blocks(blocks: Sequence[Block], x: torch.Tensor, mode: str | None,
         elif mode == "selective":
             x = checkpoint(block, x, attn_mask, save_ops=SELECTIVE_SAVE_OPS)
         else:
-            x = checkpoint(block.attention_sublayer, x, attn_mask,
-                           save_ops=AllBut(SELECTIVE_SAVE_OPS, block.attn.proj))
-            x = _selective_mlp(block, x)
+            x = _selective_sublayers(block, x, attn_mask)
     return x
 
 
-def _selective_mlp(block: Block, x: torch.Tensor) -> torch.Tensor:
-    """``selective_sublayer``'s MLP. Pre-norm: two regions, ``norm2`` and ``fc1`` keeping
-    ``fc1``'s output, then the rest, so backward rebuilds ``norm2``'s output only when ``fc1``'s
-    backward needs it, not beside the activation's gradients (torch's partitioner recomputes as
-    late; one width per token less at the peak, no FLOP more). Post-norm: one region."""
+def _selective_sublayers(block: Block, x: torch.Tensor,
+                         attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """``selective_sublayer``. Pre-norm: the attention sublayer keeps its matmuls' outputs but
+    ``attn.proj``'s, and the MLP is two regions, ``norm2`` and ``fc1`` keeping ``fc1``'s output,
+    then the rest, so backward rebuilds ``norm2``'s output only when ``fc1``'s backward needs it,
+    not beside the activation's gradients (torch's partitioner recomputes as late; one width per
+    token less at the peak, no FLOP more). Post-norm: the sublayers' last linear outputs feed
+    the norms, whose backward needs them, so each sublayer keeps all its matmuls' outputs."""
     if not block.pre_norm:
-        return checkpoint(block.mlp_sublayer, x,
-                          save_ops=AllBut(SELECTIVE_SAVE_OPS, block.mlp.fc2))
+        x = checkpoint(block.attention_sublayer, x, attn_mask, save_ops=SELECTIVE_SAVE_OPS)
+        return checkpoint(block.mlp_sublayer, x, save_ops=SELECTIVE_SAVE_OPS)
+    x = checkpoint(block.attention_sublayer, x, attn_mask,
+                   save_ops=AllBut(SELECTIVE_SAVE_OPS, block.attn.proj))
     hidden = checkpoint(block.mlp_input, x, save_ops=SELECTIVE_SAVE_OPS)
     return checkpoint(block.mlp_output, x, hidden)
 
