@@ -16,13 +16,13 @@ import torch
 from timm.models.vision_transformer import VisionTransformer as TimmViT
 
 import zoo
-from zoo.planner import measure_step
 from helpers import assert_same_training, train_step_peak
 from zoo.memory import count_flops
 from zoo.models._transformer import TransformerModel
 from zoo.models.bert import Bert
 from zoo.models.gpt2 import GPT2
 from zoo.models.vit import VisionTransformer
+from zoo.planner import measure_step
 
 MODES = TransformerModel.checkpoint_modes
 
