@@ -62,8 +62,8 @@ def random_schedule(rng: random.Random, n: int) -> list:
 
 @pytest.mark.parametrize("family", ["vit", "bert", "gpt2", "resnet"])
 def test_the_finer_save_sets_are_predicted_to_the_byte_stored_and_nested(family):
-    """The save sets that spare a block's last linear (``ops:matmul-last``, ``ops:linear-last``)
-    and the transformers' ``selective_sublayer`` mode, on every block, stored and inside a
+    """The save set that spares a block's last linear (``ops:matmul-last``) and the
+    transformers' ``selective_sublayer`` mode, on every block, stored and inside a
     checkpointed segment: measured = predicted. They are offered to blocks with two linear
     layers or more only, so a ResNet's planning profiles none of them."""
     model, x = small(family)
@@ -71,7 +71,7 @@ def test_the_finer_save_sets_are_predicted_to_the_byte_stored_and_nested(family)
     plain_flops = measure_step(model, x)[1]
     profiles = [planner.profile, *planner.variants]
     names = [q.block_mode for q in profiles]
-    finer = {"ops:matmul-last", "ops:linear-last", "selective_sublayer"}
+    finer = {"ops:matmul-last", "selective_sublayer"}
     if family == "resnet":
         assert not finer & set(names)
         return

@@ -14,14 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["AllBut", "LINEAR_OPS", "MATMUL_OPS"]
+__all__ = ["AllBut", "MATMUL_OPS"]
 
 _aten = torch.ops.aten
-#: The ops that dominate a step's FLOPs: matrix products and convolutions ...
-LINEAR_OPS = (_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
-              _aten.convolution.default)
-#: ... and fused attention (whichever kernels this torch has).
-MATMUL_OPS = (*LINEAR_OPS, *[getattr(_aten, name).default for name in (
+#: The ops that dominate a step's FLOPs: matrix products, convolutions and fused attention
+#: (whichever kernels this torch has).
+MATMUL_OPS = (_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
+              _aten.convolution.default, *[getattr(_aten, name).default for name in (
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention")
     if hasattr(_aten, name)])

@@ -10,12 +10,11 @@ block keeps what a DenseNet layer's BatchNorm-ReLU, a transformer's LayerNorm an
 ResNet's BatchNorm would otherwise hold. ``torch.compile``'s memory budget makes this choice op
 by op over the whole graph; here it is made block by block, the blocks chosen by the search.
 
-Finer sets, offered to blocks with two linear layers or more (transformer blocks):
+A finer set, offered to blocks with two linear layers or more (transformer blocks):
 ``ops:matmul-last`` keeps the same outputs but the block's last linear layer's (a transformer
 MLP's ``fc2``, whose output only feeds the residual sum): the recompute stops before that layer
 (once backward has every saved tensor back), so it costs no FLOP and the block keeps one width
-less per token; ``ops:linear-last`` also recomputes the attention core (softmax(QK^T)V, cheap
-at short sequences), keeping the linear layers' outputs but the last one's.
+less per token. (A transformer's own ``selective_sublayer`` mode goes further, per sublayer.)
 
 The block is checkpointed through its own module (``zoo.blocks.checkpoint_module``: the
 module's class swapped, state_dict unchanged): a chain block that is one of the model's modules,
@@ -34,7 +33,7 @@ import torch
 from torch import nn
 
 from ..blocks import checkpoint_module, is_checkpointed
-from ..checkpoint.policies import LINEAR_OPS, MATMUL_OPS, AllBut
+from ..checkpoint.policies import MATMUL_OPS, AllBut
 
 __all__ = ["SAVE_SETS", "SaveSet", "is_save_set", "targets", "save_set_applied",
            "apply_save_sets"]
@@ -62,7 +61,6 @@ def _linears(module: nn.Module) -> list[nn.Module]:
 SAVE_SETS: dict[str, SaveSet] = {
     "ops:matmul": SaveSet(MATMUL_OPS),
     "ops:matmul-last": SaveSet(MATMUL_OPS, spare_last=True),
-    "ops:linear-last": SaveSet(LINEAR_OPS, spare_last=True),
 }
 
 
