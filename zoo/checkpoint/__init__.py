@@ -63,6 +63,7 @@ from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
 from . import keywords
+from .policies import AllBut
 
 from .recompute import (_Both, _ForwardContext, _RecomputeContext, _cuda_devices,
                         is_recomputing, state_bookkeeping)
@@ -105,9 +106,14 @@ def _traced_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict[str, An
                              "pass one of them, or run the region eagerly")
         return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn,
                                            **kwargs)
+    if isinstance(save_ops, AllBut):  # Dynamo traces a list of ops, not a function: the
+        save_ops = save_ops.ops  # spared layer's output is kept, as the partitioner decides
+    if callable(save_ops):
+        raise ValueError("zoo.checkpoint: under torch.compile, save_ops must be a collection of "
+                         "ATen ops (or an AllBut), not a function; pass the ops instead")
     if save_ops:
         policy = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts,
-                                   _policy(save_ops))
+                                   list(save_ops))
         return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=policy,
                                            **kwargs)
     return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
@@ -171,7 +177,8 @@ def checkpoint(fn: Callable[..., Any], *args: Any,
             instead of recomputed: selective recompute, Megatron-style. ``None`` recomputes all.
             Or a function ``keep(op, *args, **kwargs) -> bool`` called on every op the region
             runs (in forward and in the recompute alike, so it must answer the same both
-            times), for a choice finer than the op's name (the zoo planner's save sets).
+            times), for a choice finer than the op's name (the zoo planner's save sets). Under
+            ``torch.compile`` a function is refused, and an ``AllBut`` keeps all its ops.
 
     ``use_reentrant``, ``preserve_rng_state``, ``context_fn``, ``determinism_check``, ``debug`` and
     ``early_stop`` are ``torch.utils.checkpoint.checkpoint``'s keywords, so that zoo.checkpoint can
