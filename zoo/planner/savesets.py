@@ -10,7 +10,7 @@ block keeps what a DenseNet layer's BatchNorm-ReLU, a transformer's LayerNorm an
 ResNet's BatchNorm would otherwise hold. ``torch.compile``'s memory budget makes this choice op
 by op over the whole graph; here it is made block by block, the blocks chosen by the search.
 
-A finer set, offered to blocks with two linear layers or more (transformer blocks):
+A finer set, offered to blocks with two linear layers or more (pre-norm transformer blocks):
 ``ops:matmul-last`` keeps the same outputs but the block's last linear layer's (a transformer
 MLP's ``fc2``, whose output only feeds the residual sum): the recompute stops before that layer
 (once backward has every saved tensor back), so it costs no FLOP and the block keeps one width
@@ -47,7 +47,10 @@ class SaveSet:
     spare_last: bool = False
 
     def offered(self, module: nn.Module) -> bool:
-        return not self.spare_last or len(_linears(module)) >= 2
+        """Sparing the last linear is free where its output only feeds a residual sum: not in
+        a post-norm block (``pre_norm=False``), whose norm's backward needs it."""
+        return not self.spare_last or (len(_linears(module)) >= 2
+                                       and getattr(module, "pre_norm", True) is not False)
 
     def save_ops(self, module: nn.Module) -> tuple | AllBut:
         """What ``zoo.checkpoint(..., save_ops=)`` takes for ``module`` checkpointed with it."""
