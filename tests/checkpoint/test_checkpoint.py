@@ -228,6 +228,51 @@ def test_selective_recompute_keeps_named_ops_and_matches_plain():
     assert flops_selective < flops_full  # matmuls were kept, not recomputed
 
 
+def test_save_ops_as_a_function_spares_one_layer_at_no_extra_flop():
+    """``save_ops=AllBut(ops, layer)``: the last linear's output is not kept (it only feeds the
+    residual sum), the recompute stops before that layer, so the step's FLOPs are the plain
+    step's, it keeps less than the named ops alone, and it trains exactly as plain."""
+    from zoo.checkpoint.policies import MATMUL_OPS, AllBut
+    from zoo.planner import measure_step
+
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.act, self.fc2 = nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.fc2(self.act(self.fc1(x)))
+
+    class Net(nn.Module):
+        def __init__(self, save_ops=None) -> None:
+            super().__init__()
+            self.blocks, self.save_ops = nn.ModuleList([Residual() for _ in range(3)]), save_ops
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks:
+                ops = self.save_ops(b) if self.save_ops else None
+                x = zoo.checkpoint(b, x, save_ops=ops) if ops is not None else b(x)
+            return x
+
+    torch.manual_seed(0)
+    plain = Net()
+    spared = copy.deepcopy(plain)
+    spared.save_ops = lambda b: AllBut(MATMUL_OPS, b.fc2)
+    kept = copy.deepcopy(plain)
+    kept.save_ops = lambda b: MATMUL_OPS
+    x = torch.randn(64, 32, requires_grad=True)
+    (p_plain, f_plain), (p_spared, f_spared), (p_kept, f_kept) = (
+        measure_step(m, x) for m in (plain, spared, kept))
+    assert f_spared == f_kept == f_plain
+    assert p_spared < p_kept < p_plain
+    ref = plain(x)
+    g_ref = torch.autograd.grad(ref.sum(), [x, *plain.parameters()])
+    out = spared(x)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    for g, r in zip(torch.autograd.grad(out.sum(), [x, *spared.parameters()]), g_ref):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("norm", [nn.BatchNorm2d, zoo.cp_BatchNorm2d])
 def test_selective_recompute_with_batchnorm_in_the_region(images, norm):
     """save_ops serves kept outputs in the forward's order during the recompute; the statistics

@@ -22,6 +22,7 @@ from zoo.models._transformer import TransformerModel
 from zoo.models.bert import Bert
 from zoo.models.gpt2 import GPT2
 from zoo.models.vit import VisionTransformer
+from zoo.planner import measure_step
 
 MODES = TransformerModel.checkpoint_modes
 
@@ -235,6 +236,21 @@ def test_selective_recomputes_the_attention_core_and_no_linear(family):
     assert flops("selective") - plain == 2 * 4 * 2 * tokens * tokens * 64
     block = flops("block")
     assert plain < block < plain * 4 / 3  # at most one more forward
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_selective_sublayer_recomputes_what_selective_does_and_keeps_less(family):
+    """Without dropout after the last linears, ``selective_sublayer`` reruns no linear more than
+    ``selective`` (exact FLOPs) and its step peaks lower (exact bytes, fake step)."""
+    torch.manual_seed(0)
+    model = tiny(family, drop=0.0)
+    x = model.example_input(4) if family == "vit" else model.example_input(4, 32)
+    steps = {}
+    for mode in (False, "selective", "selective_sublayer"):
+        model.set_grad_checkpointing(mode)
+        steps[mode] = measure_step(model, x)
+    assert steps["selective_sublayer"][1] == steps["selective"][1] > steps[False][1]
+    assert steps["selective_sublayer"][0] < steps["selective"][0] < steps[False][0]
 
 
 def test_selective_keeps_no_more_than_plain_and_block_least():

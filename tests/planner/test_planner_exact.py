@@ -60,6 +60,39 @@ def random_schedule(rng: random.Random, n: int) -> list:
     return out
 
 
+@pytest.mark.parametrize("family", ["vit", "bert", "gpt2", "resnet"])
+def test_the_finer_save_sets_are_predicted_to_the_byte_stored_and_nested(family):
+    """The save set that spares a block's last linear (``ops:matmul-last``) and the
+    transformers' ``selective_sublayer`` mode, on every block, stored and inside a
+    checkpointed segment: measured = predicted. The save set is offered to pre-norm blocks with
+    two linear layers or more only, so a ResNet's planning profiles neither."""
+    model, x = small(family)
+    planner = Planner(model, x, modes=False)
+    plain_flops = measure_step(model, x)[1]
+    profiles = [planner.profile, *planner.variants]
+    names = [q.block_mode for q in profiles]
+    finer = {"ops:matmul-last", "selective_sublayer"}
+    if family == "bert":  # post-norm: its norms' backward needs the last linear's output
+        finer = {"selective_sublayer"}
+        assert "ops:matmul-last" not in names
+    if family == "resnet":
+        assert not finer & set(names)
+        return
+    assert finer <= set(names)
+    m, p = NestedModel(profiles), planner.profile
+    n = p.n_units
+    for name in finer:
+        v = names.index(name)
+        for schedule in ([(0, n, None)], [(0, 1, None), (1, n, [(1, n, None)])]):
+            need, cost = schedule_cost(m, schedule, [v] * n)
+            if need == float("inf"):  # a selective block inside a checkpointed segment
+                continue
+            modes = [name for a, b in p.units for _ in range(a, b)]
+            peak, flops = measured(model, x, block_plan(p, schedule), modes)
+            assert (peak, flops - plain_flops) == (max(p.pre_peak, p.tail_peak, p.base + need),
+                                                   cost), (name, schedule)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_plan_and_random_schedules_are_predicted_to_the_byte(family):
     model, x = small(family)

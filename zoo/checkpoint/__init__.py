@@ -64,6 +64,7 @@ from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
 from . import keywords
+from .policies import AllBut
 
 from .recompute import (_ForwardContext, _RecomputeContext, _cuda_devices, is_recomputing,
                         state_bookkeeping)
@@ -75,7 +76,7 @@ __all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing", "split_segme
 
 
 def _traced_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
-                       save_ops: Collection[Any] | None,
+                       save_ops: Collection[Any] | Callable[..., bool] | None,
                        context_fn: Callable[[], tuple[Any, Any]] | None = None) -> Any:
     """The region as ``torch.compile`` sees it: torch's checkpoint, which Dynamo turns into one
     ``tag_activation_checkpoint`` subgraph of the model's graph (no graph break).
@@ -107,6 +108,11 @@ def _traced_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict[str, An
                              "pass one of them, or run the region eagerly")
         return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn,
                                            **kwargs)
+    if isinstance(save_ops, AllBut):  # Dynamo traces a list of ops, not a function: the
+        save_ops = save_ops.ops  # spared layer's output is kept, as the partitioner decides
+    if callable(save_ops):
+        raise ValueError("zoo.checkpoint: under torch.compile, save_ops must be a collection of "
+                         "ATen ops (or an AllBut), not a function; pass the ops instead")
     if save_ops:
         policy = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts,
                                    list(save_ops))
@@ -150,7 +156,8 @@ _without_dynamo = torch._dynamo.disable(_call)
 _skip_frame(_compiled_body.__code__)
 
 
-def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | None = None,
+def checkpoint(fn: Callable[..., Any], *args: Any,
+               save_ops: Collection[Any] | Callable[..., bool] | None = None,
                use_reentrant: bool | None = None, preserve_rng_state: bool = True,
                context_fn: Callable[[], tuple[Any, Any]] | None = None,
                determinism_check: str = "default", debug: bool = False,
@@ -170,6 +177,10 @@ def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | N
         **kwargs: passed to ``fn`` unchanged (any keyword not named here goes to ``fn``).
         save_ops: optional ATen ops (e.g. ``{torch.ops.aten.mm.default}``) whose outputs are kept
             instead of recomputed: selective recompute, Megatron-style. ``None`` recomputes all.
+            Or a function ``keep(op, *args, **kwargs) -> bool`` called on every op the region
+            runs (in forward and in the recompute alike, so it must answer the same both
+            times), for a choice finer than the op's name (the zoo planner's save sets). Under
+            ``torch.compile`` a function is refused, and an ``AllBut`` keeps all its ops.
             The kept outputs serve one recompute, as with torch's selective checkpoint: a second
             backward through such a region (``retain_graph=True``, double backward) is an error
             that says so.

@@ -29,8 +29,11 @@ _USED = object()  # a kept output already handed to a recompute
 _MUTATED = object()  # a kept output changed in place after it was kept
 
 
-def save_set(save_ops: Collection[Any]) -> frozenset:
-    """``save_ops`` as a frozenset of ATen op overloads, checked."""
+def save_set(save_ops: Collection[Any] | Callable[..., bool]) -> Any:
+    """``save_ops`` checked: a frozenset of ATen op overloads, or a function
+    ``keep(op, *args, **kwargs) -> bool`` (e.g. :class:`~zoo.checkpoint.policies.AllBut`) as is."""
+    if callable(save_ops) and not isinstance(save_ops, (set, frozenset, list, tuple)):
+        return save_ops
     ops = save_ops if isinstance(save_ops, frozenset) else frozenset(save_ops)
     for op in ops:
         if not isinstance(op, _OpOverload):
@@ -38,6 +41,12 @@ def save_set(save_ops: Collection[Any]) -> frozenset:
                             f"torch.ops.aten.mm.default, got {op!r}; name the overload "
                             "(e.g. add '.default').")
     return ops
+
+
+def _kept(ops: Any, func: Any, args: tuple, kwargs: dict | None) -> bool:
+    """Whether the region keeps this op's output, by the user's function (the modes test a
+    frozenset of names inline: a frame less per op)."""
+    return bool(ops(func, *args, **(kwargs or {})))
 
 
 _direct: dict[Any, Callable[..., Any]] = {}
@@ -64,7 +73,7 @@ class _Keep(TorchDispatchMode):
 
     bookkeeping_outside = True
 
-    def __init__(self, ops: frozenset, kept: list) -> None:
+    def __init__(self, ops: Any, kept: list) -> None:
         super().__init__()
         self.ops, self.kept = ops, kept
 
@@ -72,7 +81,8 @@ class _Keep(TorchDispatchMode):
                            kwargs: dict | None = None) -> Any:
         run = _direct.get(func) or _runner(func)
         out = run(*args, **kwargs) if kwargs else run(*args)
-        if func in self.ops:
+        ops = self.ops
+        if func in ops if type(ops) is frozenset else _kept(ops, func, args, kwargs):
             self.kept.append((func, out, _version(out)))
         return out
 
@@ -83,13 +93,14 @@ class _Serve(TorchDispatchMode):
 
     bookkeeping_outside = True
 
-    def __init__(self, ops: frozenset, owner: Selective, consume: bool) -> None:
+    def __init__(self, ops: Any, owner: Selective, consume: bool) -> None:
         super().__init__()
         self.ops, self.owner, self.consume, self.next = ops, owner, consume, 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
-        if func not in self.ops:
+        ops = self.ops
+        if not (func in ops if type(ops) is frozenset else _kept(ops, func, args, kwargs)):
             run = _direct.get(func) or _runner(func)
             return run(*args, **kwargs) if kwargs else run(*args)
         index, kept = self.next, self.owner.kept
@@ -132,7 +143,7 @@ class Selective:
 
     __slots__ = ("fn", "ops", "kept", "running", "done")
 
-    def __init__(self, fn: Callable[..., Any], ops: frozenset):
+    def __init__(self, fn: Callable[..., Any], ops: Any):
         self.fn, self.ops = fn, ops
         self.kept: list | None = []
         self.running = self.done = False

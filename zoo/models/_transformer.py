@@ -31,6 +31,12 @@ figures from ``python -m zoo.bench transformers``, one training step):
   output-projection and MLP linears) and recomputes only the attention core (softmax(QK^T)V and
   its dropout) and the pointwise ops (LayerNorm, GELU, dropout, residual adds): no matmul runs
   twice. BERT-base batch 64 x 128: 0.506x the plain peak at +0.9% FLOPs.
+* ``"selective_sublayer"``: each sublayer is selective on its own, keeping the outputs of its
+  matmuls (``aten.mm`` / ``aten.addmm``) but, pre-norm, not its last linear's (``attn.proj``,
+  ``mlp.fc2``: they only feed the residual sums, and the recompute stops before them), so no
+  linear runs twice without dropout after it; the attention core and the pointwise ops are
+  recomputed, and a pre-norm block keeps its two residual-stream inputs, qkv and ``fc1``'s
+  output (:func:`_selective_sublayers`).
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ from timm.layers import DropPath, Mlp
 from torch import nn
 
 from ..checkpoint import checkpoint
+from ..checkpoint.policies import AllBut
 from ._base import ZooModel
 
 __all__ = ["Attention", "Block", "TransformerModel", "Step", "SELECTIVE_SAVE_OPS", "run_blocks",
@@ -139,6 +146,16 @@ class Block(nn.Module):
             return x + self.drop_path2(self.mlp(self.norm2(x)))
         return self.norm2(x + self.mlp(x))
 
+    def mlp_input(self, x: torch.Tensor) -> torch.Tensor:
+        """A pre-norm MLP's first linear on the normalised stream: ``fc1(norm2(x))``."""
+        return self.mlp.fc1(self.norm2(x))
+
+    def mlp_output(self, x: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The rest of a pre-norm MLP sublayer: ``x + fc2(act(hidden))`` (with its dropouts);
+        ``mlp_output(x, mlp_input(x))`` is ``mlp_sublayer(x)``."""
+        m = self.mlp
+        return x + self.drop_path2(m.drop2(m.fc2(m.norm(m.drop1(m.act(hidden))))))
+
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.mlp_sublayer(self.attention_sublayer(x, attn_mask))
 
@@ -146,7 +163,7 @@ class Block(nn.Module):
 def run_blocks(blocks: Sequence[Block], x: torch.Tensor, mode: str | None,
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Run ``blocks`` in order under checkpoint ``mode`` (see the module docstring): ``None``
-    (plain), ``"block"``, ``"sublayer"`` or ``"selective"``.
+    (plain), ``"block"``, ``"sublayer"``, ``"selective"`` or ``"selective_sublayer"``.
 
     In ``"block"`` mode the last block runs plainly: backward needs its activations first, so
     recomputing them would cost FLOPs and save no peak memory (as
@@ -165,9 +182,28 @@ def run_blocks(blocks: Sequence[Block], x: torch.Tensor, mode: str | None,
         elif mode == "sublayer":
             x = checkpoint(block.attention_sublayer, x, attn_mask)
             x = checkpoint(block.mlp_sublayer, x)
-        else:
+        elif mode == "selective":
             x = checkpoint(block, x, attn_mask, save_ops=SELECTIVE_SAVE_OPS)
+        else:
+            x = _selective_sublayers(block, x, attn_mask)
     return x
+
+
+def _selective_sublayers(block: Block, x: torch.Tensor,
+                         attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """``selective_sublayer``. Pre-norm: the attention sublayer keeps its matmuls' outputs but
+    ``attn.proj``'s, and the MLP is two regions, ``norm2`` and ``fc1`` keeping ``fc1``'s output,
+    then the rest, so backward rebuilds ``norm2``'s output only when ``fc1``'s backward needs it,
+    not beside the activation's gradients (torch's partitioner recomputes as late; one width per
+    token less at the peak, no FLOP more). Post-norm: the sublayers' last linear outputs feed
+    the norms, whose backward needs them, so each sublayer keeps all its matmuls' outputs."""
+    if not block.pre_norm:
+        x = checkpoint(block.attention_sublayer, x, attn_mask, save_ops=SELECTIVE_SAVE_OPS)
+        return checkpoint(block.mlp_sublayer, x, save_ops=SELECTIVE_SAVE_OPS)
+    x = checkpoint(block.attention_sublayer, x, attn_mask,
+                   save_ops=AllBut(SELECTIVE_SAVE_OPS, block.attn.proj))
+    hidden = checkpoint(block.mlp_input, x, save_ops=SELECTIVE_SAVE_OPS)
+    return checkpoint(block.mlp_output, x, hidden)
 
 
 class Step(nn.Module):
@@ -193,7 +229,8 @@ class TransformerModel(ZooModel):
     """Base of the zoo's transformers: ``self.blocks`` (an ``nn.Sequential`` of :class:`Block`)
     run under the active checkpoint mode, or under a planner's ``checkpoint_plan``."""
 
-    checkpoint_modes: ClassVar[tuple[str, ...]] = ("block", "sublayer", "selective")
+    checkpoint_modes: ClassVar[tuple[str, ...]] = ("block", "sublayer", "selective",
+                                                    "selective_sublayer")
     blocks: nn.Sequential
     global_pool = "token"  # the head reads the first token (ViT's class token, BERT's [CLS])
     context_length: int  # the longest token sequence (language models)

@@ -87,12 +87,14 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
     if not chain:
         raise ValueError(f"{type(model).__name__}.checkpoint_chain() is empty")
     if is_save_set(block_mode):  # an op-level choice: the blocks' own modules wrapped
-        if not any(t is not None for t in targets(model, chain)):
+        wrapped = targets(model, chain, block_mode)
+        if not any(t is not None for t in wrapped):
             return None
         with save_set_applied(model, chain, block_mode):
-            prof = _profile(model, example_input, loss_fn, None, like, whole, fake, max_units)
+            prof = _profile(model, example_input, loss_fn, None, like, whole, fake, max_units,
+                            save_set=True)
         if prof is not None:  # torch's selective checkpoint keeps its cache even inside an
-            wrapped = targets(model, chain)  # outer region's forward: stored at the top only
+            # outer region's forward: stored at the top only
             prof.opaque = [o or any(wrapped[j] is not None for j in range(a, b))
                            for o, (a, b) in zip(prof.opaque, prof.units)]
             prof.keeps_input = [k or o for k, o in zip(prof.keeps_input, prof.opaque)]
@@ -104,7 +106,9 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
 def _profile(model: nn.Module, example_input: torch.Tensor,
              loss_fn: Callable[[Any], torch.Tensor] | None, block_mode: str | None,
              like: ChainProfile | None, whole: bool, fake: FakeStep | None,
-             max_units: int | None = None) -> ChainProfile | None:
+             max_units: int | None = None, save_set: bool = False) -> ChainProfile | None:
+    """``save_set``: the blocks' modules are checkpointed with a save set, whose regions keep
+    their ops' outputs beside their input (so never a whole-block checkpoint's double)."""
     loss_fn = loss_fn or default_loss
     fake = fake or FakeStep(model, example_input)
     chain = list(model.checkpoint_chain())
@@ -135,7 +139,7 @@ def _profile(model: nn.Module, example_input: torch.Tensor,
     else:
         sub = _from_plain(plain, sub_units, [names[j] for j in order])
         prof = None
-    if not whole and whole_block(plain.regions, plain.in_key, natural):
+    if not whole and not save_set and whole_block(plain.regions, plain.in_key, natural):
         if any(set(plain.saved.get(j, {})) - {plain.in_key[a]}
                for a, b in natural for j in range(a, b) if plain.regions.get(j)):
             raise ValueError(f"block mode {block_mode!r}: a block keeps more than its one "
