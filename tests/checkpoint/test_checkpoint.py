@@ -183,6 +183,35 @@ def test_recompute_runs_under_forward_autocast_state(images):
     assert seen == [(False, True), (True, True)]
 
 
+def test_recompute_outside_autocast_when_forward_ran_without(images):
+    """A backward run inside an autocast context recomputes a region whose forward ran without
+    autocast without it too (the forward recorded no autocast at all)."""
+    seen = []
+
+    def fn(x):
+        seen.append((zoo.is_recomputing(), torch.is_autocast_enabled("cpu")))
+        return lin(x)
+
+    lin = nn.Linear(8, 8)
+    x = images.reshape(-1, 8)
+    y = zoo.checkpoint(fn, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y.sum().backward()
+    assert seen == [(False, False), (True, False)]
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_recompute_leaves_no_global_module_hook_behind(images):
+    """The normalisation guard is a global forward pre-hook only while a recompute runs."""
+    hooks = nn.modules.module._global_forward_pre_hooks
+    before = dict(hooks)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    inside = []
+    net.register_forward_pre_hook(lambda m, a: inside.append(len(hooks) - len(before)))
+    zoo.checkpoint(net, images).sum().backward()
+    assert inside == [0, 1] and dict(hooks) == before
+
+
 def test_no_grad_and_inference_mode_run_once_without_recompute(images):
     calls = []
 
