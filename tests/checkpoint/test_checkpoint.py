@@ -165,7 +165,9 @@ def test_nested_checkpoints_match_plain(images):
     assert_same_training(plain, plain, ckpt, lambda x: zoo.checkpoint(outer, x), images)
 
 
-def test_recompute_runs_under_forward_autocast_state(images):
+def _autocast_seen(images: torch.Tensor, forward: bool, backward: bool) -> list[tuple]:
+    """(recomputing, CPU autocast on) at each run of a region's fn, with the forward and the
+    backward each inside a bfloat16 autocast context or not; checks the output's dtype."""
     seen = []
 
     def fn(x):
@@ -174,13 +176,37 @@ def test_recompute_runs_under_forward_autocast_state(images):
 
     lin = nn.Linear(8, 8)
     x = images.reshape(-1, 8)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=forward):
         y = zoo.checkpoint(fn, x)
         ref = lin(x)
-    assert y.dtype == torch.bfloat16
+    assert y.dtype == ref.dtype == (torch.bfloat16 if forward else torch.float32)
     torch.testing.assert_close(y, ref)
-    y.float().sum().backward()
-    assert seen == [(False, True), (True, True)]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=backward):
+        y.float().sum().backward()
+    assert not torch.is_autocast_enabled("cpu")
+    return seen
+
+
+def test_recompute_runs_under_forward_autocast_state(images):
+    assert _autocast_seen(images, forward=True, backward=False) == [(False, True), (True, True)]
+
+
+def test_recompute_outside_autocast_when_forward_ran_without(images):
+    """A backward run inside an autocast context recomputes a region whose forward ran without
+    autocast without it too (the forward recorded no autocast at all)."""
+    assert _autocast_seen(images, forward=False, backward=True) == [(False, False),
+                                                                    (True, False)]
+
+
+def test_recompute_leaves_no_global_module_hook_behind(images):
+    """The normalisation guard is a global forward pre-hook only while a recompute runs."""
+    hooks = nn.modules.module._global_forward_pre_hooks
+    before = dict(hooks)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    inside = []
+    net.register_forward_pre_hook(lambda m, a: inside.append(len(hooks) - len(before)))
+    zoo.checkpoint(net, images).sum().backward()
+    assert inside == [0, 1] and dict(hooks) == before
 
 
 def test_no_grad_and_inference_mode_run_once_without_recompute(images):

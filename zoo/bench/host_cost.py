@@ -9,7 +9,8 @@ time the user pays. Both sides of that cost are measured here without a GPU:
   run, so tests may pin it. A dispatch mode also sees the tensor shallow copies autograd makes when
   it hands saved tensors back (as ``aten.detach``); they are host work too.
 * **host time**: the same step on the ``meta`` device, where no kernel runs and only the host's
-  work is left: medians of interleaved steps, as ratios to the plain model of the same run.
+  work is left: the process's CPU time (other processes on a shared machine do not count),
+  medians of interleaved steps, as ratios to the plain model of the same run.
 * **floor**: what a region cannot avoid: the plain step's ops plus, for every region, the forward
   ops its recompute must redo, counted on their own (:func:`recompute_ops`: the region's forward
   up to the last tensor it saves for backward, without the running-statistics update and without
@@ -236,8 +237,14 @@ def floor_of(model: nn.Module, step: Callable[[], Any]) -> Floor:
 def host_times(steps: dict[str, Callable[[], Any]], repeats: int = 15, warmup: int = 2,
                cuda: bool = False, seed: int = 0) -> dict[str, list[float]]:
     """Seconds per step of each of ``steps``: ``warmup`` rounds, then ``repeats`` rounds that run
-    every step once in a shuffled order (so drift on a shared machine hits all alike)."""
+    every step once in a shuffled order (so drift on a shared machine hits all alike).
+
+    Off the GPU a step's host cost is the CPU time of this process (``time.process_time``), so
+    time spent waiting while other processes run on a shared machine is not counted; on CUDA it
+    is the wall time to a synchronised end (the GPU's work counts there).
+    """
     rng = random.Random(seed)
+    clock = time.perf_counter if cuda else time.process_time
     names = list(steps)
     times: dict[str, list[float]] = {n: [] for n in names}
     for round_ in range(warmup + repeats):
@@ -245,12 +252,12 @@ def host_times(steps: dict[str, Callable[[], Any]], repeats: int = 15, warmup: i
         for name in names:
             if cuda:
                 torch.cuda.synchronize()
-            start = time.perf_counter()
+            start = clock()
             steps[name]()
             if cuda:
                 torch.cuda.synchronize()
             if round_ >= warmup:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(clock() - start)
     return times
 
 

@@ -148,8 +148,9 @@ def markdown_report(results: dict[str, Any]) -> str:
     """Every table of a run, each under a heading, after the machine and the command."""
     m = results["machine"]
     parts = [f"Machine: {m['cpu']}, {m['cpu_count']} cores, {m.get('gpu', 'no GPU')}, torch "
-             f"{m['torch']}, {platform.system()}; host time on `{results['timed_on']}`, medians "
-             f"of {results['repeats']} interleaved steps.\n\n    {results['command']}\n",
+             f"{m['torch']}, {platform.system()}; host time on `{results['timed_on']}` "
+             f"({'wall' if results['timed_on'].startswith('cuda') else 'CPU'} time), medians of "
+             f"{results['repeats']} interleaved steps.\n\n    {results['command']}\n",
              f"`ops`: aten ops under a dispatch mode; `dispatched`: the same less the "
              f"{COPY!r} entries, autograd's C++ copies of saved tensors that reach the dispatcher "
              "only while a mode watches. `floor`: plain ops plus each region's forward ops up to "

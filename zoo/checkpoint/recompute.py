@@ -87,7 +87,11 @@ _MOMENTUM_FORWARDS = {nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.
 _COUNT_OPTIONAL = nn.modules.batchnorm._BatchNorm.forward  # reads the counter only if present
 _hooks_lock = threading.Lock()
 _hooks_users = 0
-_hook_handles: list[torch.utils.hooks.RemovableHandle] = []
+# The guard goes straight into torch's table of global forward pre-hooks under an id reserved for
+# it, instead of through register_module_forward_pre_hook and a handle: a recompute puts it in and
+# takes it out, and the handle's bookkeeping cost more than the rest of that per region.
+_global_pre_hooks = nn.modules.module._global_forward_pre_hooks
+_GUARD_ID = torch.utils.hooks.RemovableHandle(_global_pre_hooks).id  # reserved, never removed
 
 
 class _Guarded:
@@ -152,7 +156,7 @@ def _acquire_norm_guard() -> None:
     global _hooks_users
     with _hooks_lock:
         if _hooks_users == 0:
-            _hook_handles.append(nn.modules.module.register_module_forward_pre_hook(_guard_norm))
+            _global_pre_hooks[_GUARD_ID] = _guard_norm
         _hooks_users += 1
 
 
@@ -161,8 +165,7 @@ def _release_norm_guard() -> None:
     with _hooks_lock:
         _hooks_users -= 1
         if _hooks_users == 0:
-            while _hook_handles:
-                _hook_handles.pop().remove()
+            _global_pre_hooks.pop(_GUARD_ID, None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,10 +190,25 @@ def _autocast_devices() -> tuple[str, ...]:
     return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
-def _autocast_state() -> tuple[Any, ...]:
-    """This thread's autocast settings for the CPU and (where present) CUDA."""
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+def _autocast_state() -> tuple[Any, ...] | None:
+    """This thread's autocast settings for the CPU and (where present) CUDA; ``None`` when no
+    autocast is enabled on any device (one call instead of three per device, on most regions)."""
+    if _any_autocast is not None and not _any_autocast():
+        return None
+    return _autocast_settings()
+
+
+def _autocast_settings() -> tuple[Any, ...]:
     return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                  for d in _autocast_devices()) + (torch.is_autocast_cache_enabled(),)
+
+
+def _autocast_off() -> tuple[Any, ...]:
+    """Autocast settings with autocast disabled on every device (a forward that ran without)."""
+    return tuple((d, False, dtype) for d, _, dtype in _autocast_settings()[:-1]) + (True,)
 
 
 class _ForwardContext:
@@ -205,7 +223,7 @@ class _ForwardContext:
         self.preserve_rng = preserve_rng
         self.cpu_state: torch.Tensor | None = None
         self.cuda_states: list[torch.Tensor] = []
-        self.autocast: tuple[Any, ...] = ()
+        self.autocast: tuple[Any, ...] | None = None
 
     def __enter__(self) -> _ForwardContext:
         if self.preserve_rng:
@@ -239,7 +257,7 @@ class _RecomputeContext:
             for device, state in zip(fwd.cuda_devices, fwd.cuda_states):
                 torch.cuda.set_rng_state(state, device)
         if _autocast_state() != fwd.autocast:  # backward runs outside the forward's autocast
-            *devices, cache = fwd.autocast
+            *devices, cache = fwd.autocast or _autocast_off()
             for device, enabled, dtype in devices:
                 ctx = torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache)
                 ctx.__enter__()

@@ -38,6 +38,7 @@ from .recompute import _ForwardContext, _local, _RecomputeContext
 # --------------------------------------------------------------------------------------------
 _engine = torch.autograd.Variable._execution_engine
 _Parameter = torch.nn.Parameter
+_Tensor = torch.Tensor  # an activation's class: never a Parameter (saves the metaclass check)
 _exec_group = getattr(torch._C, "_get_graph_exec_group", None)  # torch >= 2.9
 _current_task = torch._C._current_graph_task_id
 
@@ -183,7 +184,7 @@ class _Region:
         return out
 
     def pack(self, tensor: torch.Tensor) -> _Slot | torch.Tensor:
-        if isinstance(tensor, _Parameter):
+        if tensor.__class__ is not _Tensor and isinstance(tensor, _Parameter):
             # A module's parameter lives on anyway: it is kept as it is, never recomputed, and
             # its place in the recompute's order stays empty.
             self.slots.append(None)
