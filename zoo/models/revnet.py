@@ -35,7 +35,7 @@ from torch import nn
 
 from ..checkpoint import checkpoint
 from ..nn import cp_BatchNorm2d
-from ..reversible import Coupling, reversible_sequence
+from ..reversible import Coupling, join, reversible_sequence, split
 from ._features import Level
 from ._registry import register_model
 from .resnet import CifarResNet, _ResNetBase
@@ -123,14 +123,12 @@ class RevStage(nn.Sequential):
         mode = self.mode if mode is None else mode
         if mode not in (None, MODE):
             raise ValueError(f"unknown RevNet checkpoint mode {mode!r}; expected None or {MODE!r}")
-        x1, x2 = x.chunk(2, dim=1)
         units = list(self)
-        if isinstance(units[0], DownUnit):
-            x1, x2 = checkpoint(units[0], x1, x2) if mode else units[0](x1, x2)
-            units = units[1:]
+        lead = units.pop(0) if isinstance(units[0], DownUnit) else None
+        x1, x2 = split(x) if lead is not None else x.chunk(2, dim=1)
         x1, x2 = reversible_sequence(units, x1, x2, rebuild=mode is not None,
-                                     preserve_rng_state=False)
-        return torch.cat([x1, x2], dim=1)
+                                     preserve_rng_state=False, lead=lead)
+        return join(x1, x2)
 
 
 class RevNet(_ResNetBase):

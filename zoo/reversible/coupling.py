@@ -8,7 +8,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-__all__ = ["ReversibleBlock", "Coupling"]
+__all__ = ["ReversibleBlock", "LeadBlock", "Coupling"]
 
 
 class ReversibleBlock(Protocol):
@@ -17,6 +17,23 @@ class ReversibleBlock(Protocol):
     def f(self, x: torch.Tensor, *args: Any) -> torch.Tensor: ...
 
     def g(self, x: torch.Tensor, *args: Any) -> torch.Tensor: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+
+class LeadBlock(Protocol):
+    """A sequence's non-invertible first unit (the RevNet paper's downsampling unit):
+    ``y1 = f(x2) + shortcut1(x1)``, ``y2 = g(y1) + shortcut2(x2)``, on floats, with shortcuts
+    that change the resolution or the width; what ``lead=`` of :func:`reversible_sequence`
+    takes."""
+
+    def f(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def g(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def shortcut1(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def shortcut2(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
 

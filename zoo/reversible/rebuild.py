@@ -3,16 +3,18 @@ block's inputs from its outputs, recomputing ``G`` then ``F`` once each."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..checkpoint.recompute import _cuda_devices, _ForwardContext, _RecomputeContext
-from .coupling import ReversibleBlock
+from .coupling import LeadBlock, ReversibleBlock
 from .grid import Grid, _add, _checked, _enter, from_fixed
+from .sources import Source, remember, source_of
 
 # torch.autograd.grad takes an output's gradient edge in place of the output from torch 2.5 on
 # (older versions keep each recomputed output alive through its backward: a little more memory)
@@ -25,13 +27,13 @@ class _Run:
     autocast state each ``f`` and ``g`` ran under in the forward."""
 
     def __init__(self, blocks: Sequence[ReversibleBlock], args: tuple, grid: Grid,
-                 preserve_rng: bool):
+                 preserve_rng: bool, lead: LeadBlock | None = None):
         self.blocks, self.args, self.grid = list(blocks), args, grid
-        self.preserve_rng = preserve_rng
+        self.preserve_rng, self.lead = preserve_rng, lead
         index: dict[int, int] = {}
         self.params: list[nn.Parameter] = []
         self.block_params: list[dict[int, list[str]]] = []  # parameter index -> its names
-        for block in self.blocks:
+        for block in ([] if lead is None else [lead]) + self.blocks:
             names: dict[int, list[str]] = {}
             for name, p in block.named_parameters(remove_duplicate=False):
                 if p.requires_grad:
@@ -40,7 +42,13 @@ class _Run:
                         self.params.append(p)
                     names.setdefault(index[id(p)], []).append(name)
             self.block_params.append(names)
+        self.lead_params = self.block_params.pop(0) if lead is not None else {}
+        self.lead_contexts: tuple[_ForwardContext, _ForwardContext] | None = None
         self.contexts: list[tuple[_ForwardContext, _ForwardContext]] = []
+        # what the lead's backward needs: its first output, and its inputs' sources (of the
+        # sequence before it) or the inputs themselves; let go as soon as used
+        self.lead_kept: list[Any] = []
+        self.out: tuple[Source, Source] | None = None  # the outputs' sources, for _rebuilt
 
 
 @contextlib.contextmanager
@@ -71,6 +79,8 @@ class _Rebuild(torch.autograd.Function):
                 *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         devices = _cuda_devices(run.blocks[0], (x1, x2)) if run.preserve_rng else []
         grid, checks = run.grid, []
+        if run.lead is not None:
+            x1, x2 = _lead_forward(run, x1, x2, devices)
         (k1, _), (k2, v2) = _enter(x1, grid, checks), _enter(x2, grid, checks)
         streams = (k1, k2)
         views: list[torch.Tensor | None] = [None, v2]  # the float views alive: the one in use
@@ -86,12 +96,16 @@ class _Rebuild(torch.autograd.Function):
             run.contexts.append((contexts[0], contexts[1]))
         ctx.save_for_backward(k1, k2)
         ctx.run = run
-        return _checked(views[0], views[1], grid, checks)
+        y1, y2, bad = _checked(views[0], views[1], grid, checks)
+        run.out = (Source(k1, grid, bad), Source(k2, grid, bad))
+        return y1, y2
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, a1: torch.Tensor, a2: torch.Tensor) -> tuple[Any, ...]:
         run, grid = ctx.run, ctx.run.grid
+        for source in run.out or ():
+            source.k = None  # the streams are rebuilt in place from here on
         try:
             k1, k2 = ctx.saved_tensors
         except RuntimeError as e:
@@ -110,7 +124,83 @@ class _Rebuild(torch.autograd.Function):
                 _undo(block.g, k1, k2, a2, a1, grads, aliases, grid, at_g, run.args)
                 # F on x2 (k2): x1 = y1 - F(x2), then F's gradients
                 _undo(block.f, k2, k1, a1, a2, grads, aliases, grid, at_f, run.args)
+        if run.lead is not None:
+            a1, a2 = _undo_lead(run, a1, a2, grads)
         return (None, a1, a2, *grads)
+
+
+def _lead_forward(run: _Run, x1: torch.Tensor, x2: torch.Tensor, devices: list[int]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lead unit on the sequence's inputs: its outputs. Its backward keeps its first output
+    and the makers of its inputs: their sources when they can be made again from the streams of
+    the sequence before (:mod:`.sources`), else the inputs themselves."""
+    lead, contexts = run.lead, []
+
+    def call(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        with _ForwardContext(devices, run.preserve_rng) as at:
+            out = fn(x)
+        contexts.append(at)
+        return out
+
+    y1 = call(lead.f, x2) + call(lead.shortcut1, x1)
+    y2 = call(lead.g, y1) + call(lead.shortcut2, x2)
+    run.lead_contexts = tuple(contexts)
+    sources = [source_of(x1), source_of(x2)]
+    if sources[0] is not None and sources[1] is not None:
+        run.lead_kept = [y1, sources[0].make, sources[1].make]
+    else:
+        run.lead_kept = [y1, *(functools.partial(torch.Tensor.detach, x) for x in (x1, x2))]
+    return y1, y2
+
+
+def _undo_lead(run: _Run, a1: torch.Tensor, a2: torch.Tensor,
+               grads: list[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
+    """The lead unit backwards, one function at a time, each recomputed just before its
+    gradients are taken and let go after: ``G`` on the kept ``y1``, then ``F``, ``D2`` and
+    ``D1`` on the inputs, made again (from their sources, or kept) when their backward needs
+    them. Returns the inputs' gradients; ``x2``'s sums its two uses, as autograd does."""
+    y1, make1, make2 = run.lead_kept
+    run.lead_kept = []
+    lead, (at_f, at_d1, at_g, at_d2) = run.lead, run.lead_contexts
+    aliases = {j: run.params[j].detach().requires_grad_() for j in run.lead_params}
+    with _aliased(lead, run.lead_params, aliases):
+        got_y1 = _grad_of(lead.g, functools.partial(torch.Tensor.detach, y1), a2, grads,
+                          aliases, at_g)
+        del y1
+        if got_y1 is not None:
+            a1.add_(got_y1)
+        del got_y1
+        got_x2 = _grad_of(lead.f, make2, a1, grads, aliases, at_f)
+        more = _grad_of(lead.shortcut2, make2, a2, grads, aliases, at_d2)
+        if more is not None:
+            got_x2 = more if got_x2 is None else got_x2 + more
+        del more
+        got_x1 = _grad_of(lead.shortcut1, make1, a1, grads, aliases, at_d1)
+    return got_x1, got_x2
+
+
+def _grad_of(fn: Callable[[torch.Tensor], torch.Tensor], make: Callable[[], torch.Tensor],
+             seed: torch.Tensor, grads: list[torch.Tensor | None],
+             aliases: dict[int, torch.Tensor], at: _ForwardContext) -> torch.Tensor | None:
+    """``fn`` recomputed on the tensor ``make`` makes (made again when its backward needs it,
+    not kept), then its gradients for ``seed``: the parameters' are added to ``grads``, the
+    input's is returned."""
+    with torch.enable_grad():
+        view = _StreamView.apply(_anchor(seed.device), make)
+        edge = torch.autograd.graph.get_gradient_edge(view)
+        with _RemakeView([(view, make)]), _RecomputeContext(at):
+            out = fn(view)
+    del view
+    target: torch.Tensor | torch.autograd.graph.GradientEdge = out
+    if _EDGE_OUTPUTS:
+        target = torch.autograd.graph.get_gradient_edge(out)
+    if seed.dtype != out.dtype:
+        seed = seed.to(out.dtype)
+    del out
+    got = torch.autograd.grad(target, [edge, *aliases.values()], seed, allow_unused=True)
+    del target, seed
+    _accumulate(grads, aliases, got[1:])
+    return got[0]
 
 
 def _undo(fn: Any, k_in: torch.Tensor, k_out: torch.Tensor, seed: torch.Tensor,
@@ -149,40 +239,45 @@ class _StreamView(torch.autograd.Function):
     Unlike a leaf, it holds no tensor, so the view can be let go."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, k: torch.Tensor, grid: Grid) -> torch.Tensor:
-        return from_fixed(k, grid)
+    def forward(ctx: Any, anchor: torch.Tensor, make: Callable[[], torch.Tensor]
+                ) -> torch.Tensor:
+        return make()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
-        return None, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        return None, None
 
 
 class _RemakeView(torch.autograd.graph.saved_tensors_hooks):
-    """While a recompute records its graph: a saved tensor that lives in the stream's float
-    view is not kept but made again from the stream when backward unpacks it (one copy at a
-    time, shared by every node that saved it), bit for bit the same values. ``saved`` lists
-    the storages of the others (weakly: every saved tensor holds the pack hook until released).
-    """
+    """While a recompute records its graph: a saved tensor that lives in one of its inputs
+    (``views``: each with the call that makes it, a stream's float view or a kept tensor) is
+    not kept but made again when backward unpacks it (one copy at a time, shared by every node
+    that saved it), bit for bit the same values. ``saved`` lists the storages of the others
+    (weakly: every saved tensor holds the pack hook until released)."""
 
-    def __init__(self, view: torch.Tensor, k: torch.Tensor, grid: Grid) -> None:
-        storage, made = weakref.ref(view.untyped_storage()), [lambda: None]
-        saved = self.saved = [storage]  # the hooks must not hold self (a cycle holding k)
+    def __init__(self, views: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]]) -> None:
+        storages = [weakref.ref(view.untyped_storage()) for view, _ in views]
+        makers = [make for _, make in views]
+        made: list[Callable[[], torch.Tensor | None]] = [lambda: None] * len(views)
+        saved = self.saved = list(storages)  # the hooks must not hold self (a cycle holding k)
 
         def pack(t: torch.Tensor) -> Any:
             st = t.untyped_storage()
-            if st is not storage():
-                saved.append(weakref.ref(st))
-                return t
-            return t.size(), t.stride(), t.storage_offset()
+            for i, storage in enumerate(storages):
+                if st is storage():
+                    return i, t.size(), t.stride(), t.storage_offset()
+            saved.append(weakref.ref(st))
+            return t
 
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
                 return packed
-            again = made[0]()
+            i, *layout = packed
+            again = made[i]()
             if again is None:
-                again = from_fixed(k, grid)
-                made[0] = weakref.ref(again)
-            return again.as_strided(*packed)
+                again = makers[i]()
+                made[i] = weakref.ref(again)
+            return again.as_strided(*layout)
 
         super().__init__(pack, unpack)
 
@@ -197,9 +292,10 @@ def _recompute(fn: Any, k: torch.Tensor, grid: Grid, at: _ForwardContext, args: 
         # a non-leaf input, as in the stored network: module hooks that watch their inputs'
         # gradients (torch's ModTracker, under MemTracker) cannot watch a leaf during a nested
         # torch.autograd.grad
-        view = _StreamView.apply(_anchor(k.device), k, grid)
+        make = functools.partial(from_fixed, k, grid)
+        view = _StreamView.apply(_anchor(k.device), make)
         edge = torch.autograd.graph.get_gradient_edge(view)
-        remake = _RemakeView(view, k, grid)
+        remake = _RemakeView([(view, make)])
         with remake, _RecomputeContext(at):
             out = fn(view, *args)
     st = out.untyped_storage()
@@ -248,6 +344,11 @@ class _Fresh(torch.autograd.Function):
 
 @torch.compiler.disable
 def _rebuilt(blocks: Sequence[ReversibleBlock], x1: torch.Tensor, x2: torch.Tensor, args: tuple,
-             grid: Grid, preserve_rng: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    run = _Run(blocks, args, grid, preserve_rng)
-    return _Fresh.apply(*_Rebuild.apply(run, x1, x2, *run.params))
+             grid: Grid, preserve_rng: bool, lead: LeadBlock | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    run = _Run(blocks, args, grid, preserve_rng, lead)
+    y1, y2 = _Fresh.apply(*_Rebuild.apply(run, x1, x2, *run.params))
+    if run.out is not None:  # the outputs can be made again from the streams (.sources)
+        remember(y1, run.out[0])
+        remember(y2, run.out[1])
+    return y1, y2
