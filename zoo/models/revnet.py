@@ -69,12 +69,25 @@ class ResidualFn(nn.Module):
         self.depth = len(shapes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rest(self.pre(x) if hasattr(self, "bn1") else x)
+
+    def pre(self, x: torch.Tensor) -> torch.Tensor:
+        """The first BN-ReLU (with ``preact``)."""
+        return F.relu(self.bn1(x), inplace=True)
+
+    def rest(self, x: torch.Tensor) -> torch.Tensor:
+        """What follows the first BN-ReLU."""
         for i in range(1, self.depth + 1):
-            bn = getattr(self, f"bn{i}", None)
+            bn = getattr(self, f"bn{i}", None) if i > 1 else None
             if bn is not None:
                 x = F.relu(bn(x), inplace=True)
             x = getattr(self, f"conv{i}")(x)
         return x
+
+    def parts(self) -> tuple[Any, Any] | None:
+        """``(pre, rest)`` with ``preact`` (what a reversible rebuild makes again instead of
+        keeping: the first BN-ReLU's output), else ``None``."""
+        return (self.pre, self.rest) if hasattr(self, "bn1") else None
 
 
 class Downsample(nn.Module):

@@ -12,7 +12,11 @@ __all__ = ["ReversibleBlock", "LeadBlock", "Coupling"]
 
 
 class ReversibleBlock(Protocol):
-    """What :func:`reversible_sequence` runs: an ``nn.Module`` with ``f`` and ``g``."""
+    """What :func:`reversible_sequence` runs: an ``nn.Module`` with ``f`` and ``g``. It may
+    also have ``f_parts()``/``g_parts()`` returning ``(head, tail)`` (or ``None``) with
+    ``f(x, *args) == tail(head(x), *args)`` bit for bit, ``head`` a cheap deterministic
+    normalisation: the rebuild then makes ``head``'s output again when backward needs it
+    instead of keeping it through the recompute's backward."""
 
     def f(self, x: torch.Tensor, *args: Any) -> torch.Tensor: ...
 
@@ -45,3 +49,11 @@ class Coupling(nn.Module):
     def __init__(self, f: nn.Module, g: nn.Module) -> None:
         super().__init__()
         self.f, self.g = f, g
+
+    def f_parts(self) -> tuple[Any, Any] | None:
+        """``f`` as ``(head, tail)`` if its module splits itself (a ``parts()`` method)."""
+        return self.f.parts() if hasattr(self.f, "parts") else None
+
+    def g_parts(self) -> tuple[Any, Any] | None:
+        """``g`` as ``(head, tail)`` if its module splits itself (a ``parts()`` method)."""
+        return self.g.parts() if hasattr(self.g, "parts") else None

@@ -121,9 +121,10 @@ class _Rebuild(torch.autograd.Function):
             aliases = {j: run.params[j].detach().requires_grad_() for j in named}
             with _aliased(block, named, aliases):
                 # G on y1 (k1): x2 = y2 - G(y1), then G's gradients; a1 is ours (_Fresh)
-                _undo(block.g, k1, k2, a2, a1, grads, aliases, grid, at_g, run.args)
+                _undo(_parts(block, "g"), k1, k2, a2, a1, grads, aliases, grid, at_g, run.args)
                 # F on x2 (k2): x1 = y1 - F(x2), then F's gradients
-                _undo(block.f, k2, k1, a1, a2, grads, aliases, grid, at_f, run.args)
+                _undo(_parts(block, "f"), k2, k1, a1, a2, grads, aliases, grid, at_f,
+                      run.args)
         if run.lead is not None:
             a1, a2 = _undo_lead(run, a1, a2, grads)
         return (None, a1, a2, *grads)
@@ -248,30 +249,45 @@ class _StreamView(torch.autograd.Function):
         return None, None
 
 
+class _Held:
+    """A tensor a recompute's graph saved, as the graph holds it: the tensor, or once the
+    tensor is known to be made again (:meth:`_RemakeView.adopt`), where to find it."""
+
+    __slots__ = ("t", "recipe", "__weakref__")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t: torch.Tensor | None = t
+        self.recipe: tuple | None = None
+
+
 class _RemakeView(torch.autograd.graph.saved_tensors_hooks):
     """While a recompute records its graph: a saved tensor that lives in one of its inputs
-    (``views``: each with the call that makes it, a stream's float view or a kept tensor) is
-    not kept but made again when backward unpacks it (one copy at a time, shared by every node
-    that saved it), bit for bit the same values. ``saved`` lists the storages of the others
-    (weakly: every saved tensor holds the pack hook until released)."""
+    (``views``: each with the call that makes it, a stream's float view or a kept tensor) or in
+    a tensor :meth:`adopt` names is not kept but made again when backward unpacks it (one copy
+    at a time, shared by every node that saved it), bit for bit the same values. The others are
+    held as they are (``_Held``, watched weakly: the graph holds them until released)."""
 
     def __init__(self, views: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]]) -> None:
         storages = [weakref.ref(view.untyped_storage()) for view, _ in views]
         makers = [make for _, make in views]
         made: list[Callable[[], torch.Tensor | None]] = [lambda: None] * len(views)
-        saved = self.saved = list(storages)  # the hooks must not hold self (a cycle holding k)
+        held: list[weakref.ref[_Held]] = []
+        self._lists = (storages, makers, made, held)  # the hooks must not hold self (a cycle)
 
         def pack(t: torch.Tensor) -> Any:
             st = t.untyped_storage()
             for i, storage in enumerate(storages):
                 if st is storage():
                     return i, t.size(), t.stride(), t.storage_offset()
-            saved.append(weakref.ref(st))
-            return t
+            h = _Held(t)
+            held.append(weakref.ref(h))
+            return h
 
         def unpack(packed: Any) -> torch.Tensor:
-            if isinstance(packed, torch.Tensor):
-                return packed
+            if isinstance(packed, _Held):
+                if packed.t is not None:
+                    return packed.t
+                packed = packed.recipe
             i, *layout = packed
             again = made[i]()
             if again is None:
@@ -281,13 +297,50 @@ class _RemakeView(torch.autograd.graph.saved_tensors_hooks):
 
         super().__init__(pack, unpack)
 
+    def adopt(self, t: torch.Tensor, make: Callable[[], torch.Tensor]) -> None:
+        """From now on ``t`` (and what the graph saved of it already) is made again by
+        ``make`` when needed instead of kept."""
+        storages, makers, made, held = self._lists
+        st = t.untyped_storage()
+        if any(st is storage() for storage in storages):
+            return
+        storages.append(weakref.ref(st))
+        makers.append(make)
+        made.append(lambda: None)
+        for ref in held:
+            h = ref()
+            if h is not None and h.t is not None and h.t.untyped_storage() is st:
+                h.recipe = (len(makers) - 1, h.t.size(), h.t.stride(), h.t.storage_offset())
+                h.t = None
 
-def _recompute(fn: Any, k: torch.Tensor, grid: Grid, at: _ForwardContext, args: tuple
-               ) -> tuple[torch.Tensor, torch.autograd.graph.GradientEdge, bool]:
-    """``fn`` on the float view of ``k``, under the forward's RNG and autocast state and the
-    recompute guard (BatchNorm statistics are not updated a second time): its output, the edge
-    where its input's gradient arrives, and whether the output's memory is the rebuild's own
-    (no view of another tensor, nor saved by the graph)."""
+    def keeps(self, st: torch.UntypedStorage) -> bool:
+        """Whether the graph holds a tensor living in ``st`` as it is."""
+        return any(h is not None and h.t is not None and h.t.untyped_storage() is st
+                   for h in (ref() for ref in self._lists[3]))
+
+
+def _parts(block: ReversibleBlock, name: str) -> tuple[Any, Any]:
+    """``block``'s function ``name`` (``"f"`` or ``"g"``) as ``(head, tail)``: the block's
+    ``f_parts``/``g_parts`` if it has them (a cheap normalisation first, which the rebuild makes
+    again when its backward needs it instead of keeping its output), else ``(None, fn)``."""
+    split = getattr(block, f"{name}_parts", None)
+    parts = split() if split is not None else None
+    return parts if parts is not None else (None, getattr(block, name))
+
+
+def _remade(head: Any, make: Callable[[], torch.Tensor], at: _ForwardContext) -> torch.Tensor:
+    """``head`` again on the input ``make`` makes, as the recompute ran it."""
+    with torch.no_grad(), _RecomputeContext(at):
+        return head(make())
+
+
+def _recompute(fn: tuple[Any, Any], k: torch.Tensor, grid: Grid, at: _ForwardContext,
+               args: tuple) -> tuple[torch.Tensor, torch.autograd.graph.GradientEdge, bool]:
+    """``fn`` (head and tail, :func:`_parts`) on the float view of ``k``, under the forward's
+    RNG and autocast state and the recompute guard (BatchNorm statistics are not updated a
+    second time): its output, the edge where its input's gradient arrives, and whether the
+    output's memory is the rebuild's own (no view of another tensor, nor saved by the graph)."""
+    head, tail = fn
     with torch.enable_grad():
         # a non-leaf input, as in the stored network: module hooks that watch their inputs'
         # gradients (torch's ModTracker, under MemTracker) cannot watch a leaf during a nested
@@ -297,9 +350,15 @@ def _recompute(fn: Any, k: torch.Tensor, grid: Grid, at: _ForwardContext, args: 
         edge = torch.autograd.graph.get_gradient_edge(view)
         remake = _RemakeView([(view, make)])
         with remake, _RecomputeContext(at):
-            out = fn(view, *args)
+            x = view
+            if head is not None:
+                x = head(view)
+                remake.adopt(x, functools.partial(_remade, head, make, at))
+            del view
+            out = tail(x, *args)
+            del x
     st = out.untyped_storage()
-    return out, edge, out._base is None and all(r() is not st for r in remake.saved)
+    return out, edge, out._base is None and not remake.keeps(st)
 
 
 def _take_off(k: torch.Tensor, out: torch.Tensor, grid: Grid, owned: bool) -> None:
