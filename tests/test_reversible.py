@@ -354,7 +354,7 @@ class Staged(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x1, x2 = self.stem(x).chunk(2, dim=1)
         h = join(*reversible_sequence(self.stage1, x1, x2, rebuild=self.rebuild))
-        x1, x2 = split(h) if self.sources else (t.contiguous() for t in h.chunk(2, dim=1))
+        x1, x2 = split(h) if self.sources else h.chunk(2, dim=1)
         y1, y2 = reversible_sequence(self.stage2, x1, x2, rebuild=self.rebuild, lead=self.down)
         return self.head(join(y1, y2).mean((2, 3)))
 

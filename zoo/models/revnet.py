@@ -9,8 +9,9 @@ channels. Such a unit is invertible, so backward rebuilds its input from its out
 (``zoo.reversible``: exact, on fixed-point streams). The first unit of a stage that halves the
 resolution or widens the channels is not invertible; as in the paper it is a coupling whose
 shortcuts downsample (average pooling and zero channels, or a strided 1x1 projection in the
-bottleneck nets), and its input is kept (it is checkpointed with ``zoo.checkpoint``). A 3x3
-stem (conv-BN-ReLU) comes first; the last stage is followed by BN-ReLU, global average pooling
+bottleneck nets); in the rebuild it leads its stage's reversible sequence (``lead=``), which
+recomputes it in backward from its input, made again from the previous stage's integer streams
+instead of kept. A 3x3 stem (conv-BN-ReLU) comes first; the last stage is followed by BN-ReLU, global average pooling
 and a linear classifier.
 
 The architectures are the paper's Table 1, from its released code (renmengye/revnet-public):
@@ -19,7 +20,9 @@ RevNet-38 (3-3-3 units, 32/32/64/112 channels), RevNet-110 (9-9-9, 32/32/64/128)
 paper, are pinned by tests: 0.46M / 1.73M / 1.75M here.
 
 One checkpoint mode, ``"reversible"`` (``efficient=True``): the reversible units rebuild their
-inputs in backward, the downsampling units, the stem and the final BN-ReLU are checkpointed.
+inputs in backward (each residual function's first BN-ReLU is made again in backward instead
+of kept through it), the downsampling units are recomputed from the streams of the stage
+before, the stem and the final BN-ReLU are checkpointed.
 With it off (``efficient=False``) the model is the same network, same forward and same
 state_dict, storing its activations; both train bit for bit alike. Figures (one training step
 at batch 32, exact CPU bytes): ``python -m zoo.bench reversible``.
@@ -106,8 +109,9 @@ class Downsample(nn.Module):
 
 class DownUnit(nn.Module):
     """The first unit of a stage that changes resolution or width: ``y1 = F(x2) + D1(x1)``,
-    ``y2 = G(y1) + D2(x2)`` with downsampling shortcuts ``D`` (not invertible: its input is
-    kept). ``shortcut1``/``shortcut2`` are strided 1x1 projections in bottleneck nets and
+    ``y2 = G(y1) + D2(x2)`` with downsampling shortcuts ``D`` (not invertible: in the rebuild
+    it is the ``lead`` of its stage's reversible sequence, a ``zoo.reversible.LeadBlock``).
+    ``shortcut1``/``shortcut2`` are strided 1x1 projections in bottleneck nets and
     parameter-free :class:`Downsample` otherwise."""
 
     def __init__(self, in_half: int, out_half: int, stride: int, bottleneck: bool,
@@ -128,7 +132,8 @@ class DownUnit(nn.Module):
 class RevStage(nn.Sequential):
     """A stage: an optional :class:`DownUnit` and reversible units (``zoo.reversible.Coupling``
     of two :class:`ResidualFn`). Runs on the halves of its input's channels and returns them
-    concatenated. ``mode``: ``None`` (stored) or ``"reversible"``; by default the model's."""
+    concatenated (``zoo.reversible.split``/``join``: a rebuilt stage's output then hands the
+    next stage's downsampling unit its integer streams to make its input again from). ``mode``: ``None`` (stored) or ``"reversible"``; by default the model's."""
 
     mode: str | None = None
 
@@ -138,7 +143,7 @@ class RevStage(nn.Sequential):
             raise ValueError(f"unknown RevNet checkpoint mode {mode!r}; expected None or {MODE!r}")
         units = list(self)
         lead = units.pop(0) if isinstance(units[0], DownUnit) else None
-        x1, x2 = split(x) if lead is not None else x.chunk(2, dim=1)
+        x1, x2 = split(x)
         x1, x2 = reversible_sequence(units, x1, x2, rebuild=mode is not None,
                                      preserve_rng_state=False, lead=lead)
         return join(x1, x2)

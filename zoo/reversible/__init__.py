@@ -65,6 +65,13 @@ recompute runs on detached aliases of the parameters). Under ``torch.no_grad()``
 run the plain forward and keep nothing. Under ``torch.compile`` the rebuilding Function is left
 to eager mode (a graph break: Dynamo cannot trace a backward that recomputes a forward and runs
 the autograd engine on it), and the rest of the model compiles; ``rebuild=False`` traces fully.
+
+What the rebuild keeps besides the streams, and no more: a block may name a cheap head of ``F``
+and ``G`` (``f_parts``/``g_parts``: a normalisation), whose output is made again when backward
+needs it instead of kept through the recompute's backward; a non-invertible ``lead`` unit
+(:class:`LeadBlock`) keeps its first output and makes its inputs again from the streams of the
+rebuilt sequence before it (:func:`join`/:func:`split` carry them across a model's stage
+boundary), recomputing its four functions one at a time.
 """
 from __future__ import annotations
 
@@ -76,7 +83,7 @@ import torch
 from ..checkpoint import checkpoint
 from .coupling import Coupling, LeadBlock, ReversibleBlock
 from .grid import Grid, from_fixed, grid_for, to_fixed
-from .rebuild import _rebuilt
+from .rebuild import _lead_steps, _rebuilt
 from .sources import join, split
 from .stored import _stored
 
@@ -130,5 +137,4 @@ def reversible_sequence(blocks: Sequence[ReversibleBlock], x1: torch.Tensor, x2:
 def _run_lead(lead: LeadBlock, x1: torch.Tensor, x2: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The lead unit as the stored network runs it (the rebuild's forward runs the same)."""
-    y1 = lead.f(x2) + lead.shortcut1(x1)
-    return y1, lead.g(y1) + lead.shortcut2(x2)
+    return _lead_steps(lambda name, x: getattr(lead, name)(x), x1, x2)

@@ -66,10 +66,9 @@ def join(y1: torch.Tensor, y2: torch.Tensor, dim: int = 1) -> torch.Tensor:
 
 
 def split(x: torch.Tensor, dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two halves of ``x`` along ``dim``, each contiguous (so that a half made again from
-    its stream has the same layout as the half computed here); the halves of a :func:`join`
-    of two rebuilt outputs get their sources back."""
-    x1, x2 = (h.contiguous() for h in x.chunk(2, dim=dim))
+    """``x.chunk(2, dim)``; the halves of a :func:`join` of two rebuilt outputs get their
+    sources back (a lead unit makes them contiguous, as their sources make them)."""
+    x1, x2 = x.chunk(2, dim=dim)
     joined = None if _is_compiling() else _SOURCES.get(x)
     if joined is not None and joined[2] == dim:
         remember(x1, joined[0])
