@@ -11,8 +11,8 @@ resolution or widens the channels is not invertible; as in the paper it is a cou
 shortcuts downsample (average pooling and zero channels, or a strided 1x1 projection in the
 bottleneck nets); in the rebuild it leads its stage's reversible sequence (``lead=``), which
 recomputes it in backward from its input, made again from the previous stage's integer streams
-instead of kept. A 3x3 stem (conv-BN-ReLU) comes first; the last stage is followed by BN-ReLU, global average pooling
-and a linear classifier.
+instead of kept. A 3x3 stem (conv-BN-ReLU) comes first; the last stage is followed by BN-ReLU,
+global average pooling and a linear classifier.
 
 The architectures are the paper's Table 1, from its released code (renmengye/revnet-public):
 RevNet-38 (3-3-3 units, 32/32/64/112 channels), RevNet-110 (9-9-9, 32/32/64/128), RevNet-164
@@ -133,7 +133,8 @@ class RevStage(nn.Sequential):
     """A stage: an optional :class:`DownUnit` and reversible units (``zoo.reversible.Coupling``
     of two :class:`ResidualFn`). Runs on the halves of its input's channels and returns them
     concatenated (``zoo.reversible.split``/``join``: a rebuilt stage's output then hands the
-    next stage's downsampling unit its integer streams to make its input again from). ``mode``: ``None`` (stored) or ``"reversible"``; by default the model's."""
+    next stage's downsampling unit its integer streams to make its input again from).
+    ``mode``: ``None`` (stored) or ``"reversible"``; by default the model's."""
 
     mode: str | None = None
 

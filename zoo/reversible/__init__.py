@@ -83,7 +83,8 @@ import torch
 from ..checkpoint import checkpoint
 from .coupling import Coupling, LeadBlock, ReversibleBlock
 from .grid import Grid, from_fixed, grid_for, to_fixed
-from .rebuild import _lead_steps, _rebuilt
+from .lead import _lead_steps
+from .rebuild import _rebuilt
 from .sources import join, split
 from .stored import _stored
 

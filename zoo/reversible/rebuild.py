@@ -2,10 +2,8 @@
 block's inputs from its outputs, recomputing ``G`` then ``F`` once each."""
 from __future__ import annotations
 
-import contextlib
 import functools
-import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -14,11 +12,9 @@ from torch import nn
 from ..checkpoint.recompute import _cuda_devices, _ForwardContext, _RecomputeContext
 from .coupling import LeadBlock, ReversibleBlock
 from .grid import Grid, _add, _checked, _enter, from_fixed
-from .sources import Source, remember, source_of
-
-# torch.autograd.grad takes an output's gradient edge in place of the output from torch 2.5 on
-# (older versions keep each recomputed output alive through its backward: a little more memory)
-_EDGE_OUTPUTS = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+from .lead import _lead_forward, _undo_lead
+from .remake import _EDGE_OUTPUTS, _accumulate, _aliased, _anchor, _RemakeView, _StreamView
+from .sources import Source, remember
 
 
 class _Run:
@@ -49,25 +45,6 @@ class _Run:
         # sequence before it) or the inputs themselves; let go as soon as used
         self.lead_kept: list[Any] = []
         self.out: tuple[Source, Source] | None = None  # the outputs' sources, for _rebuilt
-
-
-@contextlib.contextmanager
-def _aliased(module: nn.Module, names: dict[int, list[str]],
-             aliases: dict[int, torch.Tensor]) -> Iterator[None]:
-    """Run ``module`` with its parameters replaced by ``aliases`` (detached, same storage), so
-    that gradients computed for a recompute never touch the real parameters or their hooks."""
-    swapped = []
-    for j, alias in aliases.items():
-        for name in names[j]:
-            owner_name, _, attr = name.rpartition(".")
-            owner = module.get_submodule(owner_name) if owner_name else module
-            swapped.append((owner, attr, owner._parameters[attr]))
-            owner._parameters[attr] = alias
-    try:
-        yield
-    finally:
-        for owner, attr, param in swapped:
-            owner._parameters[attr] = param
 
 
 class _Rebuild(torch.autograd.Function):
@@ -130,134 +107,6 @@ class _Rebuild(torch.autograd.Function):
         return (None, a1, a2, *grads)
 
 
-def _lead_forward(run: _Run, x1: torch.Tensor, x2: torch.Tensor, devices: list[int]
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The lead unit on the sequence's inputs: its outputs. Its backward keeps the makers of its
-    inputs: their sources when they can be made again from the streams of the sequence before
-    (:mod:`.sources`), else the inputs themselves; and its first output if no larger than an
-    input (a downsampling unit: then it is undone one function at a time)."""
-    contexts: dict[str, _ForwardContext] = {}
-
-    def call(name: str, x: torch.Tensor) -> torch.Tensor:
-        with _ForwardContext(devices, run.preserve_rng) as at:
-            out = getattr(run.lead, name)(x)
-        contexts[name] = at
-        return out
-
-    y1, y2 = _lead_steps(call, x1, x2)
-    run.lead_contexts = tuple(contexts[n] for n in ("f", "shortcut1", "g", "shortcut2"))
-    sources = [source_of(x1), source_of(x2)]
-    if sources[0] is not None and sources[1] is not None:
-        makers = [sources[0].make, sources[1].make]
-    else:
-        makers = [functools.partial(torch.Tensor.contiguous, x.detach()) for x in (x1, x2)]
-    run.lead_kept = [y1 if y1.numel() <= x1.numel() else None, *makers]
-    return y1, y2
-
-
-def _lead_steps(call: Callable[[str, torch.Tensor], torch.Tensor], x1: torch.Tensor,
-                x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A lead unit's forward, the stored network's and the rebuild's alike: each input made
-    contiguous (as it is made again in backward) only while its functions run, ``x2``'s first:
-    ``F(x2)``, ``D2(x2)``, ``D1(x1)``, then ``y1 = F(x2) + D1(x1)``, ``y2 = G(y1) + D2(x2)``.
-    ``call(name, x)`` runs the lead's function ``name`` on ``x``."""
-    x2 = x2.contiguous()
-    f, d2 = call("f", x2), call("shortcut2", x2)
-    del x2
-    y1 = f + call("shortcut1", x1.contiguous())
-    del f
-    return y1, call("g", y1) + d2
-
-
-def _undo_lead(run: _Run, a1: torch.Tensor, a2: torch.Tensor,
-               grads: list[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
-    """The lead unit backwards, one function at a time, each recomputed just before its
-    gradients are taken and let go after: ``G`` on the kept ``y1``, then ``F``, ``D2`` and
-    ``D1`` on the inputs, made again (from their sources, or kept) when their backward needs
-    them. Returns the inputs' gradients; ``x2``'s sums its two uses, as autograd does."""
-    y1, make1, make2 = run.lead_kept
-    run.lead_kept = []
-    lead, (at_f, at_d1, at_g, at_d2) = run.lead, run.lead_contexts
-    aliases = {j: run.params[j].detach().requires_grad_() for j in run.lead_params}
-    if y1 is None:
-        with _aliased(lead, run.lead_params, aliases):
-            return _undo_lead_whole(run, make1, make2, a1, a2, grads, aliases)
-    with _aliased(lead, run.lead_params, aliases):
-        got_y1 = _grad_of(lead.g, functools.partial(torch.Tensor.detach, y1), a2, grads,
-                          aliases, at_g)
-        del y1
-        if got_y1 is not None:
-            a1.add_(got_y1)
-        del got_y1
-        got_x2 = _grad_of(lead.f, make2, a1, grads, aliases, at_f)
-        more = _grad_of(lead.shortcut2, make2, a2, grads, aliases, at_d2)
-        if more is not None:
-            got_x2 = more if got_x2 is None else got_x2 + more
-        del more
-        got_x1 = _grad_of(lead.shortcut1, make1, a1, grads, aliases, at_d1)
-    return got_x1, got_x2
-
-
-def _undo_lead_whole(run: _Run, make1: Callable[[], torch.Tensor],
-                     make2: Callable[[], torch.Tensor], a1: torch.Tensor, a2: torch.Tensor,
-                     grads: list[torch.Tensor | None], aliases: dict[int, torch.Tensor]
-                     ) -> tuple[torch.Tensor | None, ...]:
-    """The lead unit backwards in one recompute (when its first output is larger than its
-    inputs, so not kept): the gradients of ``y1``, ``G(y1)`` and ``D2(x2)`` taken at once, as
-    autograd takes them (``y2``'s sum is not recomputed: its gradient goes to both terms)."""
-    lead, (at_f, at_d1, at_g, at_d2) = run.lead, run.lead_contexts
-    with torch.enable_grad():
-        anchor = _anchor(a1.device)
-        v1, v2 = _StreamView.apply(anchor, make1), _StreamView.apply(anchor, make2)
-        edges = [torch.autograd.graph.get_gradient_edge(v) for v in (v1, v2)]
-        with _RemakeView([(v1, make1), (v2, make2)]):
-            with _RecomputeContext(at_f):
-                f = lead.f(v2)
-            with _RecomputeContext(at_d2):
-                roots = [_root(lead.shortcut2(v2))]
-            with _RecomputeContext(at_d1):
-                y1 = f + lead.shortcut1(v1)
-            del f, v1, v2
-            with _RecomputeContext(at_g):
-                roots = [_root(y1), _root(lead.g(y1)), *roots]
-    seeds = [a.to(y1.dtype) if a.dtype != y1.dtype else a for a in (a1, a2, a2)]
-    del y1
-    got = torch.autograd.grad(roots, [*edges, *aliases.values()], seeds, allow_unused=True)
-    del roots, seeds
-    _accumulate(grads, aliases, got[2:])
-    return got[0], got[1]
-
-
-def _root(out: torch.Tensor) -> torch.Tensor | torch.autograd.graph.GradientEdge:
-    """Where ``torch.autograd.grad`` starts from ``out``: its gradient edge (``out`` itself can
-    then be let go), or ``out`` before torch 2.5."""
-    return torch.autograd.graph.get_gradient_edge(out) if _EDGE_OUTPUTS else out
-
-
-def _grad_of(fn: Callable[[torch.Tensor], torch.Tensor], make: Callable[[], torch.Tensor],
-             seed: torch.Tensor, grads: list[torch.Tensor | None],
-             aliases: dict[int, torch.Tensor], at: _ForwardContext) -> torch.Tensor | None:
-    """``fn`` recomputed on the tensor ``make`` makes (made again when its backward needs it,
-    not kept), then its gradients for ``seed``: the parameters' are added to ``grads``, the
-    input's is returned."""
-    with torch.enable_grad():
-        view = _StreamView.apply(_anchor(seed.device), make)
-        edge = torch.autograd.graph.get_gradient_edge(view)
-        with _RemakeView([(view, make)]), _RecomputeContext(at):
-            out = fn(view)
-    del view
-    target: torch.Tensor | torch.autograd.graph.GradientEdge = out
-    if _EDGE_OUTPUTS:
-        target = torch.autograd.graph.get_gradient_edge(out)
-    if seed.dtype != out.dtype:
-        seed = seed.to(out.dtype)
-    del out
-    got = torch.autograd.grad(target, [edge, *aliases.values()], seed, allow_unused=True)
-    del target, seed
-    _accumulate(grads, aliases, got[1:])
-    return got[0]
-
-
 def _undo(fn: Any, k_in: torch.Tensor, k_out: torch.Tensor, seed: torch.Tensor,
           into: torch.Tensor, grads: list[torch.Tensor | None], aliases: dict[int, torch.Tensor],
           grid: Grid, at: _ForwardContext, args: tuple) -> None:
@@ -286,91 +135,6 @@ def _undo(fn: Any, k_in: torch.Tensor, k_out: torch.Tensor, seed: torch.Tensor,
     if got[0] is not None:
         into.add_(got[0])
     _accumulate(grads, aliases, got[1:])
-
-
-class _StreamView(torch.autograd.Function):
-    """The float view of a stream as the first node of a recompute's graph: the gradient
-    arriving here is the input gradient (read at this node's edge; the node itself never runs).
-    Unlike a leaf, it holds no tensor, so the view can be let go."""
-
-    @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, make: Callable[[], torch.Tensor]
-                ) -> torch.Tensor:
-        return make()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
-        return None, None
-
-
-class _Held:
-    """A tensor a recompute's graph saved, as the graph holds it: the tensor, or once the
-    tensor is known to be made again (:meth:`_RemakeView.adopt`), where to find it."""
-
-    __slots__ = ("t", "recipe", "__weakref__")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t: torch.Tensor | None = t
-        self.recipe: tuple | None = None
-
-
-class _RemakeView(torch.autograd.graph.saved_tensors_hooks):
-    """While a recompute records its graph: a saved tensor that lives in one of its inputs
-    (``views``: each with the call that makes it, a stream's float view or a kept tensor) or in
-    a tensor :meth:`adopt` names is not kept but made again when backward unpacks it (one copy
-    at a time, shared by every node that saved it), bit for bit the same values. The others are
-    held as they are (``_Held``, watched weakly: the graph holds them until released)."""
-
-    def __init__(self, views: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]]) -> None:
-        storages = [weakref.ref(view.untyped_storage()) for view, _ in views]
-        makers = [make for _, make in views]
-        made: list[Callable[[], torch.Tensor | None]] = [lambda: None] * len(views)
-        held: list[weakref.ref[_Held]] = []
-        self._lists = (storages, makers, made, held)  # the hooks must not hold self (a cycle)
-
-        def pack(t: torch.Tensor) -> Any:
-            st = t.untyped_storage()
-            for i, storage in enumerate(storages):
-                if st is storage():
-                    return i, t.size(), t.stride(), t.storage_offset()
-            h = _Held(t)
-            held.append(weakref.ref(h))
-            return h
-
-        def unpack(packed: Any) -> torch.Tensor:
-            if isinstance(packed, _Held):
-                if packed.t is not None:
-                    return packed.t
-                packed = packed.recipe
-            i, *layout = packed
-            again = made[i]()
-            if again is None:
-                again = makers[i]()
-                made[i] = weakref.ref(again)
-            return again.as_strided(*layout)
-
-        super().__init__(pack, unpack)
-
-    def adopt(self, t: torch.Tensor, make: Callable[[], torch.Tensor]) -> None:
-        """From now on ``t`` (and what the graph saved of it already) is made again by
-        ``make`` when needed instead of kept."""
-        storages, makers, made, held = self._lists
-        st = t.untyped_storage()
-        if any(st is storage() for storage in storages):
-            return
-        storages.append(weakref.ref(st))
-        makers.append(make)
-        made.append(lambda: None)
-        for ref in held:
-            h = ref()
-            if h is not None and h.t is not None and h.t.untyped_storage() is st:
-                h.recipe = (len(makers) - 1, h.t.size(), h.t.stride(), h.t.storage_offset())
-                h.t = None
-
-    def keeps(self, st: torch.UntypedStorage) -> bool:
-        """Whether the graph holds a tensor living in ``st`` as it is."""
-        return any(h is not None and h.t is not None and h.t.untyped_storage() is st
-                   for h in (ref() for ref in self._lists[3]))
 
 
 def _parts(block: ReversibleBlock, name: str) -> tuple[Any, Any]:
@@ -425,20 +189,6 @@ def _take_off(k: torch.Tensor, out: torch.Tensor, grid: Grid, owned: bool) -> No
     else:
         scaled = out * grid.scale
     k.sub_(scaled.to(grid.stream))
-
-
-def _anchor(device: torch.device) -> torch.Tensor:
-    """An empty tensor requiring grad: what makes :class:`_StreamView`'s output part of a graph."""
-    return torch.empty(0, device=device, requires_grad=True)
-
-
-def _accumulate(grads: list[torch.Tensor | None], aliases: dict[int, torch.Tensor],
-                got: Sequence[torch.Tensor | None]) -> None:
-    """Add a recompute's parameter gradients, in the order autograd would (G before F, later
-    blocks first), to the sums returned for the parameters."""
-    for j, grad in zip(aliases, got):
-        if grad is not None:
-            grads[j] = grad if grads[j] is None else grads[j] + grad
 
 
 class _Fresh(torch.autograd.Function):
