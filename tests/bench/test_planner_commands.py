@@ -90,9 +90,12 @@ def test_planner_time_reports_both_plans_within_the_budget(tmp_path: Path,
 def test_planner_vs_compile_meets_torchs_peak(tmp_path: Path) -> None:
     out = tmp_path / "vs_compile.json"
     bench("planner-vs-compile", "--models", "cifar_cnn", "--batch", 2, "--fractions", "1.0",
-          "--threads", 1, "--out", out)
+          "--threads", 1, "--timing", "cifar_cnn", "--repeats", 1, "--out", out)
     data = json.loads(out.read_text())
     assert data["machine"]["torch"] == torch.__version__
+    (timed,) = data["timing"]
+    assert timed["median_seconds"] > 0 and timed["median_cpu_seconds"] > 0
+    assert timed["least_peak_bytes"] == data["results"][0]["zoo_least"]["peak_bytes"]
     (r,) = data["results"]
     (row,) = r["rows"]
     assert row["fraction"] == 1.0 and row["torch_recompute_flops"] == 0

@@ -230,8 +230,8 @@ def test_selective_recompute_keeps_named_ops_and_matches_plain():
 
 @pytest.mark.parametrize("norm", [nn.BatchNorm2d, zoo.cp_BatchNorm2d])
 def test_selective_recompute_with_batchnorm_in_the_region(images, norm):
-    """save_ops replays the region under a mode that rejects ops the forward did not run; the
-    statistics bookkeeping of a recompute (snapshots, cp_BatchNorm's counter) must not trip it."""
+    """save_ops serves kept outputs in the forward's order during the recompute; the statistics
+    bookkeeping of a recompute (snapshots, cp_BatchNorm's counter) is neither kept nor served."""
     plain, ckpt = conv_bn_net(norm), conv_bn_net(norm)
     save = {torch.ops.aten.convolution.default}
     assert_same_training(plain, plain, ckpt, lambda x: zoo.checkpoint(ckpt, x, save_ops=save),
@@ -585,8 +585,8 @@ def test_nested_regions_inputs_are_kept_by_the_outer_region():
 
 
 def test_selective_recompute_takes_torch_keywords():
-    """save_ops regions run on torch's checkpoint: the keywords still reach it (the user's
-    contexts wrap forward and recompute) and gradients stay the plain ones."""
+    """save_ops regions take torch's keywords like any other region (the user's contexts wrap
+    forward and recompute) and gradients stay the plain ones."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
     x = torch.randn(4, 8, requires_grad=True)

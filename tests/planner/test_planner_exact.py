@@ -71,11 +71,19 @@ def test_every_plan_and_random_schedules_are_predicted_to_the_byte(family):
         c = choices[i]
         peak, flops = measured(model, x, c.segments, c.block_modes)
         assert (peak, flops - plain_flops) == (c.predicted_peak, c.recompute_flops), i
-    profiles = [planner.profile, *planner.variants]
+    random_schedules_are_exact(model, x, planner, plain_flops, 6)
+
+
+def random_schedules_are_exact(model: torch.nn.Module, x: torch.Tensor, planner: Planner,
+                               plain_flops: int, count: int) -> None:
+    """``count`` random nested schedules with a random variant per unit, each measured: peak and
+    recompute as predicted."""
+    p = planner.profile
+    profiles = [p, *(q for q in planner.variants if q.units == p.units)]
     names = [q.block_mode for q in profiles]
-    m, p, rng = NestedModel(profiles), planner.profile, random.Random(0)
+    m, rng = NestedModel(profiles), random.Random(0)
     tried = 0
-    while tried < 6:
+    while tried < count:
         schedule = random_schedule(rng, p.n_units)
         variants = [rng.randrange(len(profiles)) for _ in range(p.n_units)]
         need, cost = schedule_cost(m, schedule, variants)
@@ -164,3 +172,28 @@ def test_the_measured_peak_never_rises_as_the_budget_falls(family):
         assert last_peak is None or peak <= last_peak, (i, budget)
         assert plan.recompute_flops >= last_flops
         last_peak, last_flops = peak, plan.recompute_flops
+
+
+def test_a_long_chain_is_planned_nested_over_joined_units_to_the_byte(monkeypatch):
+    """Past ``MAX_UNITS`` units (ResNet-1202's 602) the chain's runs of identical blocks are
+    joined a few at a time; the plans, nested and with per-block modes, stay exact. Shown on
+    ResNet-56 with the limit lowered to 24 units (its 29 join to 11)."""
+    import zoo
+    import zoo.planner.planner as planner_module
+
+    monkeypatch.setattr(planner_module, "MAX_UNITS", 24)
+    torch.manual_seed(0)
+    model = zoo.create_model("resnet56")
+    x = model.example_input(2)
+    planner = Planner(model, x, modes=False)
+    p = planner.profile
+    assert p.joined and p.n_units <= 12 < len(model.checkpoint_chain())
+    assert any(q.units == p.units for q in planner.variants)
+    plain_flops = measure_step(model, x)[1]
+    choices = planner.choices
+    nested = [c for c in choices if c.levels >= 2]  # checkpoints inside a recompute
+    assert nested
+    for c in [nested[0], *choices[::max(1, len(choices) // 5)]]:
+        peak, flops = measured(model, x, c.segments, c.block_modes)
+        assert (peak, flops - plain_flops) == (c.predicted_peak, c.recompute_flops)
+    random_schedules_are_exact(model, x, planner, plain_flops, 4)

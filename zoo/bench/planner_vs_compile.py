@@ -201,16 +201,24 @@ def verdict(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def plan_seconds(name: str, batch: int = 32, repeats: int = 3) -> dict[str, Any]:
-    """Wall seconds to plan ``name`` (profile, search: ``Planner``), median of ``repeats``."""
+    """Wall seconds to plan ``name`` (profile, search: ``Planner``), median of ``repeats``;
+    the process's CPU seconds beside them (on a shared machine, what the planning itself took),
+    and the chain's units and the least plan's levels of nesting."""
     make, x = build(name, batch)  # ImageNet size for torchvision and timm models
-    times = []
+    times, cpu = [], []
     for _ in range(repeats):
         model = make()
-        start = time.perf_counter()
-        _planner(model, x)
+        start, start_cpu = time.perf_counter(), time.process_time()
+        planner = _planner(model, x)
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    least = planner.choices[0]
     return {"model": name, "batch": batch, "median_seconds": round(statistics.median(times), 2),
-            "seconds": [round(t, 2) for t in times]}
+            "seconds": [round(t, 2) for t in times],
+            "median_cpu_seconds": round(statistics.median(cpu), 2),
+            "units": planner.profile.n_units, "blocks": planner.profile.n_blocks,
+            "least_peak_bytes": least.predicted_peak,
+            "least_levels": least.levels if least.mode is None else least.mode}
 
 
 def _pct(flops: int | None, plain: int) -> str:

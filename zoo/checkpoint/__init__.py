@@ -28,8 +28,8 @@ matters on models made of many small layers), and adds:
   uses it, together with a backward-pass check, to be exact under anyone's checkpoint);
 * optional selective recompute (``save_ops``): the outputs of the named ops are kept and only the
   cheap rest is recomputed (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-  Transformer Models", Megatron-LM). This path runs on ``torch.utils.checkpoint`` with the
-  guard and RNG contexts passed as its ``context_fn``;
+  Transformer Models", Megatron-LM), in the same region (:mod:`zoo.checkpoint.selective`), with
+  no op dispatched beyond what the recompute reruns;
 * ``torch.compile`` support with no graph break (``fullgraph=True``): while Dynamo traces, each
   region becomes torch's ``tag_activation_checkpoint`` subgraph and AOTAutograd's partitioner
   does the recompute inside the backward graph, where the contract holds by construction
@@ -50,7 +50,8 @@ nothing is recomputed, so there is nothing to pay.
 
 Files: this one holds the public calls; :mod:`zoo.checkpoint.region` the saved-tensor region;
 :mod:`zoo.checkpoint.recompute` the recompute flag, normalisation guard and RNG/autocast contexts;
-:mod:`zoo.checkpoint.keywords` torch's keywords.
+:mod:`zoo.checkpoint.selective` what ``save_ops`` keeps and serves; :mod:`zoo.checkpoint.keywords`
+torch's keywords.
 """
 from __future__ import annotations
 
@@ -64,9 +65,10 @@ from torch.utils import checkpoint as torch_checkpoint
 
 from . import keywords
 
-from .recompute import (_Both, _ForwardContext, _RecomputeContext, _cuda_devices,
-                        is_recomputing, state_bookkeeping)
+from .recompute import (_ForwardContext, _RecomputeContext, _cuda_devices, is_recomputing,
+                        state_bookkeeping)
 from .region import _inside_region, _Region, recorders
+from .selective import Selective, save_set
 
 __all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing", "split_segments",
            "state_bookkeeping"]
@@ -168,6 +170,9 @@ def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | N
         **kwargs: passed to ``fn`` unchanged (any keyword not named here goes to ``fn``).
         save_ops: optional ATen ops (e.g. ``{torch.ops.aten.mm.default}``) whose outputs are kept
             instead of recomputed: selective recompute, Megatron-style. ``None`` recomputes all.
+            The kept outputs serve one recompute, as with torch's selective checkpoint: a second
+            backward through such a region (``retain_graph=True``, double backward) is an error
+            that says so.
 
     ``use_reentrant``, ``preserve_rng_state``, ``context_fn``, ``determinism_check``, ``debug`` and
     ``early_stop`` are ``torch.utils.checkpoint.checkpoint``'s keywords, so that zoo.checkpoint can
@@ -202,32 +207,12 @@ def checkpoint(fn: Callable[..., Any], *args: Any, save_ops: Collection[Any] | N
             record(fn, args, kwargs, save_ops)
     opts = keywords.options(preserve_rng_state, context_fn, determinism_check, debug, early_stop)
 
-    if not save_ops:
-        devices = _cuda_devices(fn, (*args, *kwargs.values())) \
-            if opts.preserve_rng and torch.cuda.is_initialized() else []
-        with _ForwardContext(devices, opts.preserve_rng) as forward:
-            return _Region(fn, args, kwargs, forward, opts).run()
-    return _selective(fn, args, kwargs, save_ops, opts)
-
-
-def _selective(fn: Callable[..., Any], args: tuple, kwargs: dict, save_ops: Collection[Any],
-               opts: keywords.Options) -> Any:
-    """Selective recompute (``save_ops``) on torch's checkpoint, with the zoo's contexts."""
-    def context_fn() -> tuple[Any, Any]:
-        devices = _cuda_devices(fn, (*args, *kwargs.values())) if opts.preserve_rng else []
-        forward = _ForwardContext(devices, opts.preserve_rng)
-        recompute = _RecomputeContext(forward)
-        sac_forward, sac_recompute = torch_checkpoint.create_selective_checkpoint_contexts(
-            list(save_ops))
-        user = opts.contexts or ()
-        return (_Both(forward, sac_forward, *user[:1]),
-                _Both(recompute, sac_recompute, *user[1:]))
-
-    call = (lambda *a: fn(*a, **kwargs)) if kwargs else fn
-    with keywords.early_stop_context(opts):
-        return torch_checkpoint.checkpoint(call, *args, use_reentrant=False,
-                                           preserve_rng_state=False, context_fn=context_fn,
-                                           **keywords.torch_call_keywords(opts))
+    devices = _cuda_devices(fn, (*args, *kwargs.values())) \
+        if opts.preserve_rng and torch.cuda.is_initialized() else []
+    if save_ops:
+        fn = Selective(fn, save_set(save_ops))
+    with _ForwardContext(devices, opts.preserve_rng) as forward:
+        return _Region(fn, args, kwargs, forward, opts).run()
 
 
 def split_segments(n: int, segments: int | None) -> list[range]:

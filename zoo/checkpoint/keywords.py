@@ -15,8 +15,7 @@ timm). What each one means for a zoo region:
 * ``determinism_check``: ``"default"`` compares each recomputed saved tensor's shape with the
   forward's; ``"none"`` skips that comparison. The number of saved tensors is always compared.
 * ``debug=True`` (or ``torch.utils.checkpoint.set_checkpoint_debug_enabled(True)``): the
-  non-determinism errors also list the ATen ops the forward and the recompute ran, in order
-  (with ``save_ops`` the region runs on torch's checkpoint, whose own errors are raised as is).
+  non-determinism errors also list the ATen ops the forward and the recompute ran, in order.
 * ``early_stop`` (and ``torch.utils.checkpoint.set_checkpoint_early_stop``, which takes
   precedence as in torch): ``False`` runs every recompute to the end of the region and makes a
   recompute that saves more tensors than the forward an error.
@@ -126,15 +125,3 @@ def _user_contexts(context_fn: Callable[[], Any] | None) -> tuple[Any, Any] | No
         raise TypeError("zoo.checkpoint: context_fn must return a tuple of two context managers "
                         f"(forward, recompute), got {type(contexts).__name__}")
     return contexts
-
-
-def torch_call_keywords(opts: Options) -> dict[str, Any]:
-    """The keywords for torch's checkpoint on the selective path (``save_ops``)."""
-    return {"determinism_check": "default" if opts.check_shapes else "none"}
-
-
-def early_stop_context(opts: Options) -> Any:
-    """torch's early-stop switch set to this region's choice (the selective path runs on torch)."""
-    if opts is DEFAULT:
-        return contextlib.nullcontext()
-    return torch_checkpoint.set_checkpoint_early_stop(opts.early_stop)

@@ -40,23 +40,27 @@ def is_recomputing() -> bool:
     return _depth() > 0
 
 
-# The dispatch mode that replays a selective-checkpoint region (``save_ops``) during backward:
-# it insists that every op it sees was recorded in the forward, so ops that exist only in a
-# recompute (the guard's counter correction and snapshots below, cp_BatchNorm's) run outside it.
+# The dispatch modes of selective recompute (``save_ops``): the zoo's own keep and serve the named
+# ops' outputs in the forward's order (``bookkeeping_outside``), torch's replay (the eager fallback
+# of a compiled region) insists that every op it sees was recorded in the forward. Ops that exist
+# only in a recompute (the guard's counter correction and snapshots below, cp_BatchNorm's) run
+# outside them.
 _SAC_REPLAY_MODE = getattr(torch_checkpoint, "_CachedTorchDispatchMode", None)
 
 
 @contextlib.contextmanager
 def state_bookkeeping() -> Iterator[None]:
-    """Run recompute-only bookkeeping on module state outside selective checkpoint's replay.
+    """Run recompute-only bookkeeping on module state outside selective recompute's modes.
 
-    Selective recompute (``save_ops``) replays the forward under a dispatch mode that matches each
-    op against the forward's record and fails on any op the forward did not run. Copies of running
-    statistics made only while recomputing are not part of the region's computation, so they run
-    with that mode lifted; any other mode (FakeTensorMode, MemTracker) stays active.
+    Selective recompute (``save_ops``) runs the forward and the recompute under dispatch modes
+    that keep, then serve, the outputs of the named ops in order (torch's replay also fails on any
+    op the forward did not run). Copies of running statistics made only while recomputing are not
+    part of the region's computation, so they run with that mode lifted; any other mode
+    (FakeTensorMode, MemTracker) stays active.
     """
     mode = _python_dispatch._get_current_dispatch_mode()
-    if _SAC_REPLAY_MODE is not None and isinstance(mode, _SAC_REPLAY_MODE):
+    if getattr(mode, "bookkeeping_outside", False) or (
+            _SAC_REPLAY_MODE is not None and isinstance(mode, _SAC_REPLAY_MODE)):
         with _python_dispatch._pop_mode_temporarily():
             yield
     else:
@@ -258,5 +262,3 @@ class _RecomputeContext:
             for device, state in zip(self.forward.cuda_devices, self.cuda_states):
                 torch.cuda.set_rng_state(state, device)
 
-
-_Both = keywords.Both

@@ -41,7 +41,7 @@ from .front import Front, solve_nested
 from .measure import measure_step
 from .modes import ModeCost, profile_modes
 from .modules import ModulePlan, plan_module
-from .nested import chain_floor, least_peak
+from .nested import MAX_UNITS, chain_floor, least_peak
 from .planner import (Planner, block_plan, plan_choices, profile_block_modes, solve_profile,
                       spine_planner)
 from .plans import Plan, plan_set_aside
@@ -150,7 +150,7 @@ def _no_limit(model: nn.Module, example_input: torch.Tensor,
               loss_fn: Callable[[Any], torch.Tensor] | None) -> Plan:
     """The plan for an infinite budget: nothing checkpointed (the chain is profiled once so the
     plan still reports the plain peak)."""
-    p = profile_chain(model, example_input, loss_fn)
+    p = profile_chain(model, example_input, loss_fn, max_units=MAX_UNITS)
     plain = predict_peak(p, [(0, p.n_units, False)])
     return Plan([(0, p.n_blocks, False)], float("inf"), plain, plain, chain_floor(p), 0,
                 p.step_flops, p)

@@ -46,7 +46,9 @@ class ChainProfile:
     block runs in that intra-block checkpoint mode; ``inner_flops`` is what the blocks' own
     checkpoints recompute whatever the schedule (``recompute_flops`` counts beyond it), per unit
     ``unit_inner_flops``. ``unit_step_flops[u]``: the unit's share of a step's FLOPs;
-    ``repeats[u]``: the unit whose figures unit ``u`` copies (``zoo.planner.repeats``). The
+    ``repeats[u]``: the unit whose figures unit ``u`` copies (``zoo.planner.repeats``);
+    ``joined``: units were joined beyond the chain's own to keep a long chain's search short
+    (``repeats.joined``). The
     lists after ``unit_inner_flops`` may be empty (a hand-made profile): the plain figures
     stand in for them.
     """
@@ -82,6 +84,7 @@ class ChainProfile:
     opaque: list[bool] = field(default_factory=list)
     unit_step_flops: list[int] = field(default_factory=list)
     repeats: list[int] = field(default_factory=list)
+    joined: bool = False
     notes: list[str] = field(default_factory=list)
 
     @property

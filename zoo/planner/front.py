@@ -103,6 +103,7 @@ class _Grid:
     def __init__(self, m: NestedModel, top: int, step: int) -> None:
         self.m, self.step = m, step
         self.size = int(round(top / step)) + 1
+        self._options: dict[tuple, list[tuple]] = {}  # (e, a, s): made once, traced again
         self.R: list[Any] = [None] * (m.n + 1)
         for e in range(1, m.n + 1):
             self.R[e] = self._solve(e)
@@ -114,6 +115,12 @@ class _Grid:
     def options(self, F: list, a: int, s: int, e: int | None, last: int) -> list[tuple]:
         """Each way to start a schedule at unit ``a``: (choice, floor slot, hold slot, cost,
         tables whose sum, shifted by the hold, is the rest's cost)."""
+        found = self._options.get((e, a, s))
+        if found is None:
+            found = self._options[e, a, s] = self._make_options(F, a, s, e, last)
+        return found
+
+    def _make_options(self, F: list, a: int, s: int, e: int | None, last: int) -> list[tuple]:
         m, out = self.m, []
         for v in range(len(m.profiles)):
             terms = m.stored(a, v, s, e)

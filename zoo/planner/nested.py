@@ -36,9 +36,9 @@ from .solve import smallest_peak
 __all__ = ["Nested", "NestedModel", "schedule_cost", "least_peak", "chain_floor", "MAX_UNITS",
            "merge_stored", "NOT_HELD", "BY_UNIT", "BY_REGION", "STATES"]
 
-# Longer chains are planned one level deep (ResNet-1202's 602 units: the programme is cubic in
-# the units, and its fronts take units^2 x slots floats; the slots shrink past ~110 units so
-# that stays under 400 MB).
+# Longer chains (ResNet-1202's 602 units) have their units joined a few blocks at a time, to at
+# most half this many (``repeats.joined``): the programme is cubic in the units, and its fronts
+# take units^2 x slots floats (the slots shrink past ~110 units so that stays under 400 MB).
 MAX_UNITS = 200
 
 Nested = list  # [(a, b, None | Nested)]: None: stored units; a list: checkpointed, its inner plan

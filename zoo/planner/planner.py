@@ -3,8 +3,8 @@
 :class:`Planner` profiles the model's chain (plainly and with every block in each of the model's
 intra-block modes: :func:`profile_block_modes`), measures the model's hand modes that the chain
 cannot express, and gathers every plan worth having into one list, peak ascending and recompute
-strictly falling: the nested schedules of :mod:`.front` (or, past ``nested.MAX_UNITS`` units,
-the exact one-level front of :mod:`.solve`) and the hand modes. A budget takes the cheapest plan
+strictly falling: the nested schedules of :mod:`.front` (past ``nested.MAX_UNITS`` units, over
+units joined a few blocks at a time) and the hand modes. A budget takes the cheapest plan
 of that list that fits; the list does not depend on the budget, so as the budget falls the
 chosen plan's peak never rises. Predicted peaks are exact (tests/planner/test_planner_exact.py
 measures them), so nothing is measured and dropped.
@@ -128,7 +128,7 @@ def _block_mode_profiles(model: nn.Module, example_input: torch.Tensor,
             continue
         try:
             found = profile_chain(model, example_input, loss_fn, mode, like=like, whole=False,
-                                  fake=fake)
+                                  fake=fake, max_units=MAX_UNITS)
         except ValueError:
             continue
         per_block.add(mode)
@@ -160,11 +160,15 @@ class Planner:
     ``modes``: measure the model's own hand modes as candidates (those the chain with its
     per-block modes cannot express: :func:`_unique_modes`); ``block_modes``: profile the chain
     with every block in each of them, as per-block options at any level of a schedule;
-    ``slots``: the memory grid of the nested search. ``compiled``: plans for a model that will
-    run under ``torch.compile``: one-level schedules of plain blocks only, which AOTAutograd's
-    partitioner keeps (it recomputes each tagged op once, so a nested schedule's recompute
-    within a recompute, and a block's own checkpoints inside a stored block, are not kept:
-    their compiled step holds more than planned; tests/planner/test_planner_compile.py)."""
+    ``slots``: the memory grid of the nested search. A chain of more than ``MAX_UNITS`` units
+    (ResNet-1202's 602) is searched nested over joined units (``repeats.joined``: runs of
+    identical blocks taken a few at a time, each profiled whole, so the memory model stays
+    exact; a per-block mode then runs in every block of a joined unit). ``compiled``: plans
+    for a model that will run under ``torch.compile``: one-level schedules of plain blocks
+    only, which AOTAutograd's partitioner keeps (it recomputes each tagged op once, so a
+    nested schedule's recompute within a recompute, and a block's own checkpoints inside a
+    stored block, are not kept: their compiled step holds more than planned;
+    tests/planner/test_planner_compile.py)."""
 
     def __init__(self, model: nn.Module, example_input: torch.Tensor,
                  loss_fn: Callable[[Any], torch.Tensor] | None = None, *, modes: bool = True,
@@ -173,7 +177,8 @@ class Planner:
         if compiled:
             modes = block_modes = False
         fake = FakeStep(model, example_input)
-        self.profile = profile or profile_chain(model, example_input, loss_fn, fake=fake)
+        self.profile = profile or profile_chain(model, example_input, loss_fn, fake=fake,
+                                                max_units=MAX_UNITS)
         self.variants, per_block = _block_mode_profiles(model, example_input, loss_fn,
                                                         self.profile, fake) \
             if block_modes and profile is None else ([], set())

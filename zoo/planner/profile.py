@@ -44,7 +44,7 @@ from torch import nn
 from .chain_profile import ChainProfile
 from .contexts import blocks_of, fill_gaps, nested_pattern, read_pattern, unit_peak
 from .fake import FakeStep, default_loss
-from .repeats import PER_UNIT, expand, kept_blocks, repeats, whole_block
+from .repeats import PER_UNIT, expand, joined, kept_blocks, repeats, whole_block
 from .savesets import is_save_set, save_set_applied, targets
 from .trace import Trace, traced_step
 
@@ -65,7 +65,8 @@ def _block_name(block: Any) -> str:
 def profile_chain(model: nn.Module, example_input: torch.Tensor,
                   loss_fn: Callable[[Any], torch.Tensor] | None = None,
                   block_mode: str | None = None, *, like: ChainProfile | None = None,
-                  whole: bool = True, fake: FakeStep | None = None) -> ChainProfile | None:
+                  whole: bool = True, fake: FakeStep | None = None,
+                  max_units: int | None = None) -> ChainProfile | None:
     """Profile ``model``'s chain (``checkpoint_chain``) on ``example_input`` for the planner.
 
     Runs five training steps under ``FakeTensorMode`` (nothing is computed, nothing is changed
@@ -77,7 +78,10 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
     segment; ``like``: the plain profile of the same chain, whose kept units then serve for the
     plain step too. ``whole=False``: None for a mode that checkpoints each unit whole and
     nothing else (a one-unit checkpointed segment already does that). ``fake``: fake copies of
-    the model's state to run on (made here when not given).
+    the model's state to run on (made here when not given). ``max_units``: a chain of more
+    units has them joined, run by run of identical units, into at most half as many
+    (``repeats.joined``; ``ChainProfile.joined`` is then True), so that the nested search,
+    cubic in the units, stays within seconds.
     """
     chain = list(model.checkpoint_chain())
     if not chain:
@@ -86,7 +90,7 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
         if not any(t is not None for t in targets(model, chain)):
             return None
         with save_set_applied(model, chain, block_mode):
-            prof = _profile(model, example_input, loss_fn, None, like, whole, fake)
+            prof = _profile(model, example_input, loss_fn, None, like, whole, fake, max_units)
         if prof is not None:  # torch's selective checkpoint keeps its cache even inside an
             wrapped = targets(model, chain)  # outer region's forward: stored at the top only
             prof.opaque = [o or any(wrapped[j] is not None for j in range(a, b))
@@ -94,13 +98,13 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
             prof.keeps_input = [k or o for k, o in zip(prof.keeps_input, prof.opaque)]
             prof.block_mode = block_mode
         return prof
-    return _profile(model, example_input, loss_fn, block_mode, like, whole, fake)
+    return _profile(model, example_input, loss_fn, block_mode, like, whole, fake, max_units)
 
 
 def _profile(model: nn.Module, example_input: torch.Tensor,
              loss_fn: Callable[[Any], torch.Tensor] | None, block_mode: str | None,
-             like: ChainProfile | None, whole: bool, fake: FakeStep | None
-             ) -> ChainProfile | None:
+             like: ChainProfile | None, whole: bool, fake: FakeStep | None,
+             max_units: int | None = None) -> ChainProfile | None:
     loss_fn = loss_fn or default_loss
     fake = fake or FakeStep(model, example_input)
     chain = list(model.checkpoint_chain())
@@ -110,15 +114,20 @@ def _profile(model: nn.Module, example_input: torch.Tensor,
         order, sub_units = kept_blocks(like.units, like.repeats)
         plain, _, step_flops = traced_step(model, example_input, loss_fn,
                                            [(0, len(order), False)], block_mode, order, fake)
-        if _units_of(plain, len(order)) != sub_units:
+        natural = _units_of(plain, len(order))
+        if not _fits(sub_units, natural, like.joined):
             like = None  # the mode joins blocks differently: profile the whole chain
     if like is None or not like.repeats or like.n_blocks != n:
         plain, plain_peak, step_flops = traced_step(model, example_input, loss_fn,
                                                     [(0, n, False)], block_mode, fake=fake)
         if plain.length != n:
             raise ValueError(f"run_chain ran {plain.length} blocks, checkpoint_chain() has {n}")
-        units = _units_of(plain, n)
+        units = natural = _units_of(plain, n)
+        many = max_units is not None and len(units) > max_units
+        if many:
+            units = joined(chain, units, plain.meta, max_units // 2)
         prof = _from_plain(plain, units, names)
+        prof.joined = many
         prof.measured_plain_peak = plain_peak
         prof.repeats = repeats(chain, units, plain.meta)
         order, sub_units = kept_blocks(units, prof.repeats)
@@ -126,9 +135,9 @@ def _profile(model: nn.Module, example_input: torch.Tensor,
     else:
         sub = _from_plain(plain, sub_units, [names[j] for j in order])
         prof = None
-    if not whole and whole_block(plain.regions, plain.in_key, sub.units):
+    if not whole and whole_block(plain.regions, plain.in_key, natural):
         if any(set(plain.saved.get(j, {})) - {plain.in_key[a]}
-               for a, b in sub.units for j in range(a, b) if plain.regions.get(j)):
+               for a, b in natural for j in range(a, b) if plain.regions.get(j)):
             raise ValueError(f"block mode {block_mode!r}: a block keeps more than its one "
                              f"checkpoint region describes (a reversible stage's streams); "
                              f"measured as a hand mode")
@@ -142,7 +151,7 @@ def _profile(model: nn.Module, example_input: torch.Tensor,
     fill_gaps(sub)
     if prof is None:  # everything from the kept units
         prof = expand(sub, like.repeats, like.units, names)
-        prof.repeats = like.repeats
+        prof.repeats, prof.joined = like.repeats, like.joined
     else:  # the whole plain step, and what the other runs saw
         full = expand(sub, prof.repeats, prof.units, names)
         for name in CONTEXTS:
@@ -150,6 +159,14 @@ def _profile(model: nn.Module, example_input: torch.Tensor,
         prof.step_flops = step_flops - prof.inner_flops
     prof.block_mode = block_mode
     return prof
+
+
+def _fits(units: list[tuple[int, int]], natural: list[tuple[int, int]], joined: bool) -> bool:
+    """Whether a profile's ``units`` serve a mode whose own units are ``natural``: the same, or
+    for joined units, each a run of whole ``natural`` units."""
+    if not joined:
+        return units == natural
+    return {a for a, _ in units} <= {a for a, _ in natural}
 
 
 def _units_of(plain: Trace, n: int) -> list[tuple[int, int]]:

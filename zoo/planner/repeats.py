@@ -22,7 +22,7 @@ from torch import nn
 if TYPE_CHECKING:
     from .chain_profile import ChainProfile
 
-__all__ = ["repeats", "expand", "kept_blocks", "whole_block"]
+__all__ = ["runs", "repeats", "joined", "expand", "kept_blocks", "whole_block"]
 
 PER_UNIT = ("saved", "keeps_input", "keeps_output", "fwd_rise", "fwd_rise_ckpt", "bwd_rise",
             "grads", "flops", "recompute_flops", "unit_inner_flops", "fwd_rise_stop",
@@ -55,24 +55,50 @@ def signature(block: Callable) -> tuple | None:
             buffers, module.training, *parts)
 
 
-def repeats(chain: Sequence[Callable], units: Sequence[tuple[int, int]],
-            meta: dict[int, tuple]) -> list[int]:
-    """For each unit, the unit whose figures it takes (itself when it is profiled): in a run of
-    consecutive identical units that keep their input's shape, the first three stand for it."""
+def runs(chain: Sequence[Callable], units: Sequence[tuple[int, int]],
+         meta: dict[int, tuple]) -> list[tuple[int, int]]:
+    """The chain's units as runs ``(first, stop)`` of consecutive identical units that keep
+    their input's shape (a unit of no such run is a run of one)."""
     sigs = []
     for a, b in units:
         blocks = [signature(chain[j]) for j in range(a, b)]
         shape_kept = meta[a][0] == meta[b - 1][1]
         sigs.append((tuple(blocks), meta[a][0]) if shape_kept and None not in blocks else None)
-    rep = list(range(len(units)))
-    start = 0
+    out, start = [], 0
     for u in range(1, len(units) + 1):
         if u < len(units) and sigs[u] is not None and sigs[u] == sigs[start]:
             continue
-        for k in range(start, u):
-            rep[k] = start + min(k - start, 2)
+        out.append((start, u))
         start = u
+    return out
+
+
+def repeats(chain: Sequence[Callable], units: Sequence[tuple[int, int]],
+            meta: dict[int, tuple]) -> list[int]:
+    """For each unit, the unit whose figures it takes (itself when it is profiled): in a run of
+    consecutive identical units that keep their input's shape, the first three stand for it."""
+    rep = list(range(len(units)))
+    for start, stop in runs(chain, units, meta):
+        for k in range(start, stop):
+            rep[k] = start + min(k - start, 2)
     return rep
+
+
+def joined(chain: Sequence[Callable], units: Sequence[tuple[int, int]],
+           meta: dict[int, tuple], most: int) -> list[tuple[int, int]]:
+    """``units`` joined into at most ``most`` units (when the chain's runs allow it), each the
+    same number ``g`` of consecutive units of one run (its last one shorter), ``g`` the least
+    that does it: a ResNet-1202's 602 units as 100 of six blocks, three per stage shorter. The
+    joined units of a run are identical again, so they are profiled once too."""
+    spans = runs(chain, units, meta)
+    width = 1
+    while width < len(units) and sum(-(-(b - a) // width) for a, b in spans) > most:
+        width += 1
+    out = []
+    for a, b in spans:
+        for k in range(a, b, width):
+            out.append((units[k][0], units[min(k + width, b) - 1][1]))
+    return out
 
 
 def kept_blocks(units: Sequence[tuple[int, int]], rep: Sequence[int]
