@@ -18,7 +18,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers import DDP_CONFIGS, run_gloo
 from zoo.memory import count_flops, cpu_peak_bytes
-from zoo.reversible import Coupling, from_fixed, grid_for, reversible_sequence, to_fixed
+from zoo.reversible import (Coupling, from_fixed, grid_for, join, reversible_sequence, split,
+                            to_fixed)
+from zoo.reversible.sources import source_of
 
 
 class DropPath(nn.Module):
@@ -295,3 +297,114 @@ def test_ddp_two_processes_rebuilt_equals_stored():
     for rank in run_gloo(_ddp_worker):
         for i in range(0, len(rank), 2):
             assert_bitwise(rank[i], rank[i + 1])
+
+
+# -- a lead unit and stages joined: RevNet's downsampling between two reversible stages --------
+class Branch(nn.Module):
+    """BN-ReLU, conv(stride), BN-ReLU, conv; ``parts()`` names the first BN-ReLU as the head the
+    rebuild makes again (``split_head=False``: it does not)."""
+
+    def __init__(self, c: int, stride: int = 1, split_head: bool = True) -> None:
+        super().__init__()
+        self.bn1, self.bn2 = nn.BatchNorm2d(c), nn.BatchNorm2d(c)
+        self.conv1 = nn.Conv2d(c, c, 3, stride=stride, padding=1)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1)
+        self.split_head = split_head
+
+    def pre(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn1(x))
+
+    def rest(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv2(torch.relu(self.bn2(self.conv1(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rest(self.pre(x))
+
+    def parts(self) -> tuple | None:
+        return (self.pre, self.rest) if self.split_head else None
+
+
+class Down(nn.Module):
+    """A lead unit: ``y1 = f(x2) + pool(x1)``, ``y2 = g(y1) + pool(x2)`` at half resolution."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.f, self.g = Branch(c, stride=2), Branch(c)
+
+    def shortcut1(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.avg_pool2d(x, 2)
+
+    shortcut2 = shortcut1
+
+
+class Staged(nn.Module):
+    """stem -> reversible stage -> join/split -> lead unit + reversible stage -> head."""
+
+    def __init__(self, width: int = 16, split_heads: bool = True, sources: bool = True) -> None:
+        super().__init__()
+        c = width // 2
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.stage1 = nn.ModuleList(Coupling(Branch(c, split_head=split_heads),
+                                             Branch(c, split_head=split_heads)) for _ in range(2))
+        self.down = Down(c)
+        self.stage2 = nn.ModuleList([Coupling(Branch(c), Branch(c))])
+        self.head = nn.Linear(width, 3)
+        self.rebuild, self.sources = False, sources
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = self.stem(x).chunk(2, dim=1)
+        h = join(*reversible_sequence(self.stage1, x1, x2, rebuild=self.rebuild))
+        x1, x2 = split(h) if self.sources else h.chunk(2, dim=1)
+        y1, y2 = reversible_sequence(self.stage2, x1, x2, rebuild=self.rebuild, lead=self.down)
+        return self.head(join(y1, y2).mean((2, 3)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_lead_unit_between_stages_rebuilds_bit_for_bit(dtype):
+    torch.manual_seed(0)
+    stored = Staged(width=8).to(dtype)
+    rebuilt = copy.deepcopy(stored)
+    rebuilt.rebuild = True
+    assert_bitwise(train(stored, images(dtype)), train(rebuilt, images(dtype)))
+    assert_same_state(stored, rebuilt)
+    assert rebuilt.down.f.bn1.num_batches_tracked.item() == 3
+
+
+def test_a_lead_unit_keeps_no_float_copy_and_heads_are_made_again():
+    """Exact bytes: the lead's inputs are made again from the first stage's streams, not kept
+    as floats beside them (what the forward leaves for backward is two halves lighter), and the
+    first BN-ReLU of each branch is made again in backward, not kept through it (the step's
+    peak is lower)."""
+    x = torch.randn(8, 3, 16, 16)
+
+    def net(**kw: bool) -> Staged:
+        torch.manual_seed(0)
+        model = Staged(**kw)
+        model.rebuild = True
+        return model
+
+    def kept(model: Staged) -> int:  # the forward's output held while 16 MiB are allocated
+        hold: list = []
+        return cpu_peak_bytes(lambda: (hold.append(model(x)), torch.empty(2 ** 22)), (model,))
+
+    halves = x.numel() // 3 * 16 * 4  # both halves of the first stage's output, float32
+    assert kept(net(sources=False)) - kept(net()) == halves
+
+    def peak(model: Staged) -> int:
+        return cpu_peak_bytes(lambda: model(x).square().mean().backward(), (model,))
+
+    assert peak(net()) < peak(net(split_heads=False))
+
+
+def test_a_lead_input_is_made_again_only_before_the_stage_below_rebuilds():
+    stored, rebuilt = twins()
+    x1, x2 = rebuilt.stem(images()).chunk(2, dim=1)
+    h = join(*reversible_sequence(rebuilt.blocks, x1, x2))
+    a, b = split(h)
+    source = source_of(a)
+    assert source is not None and torch.equal(source.make(), a)
+    assert source_of(split(h.detach())[0]) is None  # a plain tensor has no source
+    (a * b).sum().backward()
+    with pytest.raises(RuntimeError, match="out of order") as err:
+        source.make()
+    assert "\n" not in str(err.value)

@@ -47,6 +47,20 @@ class RevBlock(Block):
     def g(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.drop_path2(self.mlp(self.norm2(x)))
 
+    def f_parts(self) -> tuple[nn.Module, Callable[..., torch.Tensor]]:
+        """``f`` as its norm and the rest (the rebuild makes the norm's output again)."""
+        return self.norm1, self._f_tail
+
+    def g_parts(self) -> tuple[nn.Module, Callable[..., torch.Tensor]]:
+        """``g`` as its norm and the rest (the rebuild makes the norm's output again)."""
+        return self.norm2, self._g_tail
+
+    def _f_tail(self, h: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.drop_path1(self.attn(h, attn_mask))
+
+    def _g_tail(self, h: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.drop_path2(self.mlp(h))
+
     def forward(self, x1: torch.Tensor, x2: torch.Tensor,  # type: ignore[override]
                 attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The block alone on two streams, storing its activations."""

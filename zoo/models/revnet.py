@@ -9,9 +9,10 @@ channels. Such a unit is invertible, so backward rebuilds its input from its out
 (``zoo.reversible``: exact, on fixed-point streams). The first unit of a stage that halves the
 resolution or widens the channels is not invertible; as in the paper it is a coupling whose
 shortcuts downsample (average pooling and zero channels, or a strided 1x1 projection in the
-bottleneck nets), and its input is kept (it is checkpointed with ``zoo.checkpoint``). A 3x3
-stem (conv-BN-ReLU) comes first; the last stage is followed by BN-ReLU, global average pooling
-and a linear classifier.
+bottleneck nets); in the rebuild it leads its stage's reversible sequence (``lead=``), which
+recomputes it in backward from its input, made again from the previous stage's integer streams
+instead of kept. A 3x3 stem (conv-BN-ReLU) comes first; the last stage is followed by BN-ReLU,
+global average pooling and a linear classifier.
 
 The architectures are the paper's Table 1, from its released code (renmengye/revnet-public):
 RevNet-38 (3-3-3 units, 32/32/64/112 channels), RevNet-110 (9-9-9, 32/32/64/128), RevNet-164
@@ -19,7 +20,9 @@ RevNet-38 (3-3-3 units, 32/32/64/112 channels), RevNet-110 (9-9-9, 32/32/64/128)
 paper, are pinned by tests: 0.46M / 1.73M / 1.75M here.
 
 One checkpoint mode, ``"reversible"`` (``efficient=True``): the reversible units rebuild their
-inputs in backward, the downsampling units, the stem and the final BN-ReLU are checkpointed.
+inputs in backward (each residual function's first BN-ReLU is made again in backward instead
+of kept through it), the downsampling units are recomputed from the streams of the stage
+before, the stem and the final BN-ReLU are checkpointed.
 With it off (``efficient=False``) the model is the same network, same forward and same
 state_dict, storing its activations; both train bit for bit alike. Figures (one training step
 at batch 32, exact CPU bytes): ``python -m zoo.bench reversible``.
@@ -35,7 +38,7 @@ from torch import nn
 
 from ..checkpoint import checkpoint
 from ..nn import cp_BatchNorm2d
-from ..reversible import Coupling, reversible_sequence
+from ..reversible import Coupling, join, reversible_sequence, split
 from ._features import Level
 from ._registry import register_model
 from .resnet import CifarResNet, _ResNetBase
@@ -69,12 +72,25 @@ class ResidualFn(nn.Module):
         self.depth = len(shapes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rest(self.pre(x) if hasattr(self, "bn1") else x)
+
+    def pre(self, x: torch.Tensor) -> torch.Tensor:
+        """The first BN-ReLU (with ``preact``)."""
+        return F.relu(self.bn1(x), inplace=True)
+
+    def rest(self, x: torch.Tensor) -> torch.Tensor:
+        """What follows the first BN-ReLU."""
         for i in range(1, self.depth + 1):
-            bn = getattr(self, f"bn{i}", None)
+            bn = getattr(self, f"bn{i}", None) if i > 1 else None
             if bn is not None:
                 x = F.relu(bn(x), inplace=True)
             x = getattr(self, f"conv{i}")(x)
         return x
+
+    def parts(self) -> tuple[Any, Any] | None:
+        """``(pre, rest)`` with ``preact`` (what a reversible rebuild makes again instead of
+        keeping: the first BN-ReLU's output), else ``None``."""
+        return (self.pre, self.rest) if hasattr(self, "bn1") else None
 
 
 class Downsample(nn.Module):
@@ -93,8 +109,9 @@ class Downsample(nn.Module):
 
 class DownUnit(nn.Module):
     """The first unit of a stage that changes resolution or width: ``y1 = F(x2) + D1(x1)``,
-    ``y2 = G(y1) + D2(x2)`` with downsampling shortcuts ``D`` (not invertible: its input is
-    kept). ``shortcut1``/``shortcut2`` are strided 1x1 projections in bottleneck nets and
+    ``y2 = G(y1) + D2(x2)`` with downsampling shortcuts ``D`` (not invertible: in the rebuild
+    it is the ``lead`` of its stage's reversible sequence, a ``zoo.reversible.LeadBlock``).
+    ``shortcut1``/``shortcut2`` are strided 1x1 projections in bottleneck nets and
     parameter-free :class:`Downsample` otherwise."""
 
     def __init__(self, in_half: int, out_half: int, stride: int, bottleneck: bool,
@@ -115,7 +132,9 @@ class DownUnit(nn.Module):
 class RevStage(nn.Sequential):
     """A stage: an optional :class:`DownUnit` and reversible units (``zoo.reversible.Coupling``
     of two :class:`ResidualFn`). Runs on the halves of its input's channels and returns them
-    concatenated. ``mode``: ``None`` (stored) or ``"reversible"``; by default the model's."""
+    concatenated (``zoo.reversible.split``/``join``: a rebuilt stage's output then hands the
+    next stage's downsampling unit its integer streams to make its input again from).
+    ``mode``: ``None`` (stored) or ``"reversible"``; by default the model's."""
 
     mode: str | None = None
 
@@ -123,14 +142,12 @@ class RevStage(nn.Sequential):
         mode = self.mode if mode is None else mode
         if mode not in (None, MODE):
             raise ValueError(f"unknown RevNet checkpoint mode {mode!r}; expected None or {MODE!r}")
-        x1, x2 = x.chunk(2, dim=1)
         units = list(self)
-        if isinstance(units[0], DownUnit):
-            x1, x2 = checkpoint(units[0], x1, x2) if mode else units[0](x1, x2)
-            units = units[1:]
+        lead = units.pop(0) if isinstance(units[0], DownUnit) else None
+        x1, x2 = split(x)
         x1, x2 = reversible_sequence(units, x1, x2, rebuild=mode is not None,
-                                     preserve_rng_state=False)
-        return torch.cat([x1, x2], dim=1)
+                                     preserve_rng_state=False, lead=lead)
+        return join(x1, x2)
 
 
 class RevNet(_ResNetBase):

@@ -65,6 +65,13 @@ recompute runs on detached aliases of the parameters). Under ``torch.no_grad()``
 run the plain forward and keep nothing. Under ``torch.compile`` the rebuilding Function is left
 to eager mode (a graph break: Dynamo cannot trace a backward that recomputes a forward and runs
 the autograd engine on it), and the rest of the model compiles; ``rebuild=False`` traces fully.
+
+What the rebuild keeps besides the streams, and no more: a block may name a cheap head of ``F``
+and ``G`` (``f_parts``/``g_parts``: a normalisation), whose output is made again when backward
+needs it instead of kept through the recompute's backward; a non-invertible ``lead`` unit
+(:class:`LeadBlock`) keeps its first output and makes its inputs again from the streams of the
+rebuilt sequence before it (:func:`join`/:func:`split` carry them across a model's stage
+boundary), recomputing its four functions one at a time.
 """
 from __future__ import annotations
 
@@ -73,18 +80,21 @@ from typing import Any
 
 import torch
 
-from .coupling import Coupling, ReversibleBlock
+from ..checkpoint import checkpoint
+from .coupling import Coupling, LeadBlock, ReversibleBlock
 from .grid import Grid, from_fixed, grid_for, to_fixed
+from .lead import _lead_steps
 from .rebuild import _rebuilt
+from .sources import join, split
 from .stored import _stored
 
-__all__ = ["Coupling", "ReversibleBlock", "Grid", "grid_for", "reversible_sequence", "to_fixed",
-           "from_fixed"]
+__all__ = ["Coupling", "ReversibleBlock", "LeadBlock", "Grid", "grid_for", "reversible_sequence",
+           "to_fixed", "from_fixed", "join", "split"]
 
 
 def reversible_sequence(blocks: Sequence[ReversibleBlock], x1: torch.Tensor, x2: torch.Tensor,
-                        *args: Any, rebuild: bool = True,
-                        preserve_rng_state: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                        *args: Any, rebuild: bool = True, preserve_rng_state: bool = True,
+                        lead: LeadBlock | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run reversible ``blocks`` on the streams ``(x1, x2)`` and return ``(y1, y2)``.
 
     Each block computes ``y1 = x1 + F(x2), y2 = x2 + G(y1)`` on fixed-point streams (module
@@ -94,6 +104,12 @@ def reversible_sequence(blocks: Sequence[ReversibleBlock], x1: torch.Tensor, x2:
     bit for bit. ``args`` are passed to every ``f`` and ``g`` (an attention mask); they must not
     require grad. ``preserve_rng_state=False`` skips saving the RNG state before each ``f`` and
     ``g`` (only for blocks that draw no random numbers).
+
+    ``lead``: a non-invertible unit run first, on floats (:class:`LeadBlock`: RevNet's
+    downsampling unit). With ``rebuild=True`` its backward recomputes it from its inputs, one
+    half at a time, keeping its first output; inputs that are the outputs of a rebuilt sequence
+    before it (directly or as :func:`split` halves of their :func:`join`) are not kept but made
+    again from that sequence's streams, which hold the same values.
 
     The outputs have the dtypes of the inputs (float views of the streams; an out-of-range
     value makes them NaN). Under ``torch.no_grad()`` nothing is kept either way.
@@ -109,8 +125,17 @@ def reversible_sequence(blocks: Sequence[ReversibleBlock], x1: torch.Tensor, x2:
             raise ValueError("reversible_sequence: an extra argument requires grad, but only the "
                              "two streams and the blocks' parameters get gradients; detach it or "
                              "make it a parameter of a block")
-    if not blocks:
-        return x1, x2
-    if not rebuild or not torch.is_grad_enabled():
-        return _stored(blocks, x1, x2, args, grid)
-    return _rebuilt(blocks, x1, x2, args, grid, preserve_rng_state)
+    rebuilding = rebuild and torch.is_grad_enabled()
+    if rebuilding and blocks:
+        return _rebuilt(blocks, x1, x2, args, grid, preserve_rng_state, lead)
+    if lead is not None and rebuilding:  # a lead alone: checkpointed
+        x1, x2 = checkpoint(_run_lead, lead, x1, x2, preserve_rng_state=preserve_rng_state)
+    elif lead is not None:
+        x1, x2 = _run_lead(lead, x1, x2)
+    return _stored(blocks, x1, x2, args, grid) if blocks else (x1, x2)
+
+
+def _run_lead(lead: LeadBlock, x1: torch.Tensor, x2: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lead unit as the stored network runs it (the rebuild's forward runs the same)."""
+    return _lead_steps(lambda name, x: getattr(lead, name)(x), x1, x2)

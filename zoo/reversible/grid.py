@@ -85,10 +85,10 @@ def _add(k: torch.Tensor, out: torch.Tensor, grid: Grid, checks: list[torch.Tens
     return k, view
 
 
-def _checked(v1: torch.Tensor, v2: torch.Tensor, grid: Grid,
-             checks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _checked(v1: torch.Tensor, v2: torch.Tensor, grid: Grid, checks: list[torch.Tensor]
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The outputs, NaN if an input, a stream or an F/G output reached the limit or was not
-    finite (adding 0 changes no value: a float view is never -0)."""
+    finite (adding 0 changes no value: a float view is never -0), and the 0 or NaN added."""
     worst = torch.stack(checks).amax()
     bad = torch.where(worst < grid.limit, 0.0, float("nan"))
-    return v1 + bad, v2 + bad
+    return v1 + bad, v2 + bad, bad

@@ -2,21 +2,19 @@
 block's inputs from its outputs, recomputing ``G`` then ``F`` once each."""
 from __future__ import annotations
 
-import contextlib
-import weakref
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..checkpoint.recompute import _cuda_devices, _ForwardContext, _RecomputeContext
-from .coupling import ReversibleBlock
+from .coupling import LeadBlock, ReversibleBlock
 from .grid import Grid, _add, _checked, _enter, from_fixed
-
-# torch.autograd.grad takes an output's gradient edge in place of the output from torch 2.5 on
-# (older versions keep each recomputed output alive through its backward: a little more memory)
-_EDGE_OUTPUTS = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+from .lead import _lead_forward, _undo_lead
+from .remake import _EDGE_OUTPUTS, _accumulate, _aliased, _anchor, _RemakeView, _StreamView
+from .sources import Source, remember
 
 
 class _Run:
@@ -25,13 +23,13 @@ class _Run:
     autocast state each ``f`` and ``g`` ran under in the forward."""
 
     def __init__(self, blocks: Sequence[ReversibleBlock], args: tuple, grid: Grid,
-                 preserve_rng: bool):
+                 preserve_rng: bool, lead: LeadBlock | None = None):
         self.blocks, self.args, self.grid = list(blocks), args, grid
-        self.preserve_rng = preserve_rng
+        self.preserve_rng, self.lead = preserve_rng, lead
         index: dict[int, int] = {}
         self.params: list[nn.Parameter] = []
         self.block_params: list[dict[int, list[str]]] = []  # parameter index -> its names
-        for block in self.blocks:
+        for block in ([] if lead is None else [lead]) + self.blocks:
             names: dict[int, list[str]] = {}
             for name, p in block.named_parameters(remove_duplicate=False):
                 if p.requires_grad:
@@ -40,26 +38,13 @@ class _Run:
                         self.params.append(p)
                     names.setdefault(index[id(p)], []).append(name)
             self.block_params.append(names)
+        self.lead_params = self.block_params.pop(0) if lead is not None else {}
+        self.lead_contexts: tuple[_ForwardContext, _ForwardContext] | None = None
         self.contexts: list[tuple[_ForwardContext, _ForwardContext]] = []
-
-
-@contextlib.contextmanager
-def _aliased(module: nn.Module, names: dict[int, list[str]],
-             aliases: dict[int, torch.Tensor]) -> Iterator[None]:
-    """Run ``module`` with its parameters replaced by ``aliases`` (detached, same storage), so
-    that gradients computed for a recompute never touch the real parameters or their hooks."""
-    swapped = []
-    for j, alias in aliases.items():
-        for name in names[j]:
-            owner_name, _, attr = name.rpartition(".")
-            owner = module.get_submodule(owner_name) if owner_name else module
-            swapped.append((owner, attr, owner._parameters[attr]))
-            owner._parameters[attr] = alias
-    try:
-        yield
-    finally:
-        for owner, attr, param in swapped:
-            owner._parameters[attr] = param
+        # what the lead's backward needs: its first output, and its inputs' sources (of the
+        # sequence before it) or the inputs themselves; let go as soon as used
+        self.lead_kept: list[Any] = []
+        self.out: tuple[Source, Source] | None = None  # the outputs' sources, for _rebuilt
 
 
 class _Rebuild(torch.autograd.Function):
@@ -71,6 +56,8 @@ class _Rebuild(torch.autograd.Function):
                 *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         devices = _cuda_devices(run.blocks[0], (x1, x2)) if run.preserve_rng else []
         grid, checks = run.grid, []
+        if run.lead is not None:
+            x1, x2 = _lead_forward(run, x1, x2, devices)
         (k1, _), (k2, v2) = _enter(x1, grid, checks), _enter(x2, grid, checks)
         streams = (k1, k2)
         views: list[torch.Tensor | None] = [None, v2]  # the float views alive: the one in use
@@ -86,12 +73,16 @@ class _Rebuild(torch.autograd.Function):
             run.contexts.append((contexts[0], contexts[1]))
         ctx.save_for_backward(k1, k2)
         ctx.run = run
-        return _checked(views[0], views[1], grid, checks)
+        y1, y2, bad = _checked(views[0], views[1], grid, checks)
+        run.out = (Source(k1, grid, bad), Source(k2, grid, bad))
+        return y1, y2
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, a1: torch.Tensor, a2: torch.Tensor) -> tuple[Any, ...]:
         run, grid = ctx.run, ctx.run.grid
+        for source in run.out or ():
+            source.k = None  # the streams are rebuilt in place from here on
         try:
             k1, k2 = ctx.saved_tensors
         except RuntimeError as e:
@@ -107,9 +98,12 @@ class _Rebuild(torch.autograd.Function):
             aliases = {j: run.params[j].detach().requires_grad_() for j in named}
             with _aliased(block, named, aliases):
                 # G on y1 (k1): x2 = y2 - G(y1), then G's gradients; a1 is ours (_Fresh)
-                _undo(block.g, k1, k2, a2, a1, grads, aliases, grid, at_g, run.args)
+                _undo(_parts(block, "g"), k1, k2, a2, a1, grads, aliases, grid, at_g, run.args)
                 # F on x2 (k2): x1 = y1 - F(x2), then F's gradients
-                _undo(block.f, k2, k1, a1, a2, grads, aliases, grid, at_f, run.args)
+                _undo(_parts(block, "f"), k2, k1, a1, a2, grads, aliases, grid, at_f,
+                      run.args)
+        if run.lead is not None:
+            a1, a2 = _undo_lead(run, a1, a2, grads)
         return (None, a1, a2, *grads)
 
 
@@ -143,67 +137,46 @@ def _undo(fn: Any, k_in: torch.Tensor, k_out: torch.Tensor, seed: torch.Tensor,
     _accumulate(grads, aliases, got[1:])
 
 
-class _StreamView(torch.autograd.Function):
-    """The float view of a stream as the first node of a recompute's graph: the gradient
-    arriving here is the input gradient (read at this node's edge; the node itself never runs).
-    Unlike a leaf, it holds no tensor, so the view can be let go."""
-
-    @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, k: torch.Tensor, grid: Grid) -> torch.Tensor:
-        return from_fixed(k, grid)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
-        return None, None, None
+def _parts(block: ReversibleBlock, name: str) -> tuple[Any, Any]:
+    """``block``'s function ``name`` (``"f"`` or ``"g"``) as ``(head, tail)``: the block's
+    ``f_parts``/``g_parts`` if it has them (a cheap normalisation first, which the rebuild makes
+    again when its backward needs it instead of keeping its output), else ``(None, fn)``."""
+    split = getattr(block, f"{name}_parts", None)
+    parts = split() if split is not None else None
+    return parts if parts is not None else (None, getattr(block, name))
 
 
-class _RemakeView(torch.autograd.graph.saved_tensors_hooks):
-    """While a recompute records its graph: a saved tensor that lives in the stream's float
-    view is not kept but made again from the stream when backward unpacks it (one copy at a
-    time, shared by every node that saved it), bit for bit the same values. ``saved`` lists
-    the storages of the others (weakly: every saved tensor holds the pack hook until released).
-    """
-
-    def __init__(self, view: torch.Tensor, k: torch.Tensor, grid: Grid) -> None:
-        storage, made = weakref.ref(view.untyped_storage()), [lambda: None]
-        saved = self.saved = [storage]  # the hooks must not hold self (a cycle holding k)
-
-        def pack(t: torch.Tensor) -> Any:
-            st = t.untyped_storage()
-            if st is not storage():
-                saved.append(weakref.ref(st))
-                return t
-            return t.size(), t.stride(), t.storage_offset()
-
-        def unpack(packed: Any) -> torch.Tensor:
-            if isinstance(packed, torch.Tensor):
-                return packed
-            again = made[0]()
-            if again is None:
-                again = from_fixed(k, grid)
-                made[0] = weakref.ref(again)
-            return again.as_strided(*packed)
-
-        super().__init__(pack, unpack)
+def _remade(head: Any, make: Callable[[], torch.Tensor], at: _ForwardContext) -> torch.Tensor:
+    """``head`` again on the input ``make`` makes, as the recompute ran it."""
+    with torch.no_grad(), _RecomputeContext(at):
+        return head(make())
 
 
-def _recompute(fn: Any, k: torch.Tensor, grid: Grid, at: _ForwardContext, args: tuple
-               ) -> tuple[torch.Tensor, torch.autograd.graph.GradientEdge, bool]:
-    """``fn`` on the float view of ``k``, under the forward's RNG and autocast state and the
-    recompute guard (BatchNorm statistics are not updated a second time): its output, the edge
-    where its input's gradient arrives, and whether the output's memory is the rebuild's own
-    (no view of another tensor, nor saved by the graph)."""
+def _recompute(fn: tuple[Any, Any], k: torch.Tensor, grid: Grid, at: _ForwardContext,
+               args: tuple) -> tuple[torch.Tensor, torch.autograd.graph.GradientEdge, bool]:
+    """``fn`` (head and tail, :func:`_parts`) on the float view of ``k``, under the forward's
+    RNG and autocast state and the recompute guard (BatchNorm statistics are not updated a
+    second time): its output, the edge where its input's gradient arrives, and whether the
+    output's memory is the rebuild's own (no view of another tensor, nor saved by the graph)."""
+    head, tail = fn
     with torch.enable_grad():
         # a non-leaf input, as in the stored network: module hooks that watch their inputs'
         # gradients (torch's ModTracker, under MemTracker) cannot watch a leaf during a nested
         # torch.autograd.grad
-        view = _StreamView.apply(_anchor(k.device), k, grid)
+        make = functools.partial(from_fixed, k, grid)
+        view = _StreamView.apply(_anchor(k.device), make)
         edge = torch.autograd.graph.get_gradient_edge(view)
-        remake = _RemakeView(view, k, grid)
+        remake = _RemakeView([(view, make)])
         with remake, _RecomputeContext(at):
-            out = fn(view, *args)
+            x = view
+            if head is not None:
+                x = head(view)
+                remake.adopt(x, functools.partial(_remade, head, make, at))
+            del view
+            out = tail(x, *args)
+            del x
     st = out.untyped_storage()
-    return out, edge, out._base is None and all(r() is not st for r in remake.saved)
+    return out, edge, out._base is None and not remake.keeps(st)
 
 
 def _take_off(k: torch.Tensor, out: torch.Tensor, grid: Grid, owned: bool) -> None:
@@ -216,20 +189,6 @@ def _take_off(k: torch.Tensor, out: torch.Tensor, grid: Grid, owned: bool) -> No
     else:
         scaled = out * grid.scale
     k.sub_(scaled.to(grid.stream))
-
-
-def _anchor(device: torch.device) -> torch.Tensor:
-    """An empty tensor requiring grad: what makes :class:`_StreamView`'s output part of a graph."""
-    return torch.empty(0, device=device, requires_grad=True)
-
-
-def _accumulate(grads: list[torch.Tensor | None], aliases: dict[int, torch.Tensor],
-                got: Sequence[torch.Tensor | None]) -> None:
-    """Add a recompute's parameter gradients, in the order autograd would (G before F, later
-    blocks first), to the sums returned for the parameters."""
-    for j, grad in zip(aliases, got):
-        if grad is not None:
-            grads[j] = grad if grads[j] is None else grads[j] + grad
 
 
 class _Fresh(torch.autograd.Function):
@@ -248,6 +207,11 @@ class _Fresh(torch.autograd.Function):
 
 @torch.compiler.disable
 def _rebuilt(blocks: Sequence[ReversibleBlock], x1: torch.Tensor, x2: torch.Tensor, args: tuple,
-             grid: Grid, preserve_rng: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    run = _Run(blocks, args, grid, preserve_rng)
-    return _Fresh.apply(*_Rebuild.apply(run, x1, x2, *run.params))
+             grid: Grid, preserve_rng: bool, lead: LeadBlock | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    run = _Run(blocks, args, grid, preserve_rng, lead)
+    y1, y2 = _Fresh.apply(*_Rebuild.apply(run, x1, x2, *run.params))
+    if run.out is not None:  # the outputs can be made again from the streams (.sources)
+        remember(y1, run.out[0])
+        remember(y2, run.out[1])
+    return y1, y2

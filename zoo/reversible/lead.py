@@ -1,0 +1,140 @@
+"""A reversible sequence's lead unit (:class:`~.coupling.LeadBlock`, RevNet's downsampling):
+its forward inside the rebuilding Function, and its backward, recomputed from inputs made again
+from the streams of the sequence before (:mod:`.sources`) or kept."""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..checkpoint.recompute import _ForwardContext, _RecomputeContext
+from .remake import (_EDGE_OUTPUTS, _accumulate, _aliased, _anchor, _RemakeView, _root,
+                     _StreamView)
+from .sources import source_of
+
+if TYPE_CHECKING:
+    from .rebuild import _Run
+
+
+def _lead_forward(run: _Run, x1: torch.Tensor, x2: torch.Tensor, devices: list[int]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lead unit on the sequence's inputs: its outputs. Its backward keeps the makers of its
+    inputs: their sources when they can be made again from the streams of the sequence before
+    (:mod:`.sources`), else the inputs themselves; and its first output if no larger than an
+    input (a downsampling unit: then it is undone one function at a time)."""
+    contexts: dict[str, _ForwardContext] = {}
+
+    def call(name: str, x: torch.Tensor) -> torch.Tensor:
+        with _ForwardContext(devices, run.preserve_rng) as at:
+            out = getattr(run.lead, name)(x)
+        contexts[name] = at
+        return out
+
+    y1, y2 = _lead_steps(call, x1, x2)
+    run.lead_contexts = tuple(contexts[n] for n in ("f", "shortcut1", "g", "shortcut2"))
+    sources = [source_of(x1), source_of(x2)]
+    if sources[0] is not None and sources[1] is not None:
+        makers = [sources[0].make, sources[1].make]
+    else:
+        makers = [functools.partial(torch.Tensor.contiguous, x.detach()) for x in (x1, x2)]
+    run.lead_kept = [y1 if y1.numel() <= x1.numel() else None, *makers]
+    return y1, y2
+
+
+def _lead_steps(call: Callable[[str, torch.Tensor], torch.Tensor], x1: torch.Tensor,
+                x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A lead unit's forward, the stored network's and the rebuild's alike: each input made
+    contiguous (as it is made again in backward) only while its functions run, ``x2``'s first:
+    ``F(x2)``, ``D2(x2)``, ``D1(x1)``, then ``y1 = F(x2) + D1(x1)``, ``y2 = G(y1) + D2(x2)``.
+    ``call(name, x)`` runs the lead's function ``name`` on ``x``."""
+    x2 = x2.contiguous()
+    f, d2 = call("f", x2), call("shortcut2", x2)
+    del x2
+    y1 = f + call("shortcut1", x1.contiguous())
+    del f
+    return y1, call("g", y1) + d2
+
+
+def _undo_lead(run: _Run, a1: torch.Tensor, a2: torch.Tensor,
+               grads: list[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
+    """The lead unit backwards, one function at a time, each recomputed just before its
+    gradients are taken and let go after: ``G`` on the kept ``y1``, then ``F``, ``D2`` and
+    ``D1`` on the inputs, made again (from their sources, or kept) when their backward needs
+    them. Returns the inputs' gradients; ``x2``'s sums its two uses, as autograd does."""
+    y1, make1, make2 = run.lead_kept
+    run.lead_kept = []
+    lead, (at_f, at_d1, at_g, at_d2) = run.lead, run.lead_contexts
+    aliases = {j: run.params[j].detach().requires_grad_() for j in run.lead_params}
+    if y1 is None:
+        with _aliased(lead, run.lead_params, aliases):
+            return _undo_lead_whole(run, make1, make2, a1, a2, grads, aliases)
+    with _aliased(lead, run.lead_params, aliases):
+        got_y1 = _grad_of(lead.g, functools.partial(torch.Tensor.detach, y1), a2, grads,
+                          aliases, at_g)
+        del y1
+        if got_y1 is not None:
+            a1.add_(got_y1)
+        del got_y1
+        got_x2 = _grad_of(lead.f, make2, a1, grads, aliases, at_f)
+        more = _grad_of(lead.shortcut2, make2, a2, grads, aliases, at_d2)
+        if more is not None:
+            got_x2 = more if got_x2 is None else got_x2 + more
+        del more
+        got_x1 = _grad_of(lead.shortcut1, make1, a1, grads, aliases, at_d1)
+    return got_x1, got_x2
+
+
+def _undo_lead_whole(run: _Run, make1: Callable[[], torch.Tensor],
+                     make2: Callable[[], torch.Tensor], a1: torch.Tensor, a2: torch.Tensor,
+                     grads: list[torch.Tensor | None], aliases: dict[int, torch.Tensor]
+                     ) -> tuple[torch.Tensor | None, ...]:
+    """The lead unit backwards in one recompute (when its first output is larger than its
+    inputs, so not kept): the gradients of ``y1``, ``G(y1)`` and ``D2(x2)`` taken at once, as
+    autograd takes them (``y2``'s sum is not recomputed: its gradient goes to both terms)."""
+    lead, (at_f, at_d1, at_g, at_d2) = run.lead, run.lead_contexts
+    with torch.enable_grad():
+        anchor = _anchor(a1.device)
+        v1, v2 = _StreamView.apply(anchor, make1), _StreamView.apply(anchor, make2)
+        edges = [torch.autograd.graph.get_gradient_edge(v) for v in (v1, v2)]
+        with _RemakeView([(v1, make1), (v2, make2)]):
+            with _RecomputeContext(at_f):
+                f = lead.f(v2)
+            with _RecomputeContext(at_d2):
+                roots = [_root(lead.shortcut2(v2))]
+            with _RecomputeContext(at_d1):
+                y1 = f + lead.shortcut1(v1)
+            del f, v1, v2
+            with _RecomputeContext(at_g):
+                roots = [_root(y1), _root(lead.g(y1)), *roots]
+    seeds = [a.to(y1.dtype) if a.dtype != y1.dtype else a for a in (a1, a2, a2)]
+    del y1
+    got = torch.autograd.grad(roots, [*edges, *aliases.values()], seeds, allow_unused=True)
+    del roots, seeds
+    _accumulate(grads, aliases, got[2:])
+    return got[0], got[1]
+
+
+def _grad_of(fn: Callable[[torch.Tensor], torch.Tensor], make: Callable[[], torch.Tensor],
+             seed: torch.Tensor, grads: list[torch.Tensor | None],
+             aliases: dict[int, torch.Tensor], at: _ForwardContext) -> torch.Tensor | None:
+    """``fn`` recomputed on the tensor ``make`` makes (made again when its backward needs it,
+    not kept), then its gradients for ``seed``: the parameters' are added to ``grads``, the
+    input's is returned."""
+    with torch.enable_grad():
+        view = _StreamView.apply(_anchor(seed.device), make)
+        edge = torch.autograd.graph.get_gradient_edge(view)
+        with _RemakeView([(view, make)]), _RecomputeContext(at):
+            out = fn(view)
+    del view
+    target: torch.Tensor | torch.autograd.graph.GradientEdge = out
+    if _EDGE_OUTPUTS:
+        target = torch.autograd.graph.get_gradient_edge(out)
+    if seed.dtype != out.dtype:
+        seed = seed.to(out.dtype)
+    del out
+    got = torch.autograd.grad(target, [edge, *aliases.values()], seed, allow_unused=True)
+    del target, seed
+    _accumulate(grads, aliases, got[1:])
+    return got[0]

@@ -1,0 +1,141 @@
+"""What a rebuild's recompute is made of: the recomputed function's input as a graph node that
+holds no tensor (:class:`_StreamView`), saved tensors made again instead of kept
+(:class:`_RemakeView`), parameters swapped for detached aliases (:func:`_aliased`), and the
+sums of their gradients (:func:`_accumulate`)."""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+# torch.autograd.grad takes an output's gradient edge in place of the output from torch 2.5 on
+# (older versions keep each recomputed output alive through its backward: a little more memory)
+_EDGE_OUTPUTS = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+@contextlib.contextmanager
+def _aliased(module: nn.Module, names: dict[int, list[str]],
+             aliases: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Run ``module`` with its parameters replaced by ``aliases`` (detached, same storage), so
+    that gradients computed for a recompute never touch the real parameters or their hooks."""
+    swapped = []
+    for j, alias in aliases.items():
+        for name in names[j]:
+            owner_name, _, attr = name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            swapped.append((owner, attr, owner._parameters[attr]))
+            owner._parameters[attr] = alias
+    try:
+        yield
+    finally:
+        for owner, attr, param in swapped:
+            owner._parameters[attr] = param
+
+
+class _StreamView(torch.autograd.Function):
+    """The float view of a stream as the first node of a recompute's graph: the gradient
+    arriving here is the input gradient (read at this node's edge; the node itself never runs).
+    Unlike a leaf, it holds no tensor, so the view can be let go."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, make: Callable[[], torch.Tensor]
+                ) -> torch.Tensor:
+        return make()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        return None, None
+
+
+class _Held:
+    """A tensor a recompute's graph saved, as the graph holds it: the tensor, or once the
+    tensor is known to be made again (:meth:`_RemakeView.adopt`), where to find it."""
+
+    __slots__ = ("t", "recipe", "__weakref__")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t: torch.Tensor | None = t
+        self.recipe: tuple | None = None
+
+
+class _RemakeView(torch.autograd.graph.saved_tensors_hooks):
+    """While a recompute records its graph: a saved tensor that lives in one of its inputs
+    (``views``: each with the call that makes it, a stream's float view or a kept tensor) or in
+    a tensor :meth:`adopt` names is not kept but made again when backward unpacks it (one copy
+    at a time, shared by every node that saved it), bit for bit the same values. The others are
+    held as they are (``_Held``, watched weakly: the graph holds them until released)."""
+
+    def __init__(self, views: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]]) -> None:
+        storages = [weakref.ref(view.untyped_storage()) for view, _ in views]
+        makers = [make for _, make in views]
+        made: list[Callable[[], torch.Tensor | None]] = [lambda: None] * len(views)
+        held: list[weakref.ref[_Held]] = []
+        self._lists = (storages, makers, made, held)  # the hooks must not hold self (a cycle)
+
+        def pack(t: torch.Tensor) -> Any:
+            st = t.untyped_storage()
+            for i, storage in enumerate(storages):
+                if st is storage():
+                    return i, t.size(), t.stride(), t.storage_offset()
+            h = _Held(t)
+            held.append(weakref.ref(h))
+            return h
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if isinstance(packed, _Held):
+                if packed.t is not None:
+                    return packed.t
+                packed = packed.recipe
+            i, *layout = packed
+            again = made[i]()
+            if again is None:
+                again = makers[i]()
+                made[i] = weakref.ref(again)
+            return again.as_strided(*layout)
+
+        super().__init__(pack, unpack)
+
+    def adopt(self, t: torch.Tensor, make: Callable[[], torch.Tensor]) -> None:
+        """From now on ``t`` (and what the graph saved of it already) is made again by
+        ``make`` when needed instead of kept."""
+        storages, makers, made, held = self._lists
+        st = t.untyped_storage()
+        if any(st is storage() for storage in storages):
+            return
+        storages.append(weakref.ref(st))
+        makers.append(make)
+        made.append(lambda: None)
+        for ref in held:
+            h = ref()
+            if h is not None and h.t is not None and h.t.untyped_storage() is st:
+                h.recipe = (len(makers) - 1, h.t.size(), h.t.stride(), h.t.storage_offset())
+                h.t = None
+
+    def keeps(self, st: torch.UntypedStorage) -> bool:
+        """Whether the graph holds a tensor living in ``st`` as it is."""
+        return any(h is not None and h.t is not None and h.t.untyped_storage() is st
+                   for h in (ref() for ref in self._lists[3]))
+
+
+def _anchor(device: torch.device) -> torch.Tensor:
+    """An empty tensor requiring grad: what makes :class:`_StreamView`'s output part of a graph."""
+    return torch.empty(0, device=device, requires_grad=True)
+
+
+def _accumulate(grads: list[torch.Tensor | None], aliases: dict[int, torch.Tensor],
+                got: Sequence[torch.Tensor | None]) -> None:
+    """Add a recompute's parameter gradients, in the order autograd would (G before F, later
+    blocks first), to the sums returned for the parameters."""
+    for j, grad in zip(aliases, got):
+        if grad is not None:
+            grads[j] = grad if grads[j] is None else grads[j] + grad
+
+
+def _root(out: torch.Tensor) -> torch.Tensor | torch.autograd.graph.GradientEdge:
+    """Where ``torch.autograd.grad`` starts from ``out``: its gradient edge (``out`` itself can
+    then be let go), or ``out`` before torch 2.5."""
+    return torch.autograd.graph.get_gradient_edge(out) if _EDGE_OUTPUTS else out
