@@ -105,3 +105,22 @@ def test_outside_models_dispatch_no_more_than_their_own_checkpoint(which):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
     for a, b in zip(mine.model.buffers(), plain.model.buffers()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_floor_leaves_out_what_a_keep_function_keeps():
+    """A region whose ``save_ops`` is a function (``AllBut``: every matmul output but one
+    layer's) reruns the spared layer's op: the floor counts it, and not the kept ones."""
+    from zoo.bench.host_cost import recompute_ops
+    from zoo.checkpoint.policies import MATMUL_OPS, AllBut
+
+    first, second = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def fn(x):
+        return torch.relu(second(torch.relu(first(x))))
+
+    x = torch.randn(2, 4, requires_grad=True)
+    everything, _ = recompute_ops(fn, (x,), {})
+    by_name, _ = recompute_ops(fn, (x,), {}, MATMUL_OPS)
+    spared, _ = recompute_ops(fn, (x,), {}, AllBut(MATMUL_OPS, second))
+    assert by_name == everything - 2  # both addmm kept
+    assert spared == everything - 1  # the second layer's addmm rerun

@@ -56,14 +56,16 @@ class OpCounter(TorchDispatchMode):
     autograd keys, which is how they are told apart: counted under :data:`COPY` and in
     ``copies``, so ``total - copies`` is what the dispatcher runs when no mode is watching.
 
-    ``exclude``: ops counted apart in ``excluded`` (a selective region's kept ops).
+    ``exclude``: ops counted apart in ``excluded`` (a selective region's kept ops: their names,
+    or the region's ``keep(op, *args, **kwargs)`` function).
     """
 
-    def __init__(self, exclude: Collection[Any] = ()) -> None:
+    def __init__(self, exclude: Collection[Any] | Callable[..., bool] = ()) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
         self.total = self.copies = self.excluded = 0
-        self.exclude = frozenset(exclude)
+        names = () if callable(exclude) else frozenset(exclude)
+        self.keep = exclude if callable(exclude) else lambda op, *_, **__: op in names
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
@@ -73,7 +75,7 @@ class OpCounter(TorchDispatchMode):
             self.ops[COPY] += 1
         else:
             self.ops[str(func)] += 1
-        if func in self.exclude:
+        if self.keep(func, *args, **(kwargs or {})):
             self.excluded += 1
         return func(*args, **(kwargs or {}))
 
