@@ -408,3 +408,24 @@ def test_a_lead_input_is_made_again_only_before_the_stage_below_rebuilds():
     with pytest.raises(RuntimeError, match="out of order") as err:
         source.make()
     assert "\n" not in str(err.value)
+
+
+def test_a_stage_output_changed_in_place_is_not_made_again_from_the_streams():
+    """A rebuilt sequence's output, or a split half of its join, changed in place after it was
+    made is no longer what its streams make: it has no source, so a lead unit keeps it."""
+    from zoo.reversible.sources import Source, join, remember, source_of, split
+    from zoo.reversible.grid import grid_for, to_fixed
+
+    grid = grid_for(torch.float32)
+    y1, y2 = torch.randn(2, 4), torch.randn(2, 4)
+    for y in (y1, y2):
+        remember(y, Source(to_fixed(y, grid), grid, torch.zeros(())))
+    assert source_of(y1) is not None
+    x = join(y1, y2)
+    a, b = split(x)
+    assert source_of(a) is not None and source_of(b) is not None
+    a.mul_(2)  # the halves are views of one tensor and share its version counter
+    assert source_of(a) is None and source_of(b) is None
+    x2 = join(y1, y2)
+    x2.add_(1)
+    assert all(source_of(h) is None for h in split(x2))

@@ -45,14 +45,18 @@ class Source:
 
 
 def remember(t: torch.Tensor, source: Source) -> None:
-    """Record that ``t`` equals ``source.make()``, bit for bit."""
-    _SOURCES[t] = source
+    """Record that ``t`` equals ``source.make()``, bit for bit (while ``t`` is not changed in
+    place)."""
+    _SOURCES[t] = (source, t._version)
 
 
 def source_of(t: torch.Tensor) -> Source | None:
     """``t``'s source if ``t`` is a rebuilt sequence's output (or a :func:`split` half of their
-    :func:`join`), else ``None``."""
-    return _SOURCES.get(t)
+    :func:`join`) not changed in place since, else ``None``."""
+    found = _SOURCES.get(t)
+    if found is None or len(found) != 2 or found[1] != t._version:
+        return None
+    return found[0]
 
 
 def join(y1: torch.Tensor, y2: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -61,16 +65,17 @@ def join(y1: torch.Tensor, y2: torch.Tensor, dim: int = 1) -> torch.Tensor:
     if not _is_compiling():
         s1, s2 = source_of(y1), source_of(y2)
         if s1 is not None and s2 is not None and y1.shape == y2.shape:
-            _SOURCES[out] = (s1, s2, dim)
+            _SOURCES[out] = (s1, s2, dim, out._version)
     return out
 
 
 def split(x: torch.Tensor, dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """``x.chunk(2, dim)``; the halves of a :func:`join` of two rebuilt outputs get their
-    sources back (a lead unit makes them contiguous, as their sources make them)."""
+    sources back (a lead unit makes them contiguous, as their sources make them), unless ``x``
+    was changed in place since the join (then its halves are kept as they are)."""
     x1, x2 = x.chunk(2, dim=dim)
     joined = None if _is_compiling() else _SOURCES.get(x)
-    if joined is not None and joined[2] == dim:
+    if joined is not None and len(joined) == 4 and joined[2:] == (dim, x._version):
         remember(x1, joined[0])
         remember(x2, joined[1])
     return x1, x2
