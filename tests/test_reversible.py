@@ -429,3 +429,20 @@ def test_a_stage_output_changed_in_place_is_not_made_again_from_the_streams():
     x2 = join(y1, y2)
     x2.add_(1)
     assert all(source_of(h) is None for h in split(x2))
+
+
+def test_a_kept_lead_input_changed_in_place_after_the_unit_ran_is_an_error():
+    """A lead unit whose inputs have no source keeps them; changed in place before its
+    backward, they would be recomputed from the new values: an error in one line instead."""
+    torch.manual_seed(0)
+    model = Staged(width=8, sources=False)
+    model.rebuild = True
+    x1, x2 = model.stem(images()).chunk(2, dim=1)
+    h = join(*reversible_sequence(model.stage1, x1, x2, rebuild=True))
+    a, b = h.chunk(2, dim=1)
+    y1, y2 = reversible_sequence(model.stage2, a, b, rebuild=True, lead=model.down)
+    with torch.no_grad():
+        h.mul_(2)
+    with pytest.raises(RuntimeError, match="changed in place") as err:
+        (y1.sum() + y2.sum()).backward()
+    assert "\n" not in str(err.value)

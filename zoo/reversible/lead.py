@@ -38,9 +38,24 @@ def _lead_forward(run: _Run, x1: torch.Tensor, x2: torch.Tensor, devices: list[i
     if sources[0] is not None and sources[1] is not None:
         makers = [sources[0].make, sources[1].make]
     else:
-        makers = [functools.partial(torch.Tensor.contiguous, x.detach()) for x in (x1, x2)]
+        makers = [_kept(x1), _kept(x2)]
     run.lead_kept = [y1 if y1.numel() <= x1.numel() else None, *makers]
     return y1, y2
+
+
+def _kept(x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A lead unit's input kept for its backward (made contiguous there, as in the forward);
+    an error, as autograd gives for its own saved tensors, if it was changed in place since."""
+    kept, version = x.detach(), x._version  # a detached tensor shares x's version counter
+
+    def make() -> torch.Tensor:
+        if kept._version != version:
+            raise RuntimeError("reversible_sequence: an input of a lead unit was changed in place "
+                               "after the unit ran, and its backward needs it as it was; make "
+                               "that change out of place")
+        return kept.contiguous()
+
+    return make
 
 
 def _lead_steps(call: Callable[[str, torch.Tensor], torch.Tensor], x1: torch.Tensor,
