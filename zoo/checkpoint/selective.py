@@ -32,7 +32,7 @@ _MUTATED = object()  # a kept output changed in place after it was kept
 def save_set(save_ops: Collection[Any] | Callable[..., bool]) -> Any:
     """``save_ops`` checked: a frozenset of ATen op overloads, or a function
     ``keep(op, *args, **kwargs) -> bool`` (e.g. :class:`~zoo.checkpoint.policies.AllBut`) as is."""
-    if callable(save_ops) and not isinstance(save_ops, (set, frozenset, list, tuple)):
+    if callable(save_ops):  # no collection of ops is callable
         return save_ops
     ops = save_ops if isinstance(save_ops, frozenset) else frozenset(save_ops)
     for op in ops:
