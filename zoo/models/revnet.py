@@ -220,10 +220,24 @@ class RevNet(_ResNetBase):
         """Images -> the final BN-ReLU'd feature maps (before pooling)."""
         if self.checkpoint_plan is not None:
             return self.run_chain(self.checkpoint_chain(), x)
-        x = self._checkpointed(self._stem, x)
+        x = self.stem(x)
         for name in self._stage_names():
             x = getattr(self, name)(x)
         return self.final_norm(x)
+
+    def stem(self, x: torch.Tensor) -> torch.Tensor:
+        """The stem (conv-BN-ReLU). In the reversible mode two nested regions: the outer keeps
+        the images and its recompute makes the ReLU's output through an inner conv-BN region
+        that keeps the images too, so the ReLU's backward never meets the conv's output and
+        BatchNorm's backward never meets the ReLU's (three full-resolution maps live at a time,
+        not four), for one more stem conv (3 input channels) and BN forward."""
+        return checkpoint(self._stem_outer, x) if self.grad_checkpointing else self._stem(x)
+
+    def _stem_outer(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(checkpoint(self._stem_norm, x))
+
+    def _stem_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn1(self.conv1(x))
 
     def _final(self, x: torch.Tensor) -> torch.Tensor:
         return self.relu(self.final_bn(x))
@@ -234,8 +248,7 @@ class RevNet(_ResNetBase):
 
     def feature_levels(self) -> list[Level]:
         """The stem's output, then each stage's (before the final BN-ReLU)."""
-        levels = [Level(lambda x: self._checkpointed(self._stem, x), self.conv1.out_channels, 1,
-                        "relu")]
+        levels = [Level(self.stem, self.conv1.out_channels, 1, "relu")]
         for i, name in enumerate(self._stage_names()):
             levels.append(Level(getattr(self, name), self.channels[i + 1], 2 ** i, name))
         return levels
