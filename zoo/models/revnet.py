@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import checkpoint
+from ..checkpoint import checkpoint, is_recomputing
 from ..nn import cp_BatchNorm2d
 from ..reversible import Coupling, join, reversible_sequence, split
 from ._features import Level
@@ -46,6 +46,26 @@ from .resnet import CifarResNet, _ResNetBase
 __all__ = ["ResidualFn", "Downsample", "DownUnit", "RevStage", "RevNet"]
 
 MODE = "reversible"
+
+
+class _ReLUGradInPlace(torch.autograd.Function):
+    """In-place ReLU whose backward writes its input's gradient over its output's (the same
+    kernel as ReLU's backward, ``threshold_backward``, with its result in the incoming gradient's
+    memory): one map less is live while it runs, the values are bit for bit ReLU's. Only where
+    the output's one consumer is a convolution, whose backward makes a gradient no one else
+    holds."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        torch.relu_(x)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(x)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        out, = ctx.saved_tensors
+        return torch.ops.aten.threshold_backward.grad_input(grad, out, 0, grad_input=grad)
 
 
 class ResidualFn(nn.Module):
@@ -83,14 +103,24 @@ class ResidualFn(nn.Module):
         for i in range(1, self.depth + 1):
             bn = getattr(self, f"bn{i}", None) if i > 1 else None
             if bn is not None:
-                x = F.relu(bn(x), inplace=True)
+                x = _relu_before_conv(bn(x))
             x = getattr(self, f"conv{i}")(x)
         return x
 
-    def parts(self) -> tuple[Any, Any] | None:
+    def parts(self) -> tuple[Any, Any]:
         """``(pre, rest)`` with ``preact`` (what a reversible rebuild makes again instead of
-        keeping: the first BN-ReLU's output), else ``None``."""
-        return (self.pre, self.rest) if hasattr(self, "bn1") else None
+        keeping: the first BN-ReLU's output), else ``(None, rest)``."""
+        return (self.pre if hasattr(self, "bn1") else None, self.rest)
+
+
+def _relu_before_conv(x: torch.Tensor) -> torch.Tensor:
+    """ReLU in place on a map a convolution reads next; while a rebuild or a checkpoint
+    recomputes (eager) its backward overwrites the convolution's input gradient
+    (:class:`_ReLUGradInPlace`), so the BN's input, the ReLU's output and one gradient are live
+    at once instead of two gradients."""
+    if is_recomputing() and torch.is_grad_enabled():
+        return _ReLUGradInPlace.apply(x)
+    return F.relu(x, inplace=True)
 
 
 class Downsample(nn.Module):
@@ -123,6 +153,14 @@ class DownUnit(nn.Module):
             shortcut = nn.Conv2d(in_half, out_half, 1, stride=stride, bias=False) if bottleneck \
                 else Downsample(in_half, out_half, stride)
             self.add_module(f"shortcut{i}", shortcut)
+
+    def f_parts(self) -> tuple[Any, Any]:
+        """``f`` as ``(head, tail)`` (:meth:`ResidualFn.parts`)."""
+        return self.f.parts()
+
+    def g_parts(self) -> tuple[Any, Any]:
+        """``g`` as ``(head, tail)`` (:meth:`ResidualFn.parts`)."""
+        return self.g.parts()
 
     def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         y1 = self.f(x2) + self.shortcut1(x1)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..checkpoint.recompute import _ForwardContext, _RecomputeContext
-from .remake import (_EDGE_OUTPUTS, _accumulate, _aliased, _anchor, _RemakeView, _root,
-                     _StreamView)
+from .remake import (_EDGE_OUTPUTS, _accumulate, _aliased, _anchor, _parts, _recorded,
+                     _RemakeView, _root, _StreamView)
 from .sources import source_of
 
 if TYPE_CHECKING:
@@ -86,18 +86,18 @@ def _undo_lead(run: _Run, a1: torch.Tensor, a2: torch.Tensor,
         with _aliased(lead, run.lead_params, aliases):
             return _undo_lead_whole(run, make1, make2, a1, a2, grads, aliases)
     with _aliased(lead, run.lead_params, aliases):
-        got_y1 = _grad_of(lead.g, functools.partial(torch.Tensor.detach, y1), a2, grads,
-                          aliases, at_g)
+        got_y1 = _grad_of(_parts(lead, "g"), functools.partial(torch.Tensor.detach, y1), a2,
+                          grads, aliases, at_g)
         del y1
         if got_y1 is not None:
             a1.add_(got_y1)
         del got_y1
-        got_x2 = _grad_of(lead.f, make2, a1, grads, aliases, at_f)
-        more = _grad_of(lead.shortcut2, make2, a2, grads, aliases, at_d2)
+        got_x2 = _grad_of(_parts(lead, "f"), make2, a1, grads, aliases, at_f)
+        more = _grad_of((None, lead.shortcut2), make2, a2, grads, aliases, at_d2)
         if more is not None:
             got_x2 = more if got_x2 is None else got_x2 + more
         del more
-        got_x1 = _grad_of(lead.shortcut1, make1, a1, grads, aliases, at_d1)
+        got_x1 = _grad_of((None, lead.shortcut1), make1, a1, grads, aliases, at_d1)
     return got_x1, got_x2
 
 
@@ -131,18 +131,13 @@ def _undo_lead_whole(run: _Run, make1: Callable[[], torch.Tensor],
     return got[0], got[1]
 
 
-def _grad_of(fn: Callable[[torch.Tensor], torch.Tensor], make: Callable[[], torch.Tensor],
-             seed: torch.Tensor, grads: list[torch.Tensor | None],
-             aliases: dict[int, torch.Tensor], at: _ForwardContext) -> torch.Tensor | None:
-    """``fn`` recomputed on the tensor ``make`` makes (made again when its backward needs it,
-    not kept), then its gradients for ``seed``: the parameters' are added to ``grads``, the
-    input's is returned."""
-    with torch.enable_grad():
-        view = _StreamView.apply(_anchor(seed.device), make)
-        edge = torch.autograd.graph.get_gradient_edge(view)
-        with _RemakeView([(view, make)]), _RecomputeContext(at):
-            out = fn(view)
-    del view
+def _grad_of(fn: tuple[Any, Any], make: Callable[[], torch.Tensor], seed: torch.Tensor,
+             grads: list[torch.Tensor | None], aliases: dict[int, torch.Tensor],
+             at: _ForwardContext) -> torch.Tensor | None:
+    """``fn`` (head and tail, :func:`~.remake._parts`) recomputed on the tensor ``make`` makes
+    (made again when its backward needs it, not kept), then its gradients for ``seed``: the
+    parameters' are added to ``grads``, the input's is returned."""
+    out, edge, _ = _recorded(fn, make, at, (), seed.device)
     target: torch.Tensor | torch.autograd.graph.GradientEdge = out
     if _EDGE_OUTPUTS:
         target = torch.autograd.graph.get_gradient_edge(out)

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint.recompute import _cuda_devices, _ForwardContext, _RecomputeContext
+from ..checkpoint.recompute import _cuda_devices, _ForwardContext
 from .coupling import LeadBlock, ReversibleBlock
 from .grid import Grid, _add, _checked, _enter, from_fixed
 from .lead import _lead_forward, _undo_lead
-from .remake import _EDGE_OUTPUTS, _accumulate, _aliased, _anchor, _RemakeView, _StreamView
+from .remake import _EDGE_OUTPUTS, _accumulate, _aliased, _parts, _recorded
 from .sources import Source, remember
 
 
@@ -137,58 +137,35 @@ def _undo(fn: Any, k_in: torch.Tensor, k_out: torch.Tensor, seed: torch.Tensor,
     _accumulate(grads, aliases, got[1:])
 
 
-def _parts(block: ReversibleBlock, name: str) -> tuple[Any, Any]:
-    """``block``'s function ``name`` (``"f"`` or ``"g"``) as ``(head, tail)``: the block's
-    ``f_parts``/``g_parts`` if it has them (a cheap normalisation first, which the rebuild makes
-    again when its backward needs it instead of keeping its output), else ``(None, fn)``."""
-    split = getattr(block, f"{name}_parts", None)
-    parts = split() if split is not None else None
-    return parts if parts is not None else (None, getattr(block, name))
-
-
-def _remade(head: Any, make: Callable[[], torch.Tensor], at: _ForwardContext) -> torch.Tensor:
-    """``head`` again on the input ``make`` makes, as the recompute ran it."""
-    with torch.no_grad(), _RecomputeContext(at):
-        return head(make())
-
-
 def _recompute(fn: tuple[Any, Any], k: torch.Tensor, grid: Grid, at: _ForwardContext,
                args: tuple) -> tuple[torch.Tensor, torch.autograd.graph.GradientEdge, bool]:
     """``fn`` (head and tail, :func:`_parts`) on the float view of ``k``, under the forward's
     RNG and autocast state and the recompute guard (BatchNorm statistics are not updated a
     second time): its output, the edge where its input's gradient arrives, and whether the
     output's memory is the rebuild's own (no view of another tensor, nor saved by the graph)."""
-    head, tail = fn
-    with torch.enable_grad():
-        # a non-leaf input, as in the stored network: module hooks that watch their inputs'
-        # gradients (torch's ModTracker, under MemTracker) cannot watch a leaf during a nested
-        # torch.autograd.grad
-        make = functools.partial(from_fixed, k, grid)
-        view = _StreamView.apply(_anchor(k.device), make)
-        edge = torch.autograd.graph.get_gradient_edge(view)
-        remake = _RemakeView([(view, make)])
-        with remake, _RecomputeContext(at):
-            x = view
-            if head is not None:
-                x = head(view)
-                remake.adopt(x, functools.partial(_remade, head, make, at))
-            del view
-            out = tail(x, *args)
-            del x
+    out, edge, remake = _recorded(fn, functools.partial(from_fixed, k, grid), at, args,
+                                  k.device)
     st = out.untyped_storage()
     return out, edge, out._base is None and not remake.keeps(st)
 
 
 def _take_off(k: torch.Tensor, out: torch.Tensor, grid: Grid, owned: bool) -> None:
-    """``k -= to_fixed(out)``, bit for bit; an ``owned`` output is scaled in place (one
-    temporary the size of ``k`` instead of two)."""
+    """``k -= to_fixed(out)``, bit for bit, with one temporary the size of ``k`` at most: the
+    scaled output (``out`` itself when ``owned``) is cast to the stream's integers in its own
+    memory (``copy_`` into an integer view of it: the same element size, element by element,
+    the values of ``.to``)."""
     if out.dtype in (torch.float16, torch.bfloat16):
         scaled = out.float().mul_(grid.scale)
     elif owned:
         scaled = out.detach().mul_(grid.scale)
     else:
         scaled = out * grid.scale
-    k.sub_(scaled.to(grid.stream))
+    if scaled.element_size() == k.element_size():
+        fixed = scaled.view(grid.stream).copy_(scaled)
+    else:
+        fixed = scaled.to(grid.stream)
+    del scaled
+    k.sub_(fixed)
 
 
 class _Fresh(torch.autograd.Function):

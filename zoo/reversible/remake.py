@@ -5,12 +5,15 @@ sums of their gradients (:func:`_accumulate`)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+
+from ..checkpoint.recompute import _ForwardContext, _RecomputeContext
 
 # torch.autograd.grad takes an output's gradient edge in place of the output from torch 2.5 on
 # (older versions keep each recomputed output alive through its backward: a little more memory)
@@ -139,3 +142,51 @@ def _root(out: torch.Tensor) -> torch.Tensor | torch.autograd.graph.GradientEdge
     """Where ``torch.autograd.grad`` starts from ``out``: its gradient edge (``out`` itself can
     then be let go), or ``out`` before torch 2.5."""
     return torch.autograd.graph.get_gradient_edge(out) if _EDGE_OUTPUTS else out
+
+
+def _parts(block: Any, name: str) -> tuple[Any, Any]:
+    """``block``'s function ``name`` (``"f"`` or ``"g"``) as ``(head, tail)``: the block's
+    ``f_parts``/``g_parts`` if it has them (a cheap normalisation first, which the rebuild makes
+    again when its backward needs it instead of keeping its output), else ``(None, fn)``."""
+    split = getattr(block, f"{name}_parts", None)
+    parts = split() if split is not None else None
+    return parts if parts is not None else (None, getattr(block, name))
+
+
+def _remade(head: Any, make: Callable[[], torch.Tensor], at: _ForwardContext) -> torch.Tensor:
+    """``head`` again on the input ``make`` makes, as the recompute ran it."""
+    with torch.no_grad(), _RecomputeContext(at):
+        return head(make())
+
+
+def _recorded(fn: tuple[Any, Any], make: Callable[[], torch.Tensor], at: _ForwardContext,
+              args: tuple, device: torch.device
+              ) -> tuple[torch.Tensor, torch.autograd.graph.GradientEdge, _RemakeView]:
+    """``fn`` (head and tail, :func:`_parts`) recomputed with its graph on the tensor ``make``
+    makes, under the forward's RNG and autocast state and the recompute guard (BatchNorm
+    statistics are not updated a second time): its output, the edge where its input's gradient
+    arrives, and the saved-tensor hooks that make the input and the head's output again when
+    backward needs them. Neither is held here while ``fn`` runs, so each is let go once used."""
+    with torch.enable_grad():
+        # a non-leaf input, as in the stored network: module hooks that watch their inputs'
+        # gradients (torch's ModTracker, under MemTracker) cannot watch a leaf during a nested
+        # torch.autograd.grad
+        view = _StreamView.apply(_anchor(device), make)
+        edge = torch.autograd.graph.get_gradient_edge(view)
+        remake = _RemakeView([(view, make)])
+        head, tail = fn
+        with remake, _RecomputeContext(at):
+            box = [view]
+            del view
+            if head is not None:
+                box.append(head(box.pop()))
+                remake.adopt(box[0], functools.partial(_remade, head, make, at))
+            out = _consumed(tail, box, args)
+    return out, edge, remake
+
+
+def _consumed(fn: Any, box: list[torch.Tensor], args: tuple) -> torch.Tensor:
+    """``fn(box.pop(), *args)`` holding no reference to the input but ``fn``'s own, so ``fn``
+    can let it go once used (CPython 3.11+ hands a call's arguments to the new frame; a
+    ``*args`` call keeps them in a tuple until it returns)."""
+    return fn(box.pop(), *args) if args else fn(box.pop())

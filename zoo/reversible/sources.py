@@ -41,7 +41,7 @@ class Source:
             raise RuntimeError("reversible_sequence: a lead unit's input was made again from "
                                "streams already rebuilt below it (backward ran out of order); "
                                "run backward once through the whole model")
-        return from_fixed(self.k, self.grid) + self.bad
+        return from_fixed(self.k, self.grid).add_(self.bad)  # from_fixed makes a new tensor
 
 
 def remember(t: torch.Tensor, source: Source) -> None:
