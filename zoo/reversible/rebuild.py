@@ -45,6 +45,7 @@ class _Run:
         # sequence before it) or the inputs themselves; let go as soon as used
         self.lead_kept: list[Any] = []
         self.out: tuple[Source, Source] | None = None  # the outputs' sources, for _rebuilt
+        self.streams: list[torch.Tensor] | None = None  # the last block's, forward to backward
 
 
 class _Rebuild(torch.autograd.Function):
@@ -71,7 +72,7 @@ class _Rebuild(torch.autograd.Function):
                                     inplace=True)[1]
                 contexts.append(at)
             run.contexts.append((contexts[0], contexts[1]))
-        ctx.save_for_backward(k1, k2)
+        run.streams = [k1, k2]  # not saved by ctx: backward lets go of k1 before it ends
         ctx.run = run
         y1, y2, bad = _checked(views[0], views[1], grid, checks)
         run.out = (Source(k1, grid, bad), Source(k2, grid, bad))
@@ -83,14 +84,12 @@ class _Rebuild(torch.autograd.Function):
         run, grid = ctx.run, ctx.run.grid
         for source in run.out or ():
             source.k = None  # the streams are rebuilt in place from here on
-        try:
-            k1, k2 = ctx.saved_tensors
-        except RuntimeError as e:
-            if "inplace" not in str(e):
-                raise
+        if run.streams is None:
             raise RuntimeError("reversible_sequence: backward ran twice through a sequence with "
                                "rebuild=True (retain_graph=True); its streams are rebuilt in "
-                               "place, so run the forward again, or use rebuild=False") from None
+                               "place, so run the forward again, or use rebuild=False")
+        k1, k2 = run.streams
+        run.streams = None
         grads: list[torch.Tensor | None] = [None] * len(run.params)
         for i in reversed(range(len(run.blocks))):
             block, (at_f, at_g) = run.blocks[i], run.contexts[i]
@@ -100,6 +99,8 @@ class _Rebuild(torch.autograd.Function):
                 # G on y1 (k1): x2 = y2 - G(y1), then G's gradients; a1 is ours (_Fresh)
                 _undo(_parts(block, "g"), k1, k2, a2, a1, grads, aliases, grid, at_g, run.args)
                 # F on x2 (k2): x1 = y1 - F(x2), then F's gradients
+                if i == 0:  # x1 = y1 - F(x2) is needed no more: the gradients do not read it
+                    k1 = None
                 _undo(_parts(block, "f"), k2, k1, a1, a2, grads, aliases, grid, at_f,
                       run.args)
         if run.lead is not None:
@@ -107,13 +108,13 @@ class _Rebuild(torch.autograd.Function):
         return (None, a1, a2, *grads)
 
 
-def _undo(fn: Any, k_in: torch.Tensor, k_out: torch.Tensor, seed: torch.Tensor,
+def _undo(fn: Any, k_in: torch.Tensor, k_out: torch.Tensor | None, seed: torch.Tensor,
           into: torch.Tensor, grads: list[torch.Tensor | None], aliases: dict[int, torch.Tensor],
           grid: Grid, at: _ForwardContext, args: tuple) -> None:
     """One half of a block backwards: recompute ``fn`` on stream ``k_in``, take its output off
-    ``k_out`` (in place: the streams are the rebuild's own), then its gradients for ``seed``
-    (the output's gradient): the input's is added to ``into`` in place, the parameters' to
-    ``grads``.
+    ``k_out`` (in place: the streams are the rebuild's own; not when ``None``), then its
+    gradients for ``seed`` (the output's gradient): the input's is added to ``into`` in place,
+    the parameters' to ``grads``.
 
     What stays alive is what the gradients need and no more: ``fn``'s output is put on the grid
     (in its own memory when its graph did not save it) and let go before its backward (its
@@ -121,7 +122,8 @@ def _undo(fn: Any, k_in: torch.Tensor, k_out: torch.Tensor, seed: torch.Tensor,
     not kept in its graph but made again from ``k_in`` when the backward needs it (``k_in`` does
     not change meanwhile)."""
     out, edge, owned = _recompute(fn, k_in, grid, at, args)
-    _take_off(k_out, out, grid, owned)
+    if k_out is not None:
+        _take_off(k_out, out, grid, owned)
     if not out.requires_grad:
         return
     target: torch.Tensor | torch.autograd.graph.GradientEdge = out
