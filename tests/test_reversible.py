@@ -10,6 +10,8 @@ recompute are measured exactly (MemTracker, FlopCounterMode).
 from __future__ import annotations
 
 import copy
+import sys
+import weakref
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers import DDP_CONFIGS, run_gloo
+from zoo.checkpoint import is_recomputing
 from zoo.memory import count_flops, cpu_peak_bytes
 from zoo.reversible import (Coupling, from_fixed, grid_for, join, reversible_sequence, split,
                             to_fixed)
@@ -446,3 +449,41 @@ def test_a_kept_lead_input_changed_in_place_after_the_unit_ran_is_an_error():
     with pytest.raises(RuntimeError, match="changed in place") as err:
         (y1.sum() + y2.sum()).backward()
     assert "\n" not in str(err.value)
+
+
+class LetsGo(nn.Module):
+    """A residual function that notes, while it is recomputed, whether its input is still held
+    by anyone once its first layer has used it (a weak reference outlives the tensor)."""
+
+    def __init__(self, width: int, alive: list[bool]) -> None:
+        super().__init__()
+        self.lin, self.alive = nn.Linear(width, width), alive
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rest(x)
+
+    def parts(self) -> tuple[None, object]:
+        return None, self.rest
+
+    def rest(self, x: torch.Tensor) -> torch.Tensor:
+        ref = weakref.ref(x)
+        y = self.lin(x)
+        del x
+        if is_recomputing():
+            self.alive.append(ref() is not None)
+        return torch.tanh(y)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11),
+                    reason="older CPython keeps a call's arguments on the caller's stack")
+def test_a_recomputed_function_alone_holds_its_input():
+    """While the rebuild recomputes F or G, the float view of the stream it runs on is held by
+    the function alone (the graph makes it again when backward needs it), so it is let go as
+    soon as the function is done with it."""
+    torch.manual_seed(0)
+    alive: list[bool] = []
+    blocks = [Coupling(LetsGo(8, alive), LetsGo(8, alive)) for _ in range(3)]
+    x = torch.randn(4, 8, requires_grad=True)
+    y1, y2 = reversible_sequence(blocks, x, x * 2, rebuild=True)
+    (y1 * y2).sum().backward()
+    assert alive == [False] * 6
