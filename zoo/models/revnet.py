@@ -22,7 +22,9 @@ paper, are pinned by tests: 0.46M / 1.73M / 1.75M here.
 One checkpoint mode, ``"reversible"`` (``efficient=True``): the reversible units rebuild their
 inputs in backward (each residual function's first BN-ReLU is made again in backward instead
 of kept through it), the downsampling units are recomputed from the streams of the stage
-before, the stem and the final BN-ReLU are checkpointed.
+before, the stem and the final BN-ReLU are checkpointed (the stem as two nested regions, so
+that its backward holds three full-resolution maps, not four), and while they are recomputed
+the ReLUs inside the residual functions write their gradient over the one they receive.
 With it off (``efficient=False``) the model is the same network, same forward and same
 state_dict, storing its activations; both train bit for bit alike. Figures (one training step
 at batch 32, exact CPU bytes): ``python -m zoo.bench reversible``.

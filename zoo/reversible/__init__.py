@@ -71,8 +71,10 @@ and ``G`` (``f_parts``/``g_parts``: a normalisation), whose output is made again
 needs it instead of kept through the recompute's backward; a non-invertible ``lead`` unit
 (:class:`LeadBlock`) keeps its first output and makes its inputs again from the streams of the
 rebuilt sequence before it (:func:`join`/:func:`split` carry them across a model's stage
-boundary), recomputing its four functions one at a time.
-"""
+boundary), recomputing its four functions one at a time (its ``f_parts``/``g_parts`` heads made
+again too). A recomputed function is the only holder of its input while it runs (it can let it
+go once used), a stream takes a function's output off in place, and the first block's ``x1``,
+which no gradient reads, is not rebuilt: its stream is let go before the block's ``F``."""
 from __future__ import annotations
 
 from collections.abc import Sequence

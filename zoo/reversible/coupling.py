@@ -29,7 +29,7 @@ class LeadBlock(Protocol):
     """A sequence's non-invertible first unit (the RevNet paper's downsampling unit):
     ``y1 = f(x2) + shortcut1(x1)``, ``y2 = g(y1) + shortcut2(x2)``, on floats, with shortcuts
     that change the resolution or the width; what ``lead=`` of :func:`reversible_sequence`
-    takes."""
+    takes. Like :class:`ReversibleBlock` it may have ``f_parts()``/``g_parts()``."""
 
     def f(self, x: torch.Tensor) -> torch.Tensor: ...
 
