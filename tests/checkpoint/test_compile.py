@@ -127,7 +127,8 @@ def test_direct_call_in_a_users_module_is_one_graph_and_exact(images, norm):
     rec = GraphRecorder()
     assert_compiled_matches_eager_plain(plain, ckpt, images, backend=rec)
     assert len(rec.dynamo) == 1, "the model was split into several graphs"
-    assert rec.count("dynamo", TAG) == 3, "each zoo.checkpoint call is one checkpoint subgraph"
+    assert rec.count("dynamo", TAG) == 2 * 3, \
+        "each zoo.checkpoint call is one checkpoint subgraph, then one of its outputs' views"
     conv = torch.ops.aten.convolution.default
     assert rec.count("backward", conv) >= 6, "backward does not rerun the regions' convolutions"
 
@@ -144,7 +145,7 @@ def test_checkpoint_sequential_compiles_exactly(images):
     plain, ckpt = user_nets("sequential")
     rec = GraphRecorder()
     assert_compiled_matches_eager_plain(plain, ckpt, images, backend=rec)
-    assert len(rec.dynamo) == 1 and rec.count("dynamo", TAG) == 2  # two segments
+    assert len(rec.dynamo) == 1 and rec.count("dynamo", TAG) == 2 * 2  # two segments
 
 
 def test_cp_batchnorm_under_torchs_checkpoint_compiles_exactly(images):
@@ -201,7 +202,7 @@ def test_save_ops_are_honoured_when_compiled(save_ops, reruns_matmul):
     x = torch.randn(8, 16, dtype=torch.float64)
     rec = GraphRecorder()
     assert_compiled_matches_eager_plain(plain, MLP(save_ops).double(), x, backend=rec)
-    assert rec.count("dynamo", TAG) == 1
+    assert rec.count("dynamo", TAG) == 2  # the region, then its output's views
     gelu = torch.ops.aten.gelu.default
     assert rec.count("backward", gelu) == 1, "the cheap part is recomputed either way"
     assert (rec.count("backward", torch.ops.aten.addmm.default) > 0) == reruns_matmul
