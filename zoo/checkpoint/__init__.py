@@ -124,6 +124,8 @@ def _kept_outputs(out: Any) -> Any:
     feeds a later region is saved instead (torch's ``cleanup_recompute_tags``: the boundary
     between two regions is stored), so the outputs pass through this region of views: they are
     kept if anything outside needs them, and what reads them recomputes a view, which is free.
+    Not covered: an output that is itself a view (a linear layer on a 3-D input ends in a
+    reshape); the partitioner never keeps a view, so such an output is rebuilt by recomputing.
     """
     return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.view_as(t), out)
 
