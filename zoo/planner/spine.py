@@ -176,20 +176,40 @@ def _calls(call: _Call) -> list[_Call]:
 class SpineStep:
     """One spine module, called as a module (its hooks run, the checkpoint's normalisation
     guard among them) but past the pass-through the plan puts on it; ``name``: its dotted name,
-    for the planner's table."""
+    for the planner's table.
+
+    An in-place activation (``nn.ReLU(inplace=True)`` and its kind: a bool ``inplace`` and no
+    randomness) runs out of place here, to the same values and gradients: its input and output
+    are then two boundaries, and the planner may cut between them. That is what lets a stem's
+    ``conv1, bn1`` be one region inside another over ``conv1 ... maxpool``: the ReLU's backward
+    runs before BatchNorm's input is made again, so the two are never held together with two
+    gradients. Its input is freed at once (no module after it on the spine reads it), so a
+    stored step costs only the moment both exist."""
 
     def __init__(self, module: nn.Module, name: str) -> None:
         self.module, self.name = module, name
+        self.out_of_place = _in_place_activation(module)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
         if torch.compiler.is_compiling():  # no state may change inside a compiled checkpoint;
             return _own_forward(m, x)  # nor is the normalisation guard traced (docs above)
         m.__dict__["_zoo_spine_call"] = m.__dict__.get("_zoo_spine_call", 0) + 1
+        if self.out_of_place:
+            m.inplace = False
         try:
             return m(x)
         finally:
             m.__dict__["_zoo_spine_call"] -= 1
+            if self.out_of_place:
+                m.inplace = True
+
+
+def _in_place_activation(m: nn.Module) -> bool:
+    """Whether ``m`` is set to overwrite its input and would give the same values out of place
+    (not so for dropout's or RReLU's random draws, which may differ between the two kernels)."""
+    return getattr(m, "inplace", None) is True and not isinstance(
+        m, (nn.modules.dropout._DropoutNd, nn.RReLU))
 
 
 def _own_forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
