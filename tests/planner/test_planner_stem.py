@@ -97,6 +97,8 @@ def test_in_place_steps_run_out_of_place_and_train_as_plain():
         assert_same_training(plain, plain, model, model, x, exact=True)
         model.load_state_dict(plain.state_dict())
     assert model.act.inplace and model.act2.inplace and model.drop.inplace
+    compiled = zoo.planner.spine_planner(model, x, compiled=True)  # the partitioner's way
+    assert not any(c.spine_out_of_place for c in compiled.choices)
     step = SpineStep(model.act, "act")
     y = torch.randn(4, 8)
     out = step(y)
