@@ -37,6 +37,11 @@ figures from ``python -m zoo.bench transformers``, one training step):
   linear runs twice without dropout after it; the attention core and the pointwise ops are
   recomputed, and a pre-norm block keeps its two residual-stream inputs, qkv and ``fc1``'s
   output (:func:`_selective_sublayers`).
+* ``"selective_mlp"``: the attention sublayer checkpointed whole (only its input kept: its
+  recompute reruns the qkv linear and the core and stops before ``attn.proj``), the MLP as in
+  ``"selective_sublayer"``: per block, qkv's output (three widths per token) less to keep for
+  the qkv linear's FLOPs. A per-block choice for the planner between the two above, as
+  torch.compile's memory budget makes it op by op.
 """
 from __future__ import annotations
 
@@ -163,7 +168,8 @@ class Block(nn.Module):
 def run_blocks(blocks: Sequence[Block], x: torch.Tensor, mode: str | None,
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Run ``blocks`` in order under checkpoint ``mode`` (see the module docstring): ``None``
-    (plain), ``"block"``, ``"sublayer"``, ``"selective"`` or ``"selective_sublayer"``.
+    (plain), ``"block"``, ``"sublayer"``, ``"selective"``, ``"selective_sublayer"`` or
+    ``"selective_mlp"``.
 
     In ``"block"`` mode the last block runs plainly: backward needs its activations first, so
     recomputing them would cost FLOPs and save no peak memory (as
@@ -184,6 +190,8 @@ def run_blocks(blocks: Sequence[Block], x: torch.Tensor, mode: str | None,
             x = checkpoint(block.mlp_sublayer, x)
         elif mode == "selective":
             x = checkpoint(block, x, attn_mask, save_ops=SELECTIVE_SAVE_OPS)
+        elif mode == "selective_mlp":
+            x = _selective_mlp(block, checkpoint(block.attention_sublayer, x, attn_mask))
         else:
             x = _selective_sublayers(block, x, attn_mask)
     return x
@@ -199,9 +207,16 @@ def _selective_sublayers(block: Block, x: torch.Tensor,
     the norms, whose backward needs them, so each sublayer keeps all its matmuls' outputs."""
     if not block.pre_norm:
         x = checkpoint(block.attention_sublayer, x, attn_mask, save_ops=SELECTIVE_SAVE_OPS)
+    else:
+        x = checkpoint(block.attention_sublayer, x, attn_mask,
+                       save_ops=AllBut(SELECTIVE_SAVE_OPS, block.attn.proj))
+    return _selective_mlp(block, x)
+
+
+def _selective_mlp(block: Block, x: torch.Tensor) -> torch.Tensor:
+    """The MLP sublayer as ``selective_sublayer`` runs it (:func:`_selective_sublayers`)."""
+    if not block.pre_norm:
         return checkpoint(block.mlp_sublayer, x, save_ops=SELECTIVE_SAVE_OPS)
-    x = checkpoint(block.attention_sublayer, x, attn_mask,
-                   save_ops=AllBut(SELECTIVE_SAVE_OPS, block.attn.proj))
     hidden = checkpoint(block.mlp_input, x, save_ops=SELECTIVE_SAVE_OPS)
     return checkpoint(block.mlp_output, x, hidden)
 
@@ -230,7 +245,7 @@ class TransformerModel(ZooModel):
     run under the active checkpoint mode, or under a planner's ``checkpoint_plan``."""
 
     checkpoint_modes: ClassVar[tuple[str, ...]] = ("block", "sublayer", "selective",
-                                                    "selective_sublayer")
+                                                    "selective_sublayer", "selective_mlp")
     blocks: nn.Sequential
     global_pool = "token"  # the head reads the first token (ViT's class token, BERT's [CLS])
     context_length: int  # the longest token sequence (language models)
