@@ -191,7 +191,7 @@ def run_blocks(blocks: Sequence[Block], x: torch.Tensor, mode: str | None,
         elif mode == "selective":
             x = checkpoint(block, x, attn_mask, save_ops=SELECTIVE_SAVE_OPS)
         elif mode == "selective_mlp":
-            x = _selective_mlp(block, checkpoint(block.attention_sublayer, x, attn_mask))
+            x = _whole_attention_selective_mlp(block, x, attn_mask)
         else:
             x = _selective_sublayers(block, x, attn_mask)
     return x
@@ -207,18 +207,24 @@ def _selective_sublayers(block: Block, x: torch.Tensor,
     the norms, whose backward needs them, so each sublayer keeps all its matmuls' outputs."""
     if not block.pre_norm:
         x = checkpoint(block.attention_sublayer, x, attn_mask, save_ops=SELECTIVE_SAVE_OPS)
-    else:
-        x = checkpoint(block.attention_sublayer, x, attn_mask,
-                       save_ops=AllBut(SELECTIVE_SAVE_OPS, block.attn.proj))
-    return _selective_mlp(block, x)
-
-
-def _selective_mlp(block: Block, x: torch.Tensor) -> torch.Tensor:
-    """The MLP sublayer as ``selective_sublayer`` runs it (:func:`_selective_sublayers`)."""
-    if not block.pre_norm:
         return checkpoint(block.mlp_sublayer, x, save_ops=SELECTIVE_SAVE_OPS)
+    x = checkpoint(block.attention_sublayer, x, attn_mask,
+                   save_ops=AllBut(SELECTIVE_SAVE_OPS, block.attn.proj))
     hidden = checkpoint(block.mlp_input, x, save_ops=SELECTIVE_SAVE_OPS)
     return checkpoint(block.mlp_output, x, hidden)
+
+
+def _whole_attention_selective_mlp(block: Block, x: torch.Tensor,
+                                   attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """``selective_mlp``: the attention sublayer one checkpoint keeping only its input; the
+    MLP as ``selective_sublayer`` runs it. Pre-norm, ``norm2`` and ``fc1`` are a plain region
+    here: the next region keeps ``fc1``'s output as its input, and the recompute stops before
+    ``fc1`` (its backward needs only ``norm2``'s output), so no op's output is kept out of
+    the saved-tensor hooks' sight and the block may run inside an outer region too."""
+    x = checkpoint(block.attention_sublayer, x, attn_mask)
+    if not block.pre_norm:
+        return checkpoint(block.mlp_sublayer, x, save_ops=SELECTIVE_SAVE_OPS)
+    return checkpoint(block.mlp_output, x, checkpoint(block.mlp_input, x))
 
 
 class Step(nn.Module):
