@@ -158,8 +158,20 @@ class Block(nn.Module):
     def mlp_output(self, x: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The rest of a pre-norm MLP sublayer: ``x + fc2(act(hidden))`` (with its dropouts);
         ``mlp_output(x, mlp_input(x))`` is ``mlp_sublayer(x)``."""
+        return x + self.mlp_branch(hidden)
+
+    def mlp_branch(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A pre-norm MLP's residual branch after ``fc1``: ``fc2(act(hidden))`` (dropouts,
+        stochastic depth)."""
         m = self.mlp
-        return x + self.drop_path2(m.drop2(m.fc2(m.norm(m.drop1(m.act(hidden))))))
+        return self.drop_path2(m.drop2(m.fc2(m.norm(m.drop1(m.act(hidden))))))
+
+    def attention_and_mlp_input(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pre-norm block up to ``fc1``: the residual stream between the sublayers and
+        ``fc1``'s output."""
+        x = self.attention_sublayer(x, attn_mask)
+        return x, self.mlp_input(x)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.mlp_sublayer(self.attention_sublayer(x, attn_mask))
@@ -192,6 +204,8 @@ def run_blocks(blocks: Sequence[Block], x: torch.Tensor, mode: str | None,
             x = checkpoint(block, x, attn_mask, save_ops=SELECTIVE_SAVE_OPS)
         elif mode == "selective_mlp":
             x = _whole_attention_selective_mlp(block, x, attn_mask)
+        elif mode == "selective_stream":
+            x = _selective_stream(block, x, attn_mask)
         else:
             x = _selective_sublayers(block, x, attn_mask)
     return x
@@ -227,6 +241,21 @@ def _whole_attention_selective_mlp(block: Block, x: torch.Tensor,
     return checkpoint(block.mlp_output, x, checkpoint(block.mlp_input, x))
 
 
+def _selective_stream(block: Block, x: torch.Tensor,
+                      attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """``selective_stream`` (pre-norm only): one selective region from the block's input to
+    ``fc1``'s output, keeping qkv's and ``fc1``'s outputs, then the MLP branch as a region
+    keeping ``fc1``'s output; the residual sum after them is outside both. Nothing keeps the
+    residual stream between the sublayers: backward makes it again (``attn.proj`` reruns), as
+    torch.compile's memory budget chooses for some blocks of a ViT."""
+    if not block.pre_norm:
+        raise ValueError("selective_stream is for pre-norm blocks: a post-norm block's norms "
+                         "need their inputs, the stream itself; use selective_sublayer")
+    x, hidden = checkpoint(block.attention_and_mlp_input, x, attn_mask,
+                           save_ops=AllBut(SELECTIVE_SAVE_OPS, block.attn.proj))
+    return x + checkpoint(block.mlp_branch, hidden)
+
+
 class Step(nn.Module):
     """Wraps a callable (e.g. a model's embedding method) as a module for ``checkpoint_chain``.
 
@@ -251,7 +280,8 @@ class TransformerModel(ZooModel):
     run under the active checkpoint mode, or under a planner's ``checkpoint_plan``."""
 
     checkpoint_modes: ClassVar[tuple[str, ...]] = ("block", "sublayer", "selective",
-                                                    "selective_sublayer", "selective_mlp")
+                                                    "selective_sublayer", "selective_mlp",
+                                                    "selective_stream")
     blocks: nn.Sequential
     global_pool = "token"  # the head reads the first token (ViT's class token, BERT's [CLS])
     context_length: int  # the longest token sequence (language models)
