@@ -42,6 +42,10 @@ figures from ``python -m zoo.bench transformers``, one training step):
   ``"selective_sublayer"``: per block, qkv's output (three widths per token) less to keep for
   the qkv linear's FLOPs. A per-block choice for the planner between the two above, as
   torch.compile's memory budget makes it op by op.
+* ``"selective_stream"`` (pre-norm blocks only): ``"selective_sublayer"`` without keeping the
+  residual stream between the sublayers: one selective region from the block's input to
+  ``fc1``'s output, so backward makes the stream again (``attn.proj`` reruns) for one width per
+  token less (:func:`_selective_stream`).
 """
 from __future__ import annotations
 
@@ -180,8 +184,8 @@ class Block(nn.Module):
 def run_blocks(blocks: Sequence[Block], x: torch.Tensor, mode: str | None,
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Run ``blocks`` in order under checkpoint ``mode`` (see the module docstring): ``None``
-    (plain), ``"block"``, ``"sublayer"``, ``"selective"``, ``"selective_sublayer"`` or
-    ``"selective_mlp"``.
+    (plain), ``"block"``, ``"sublayer"``, ``"selective"``, ``"selective_sublayer"``,
+    ``"selective_mlp"`` or ``"selective_stream"``.
 
     In ``"block"`` mode the last block runs plainly: backward needs its activations first, so
     recomputing them would cost FLOPs and save no peak memory (as
