@@ -52,7 +52,7 @@ def tiny(family: str, efficient: bool | str = False, drop: float = 0.1) -> Trans
 
 FAMILIES = ["vit", "bert", "gpt2"]
 CLASSES = {"vit": VisionTransformer, "bert": Bert, "gpt2": GPT2}
-# every family with every mode it has (BERT, post-norm, has no selective_stream)
+# every family with every mode it has (BERT, post-norm, has no pre-norm-only mode)
 FAMILY_MODES = [(f, m) for f in FAMILIES for m in MODES if m in CLASSES[f].checkpoint_modes]
 
 
@@ -305,10 +305,12 @@ def test_bert_padding_is_not_attended():
         assert not torch.allclose(model(ids), model(changed))  # without the mask they count
 
 
-def test_a_post_norm_block_refuses_selective_stream():
-    """The stream between a post-norm block's sublayers is its norms' input: never dropped."""
-    with pytest.raises(ValueError, match="selective_stream"):
-        tiny("bert").set_grad_checkpointing("selective_stream")
+@pytest.mark.parametrize("mode", ["selective_mlp", "selective_stream"])
+def test_a_post_norm_block_refuses_the_pre_norm_modes(mode):
+    """A post-norm block's norms need the stream between its sublayers and its last linears'
+    outputs: the modes that recompute them are pre-norm only, each refused in one line."""
+    with pytest.raises(ValueError, match=mode):
+        tiny("bert").set_grad_checkpointing(mode)
     block = tiny("bert").blocks[0]
     with pytest.raises(ValueError, match="pre-norm"):
-        run_blocks([block], torch.randn(2, 4, 64), "selective_stream")
+        run_blocks([block], torch.randn(2, 4, 64), mode)

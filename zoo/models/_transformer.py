@@ -37,7 +37,7 @@ figures from ``python -m zoo.bench transformers``, one training step):
   linear runs twice without dropout after it; the attention core and the pointwise ops are
   recomputed, and a pre-norm block keeps its two residual-stream inputs, qkv and ``fc1``'s
   output (:func:`_selective_sublayers`).
-* ``"selective_mlp"``: the attention sublayer checkpointed whole (only its input kept: its
+* ``"selective_mlp"`` (pre-norm blocks only): the attention sublayer checkpointed whole (only its input kept: its
   recompute reruns the qkv linear and the core and stops before ``attn.proj``), the MLP as in
   ``"selective_sublayer"``: per block, qkv's output (three widths per token) less to keep for
   the qkv linear's FLOPs. A per-block choice for the planner between the two above, as
@@ -238,10 +238,13 @@ def _whole_attention_selective_mlp(block: Block, x: torch.Tensor,
     MLP as ``selective_sublayer`` runs it. Pre-norm, ``norm2`` and ``fc1`` are a plain region
     here: the next region keeps ``fc1``'s output as its input, and the recompute stops before
     ``fc1`` (its backward needs only ``norm2``'s output), so no op's output is kept out of
-    the saved-tensor hooks' sight and the block may run inside an outer region too."""
-    x = checkpoint(block.attention_sublayer, x, attn_mask)
+    the saved-tensor hooks' sight and the block may run inside an outer region too.
+    Pre-norm only (a post-norm attention sublayer's recompute would rerun ``attn.proj`` too,
+    for its norm)."""
     if not block.pre_norm:
-        return checkpoint(block.mlp_sublayer, x, save_ops=SELECTIVE_SAVE_OPS)
+        raise ValueError("selective_mlp is for pre-norm blocks: a post-norm block's norms need "
+                         "their inputs; use selective_sublayer")
+    x = checkpoint(block.attention_sublayer, x, attn_mask)
     return checkpoint(block.mlp_output, x, checkpoint(block.mlp_input, x))
 
 

@@ -77,9 +77,10 @@ class Bert(TransformerModel):
         efficient: checkpointing: ``False``, ``True`` (``"block"``) or a mode name.
     """
 
-    # post-norm: the norms need the stream between the sublayers, which selective_stream drops
+    # post-norm: the norms need the stream between the sublayers and the last linears' outputs,
+    # which the pre-norm modes selective_mlp and selective_stream recompute
     checkpoint_modes = tuple(m for m in TransformerModel.checkpoint_modes
-                             if m != "selective_stream")
+                             if m not in ("selective_mlp", "selective_stream"))
 
     def __init__(self, vocab_size: int = 30522, max_positions: int = 512,
                  type_vocab_size: int = 2, embed_dim: int = 768, depth: int = 12,
