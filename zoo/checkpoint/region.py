@@ -346,15 +346,26 @@ def _last_recompute(slots: list[weakref.ref[_Slot] | None], first: int) -> bool:
         if nr < first or nr in seen:
             continue
         seen.add(nr)
+        below = [f for f, _ in node.next_functions if f is not None]
         if nr in needed:
-            try:
-                if not _will_run(node):
-                    return False
-            except RuntimeError:  # the engine cannot tell (a leaf captured by autograd.grad)
+            if not (_runs(node) and any(_runs(f) for f in below)):
                 return False
             needed.discard(nr)
-        stack.extend(f for f, _ in node.next_functions if f is not None)
+        stack.extend(below)
     return not needed
+
+
+def _runs(node: Any) -> bool:
+    """Whether the engine runs ``node`` in this backward call or takes a gradient there.
+
+    A node whose gradient ``torch.autograd.grad`` only takes counts too, so a holder of a slot
+    runs if one of the nodes below it counts as well (the engine's own rule for running a node
+    when told which gradients to compute); a leaf whose gradient is taken is the engine's error.
+    """
+    try:
+        return _will_run(node)
+    except RuntimeError:
+        return True
 
 
 def _empty_slots(slots: list[weakref.ref[_Slot] | None]) -> None:
