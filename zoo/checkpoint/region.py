@@ -272,7 +272,7 @@ class _Region:
         if isinstance(call, int) and call >= 0:  # drop the unused when this backward call ends
             _engine.queue_callback(functools.partial(_empty_slots, self.slots))
             if _CAN_LET_GO and self.saver is None and not self.in_forward and \
-                    not _keep_graph() and _last_recompute(self.slots, self.first):
+                    _last_recompute(self.slots, self.first):
                 self.let_go()
 
     def let_go(self) -> None:
@@ -330,28 +330,40 @@ class _Region:
 
 def _last_recompute(slots: list[weakref.ref[_Slot] | None], first: int) -> bool:
     """Whether the backward call running now runs every node that still holds one of ``slots``
-    (so, its graph not kept, none will ask for them again).
+    and keeps no graph (so none of them will ask for a recompute again).
 
     The nodes are found below the node running now, among the region's own (sequence numbers
-    from ``first``, the region's first): a node made outside the region ends a path, since
-    nothing made before the region leads back into it. A slot whose node is not found keeps the
-    region as it is.
+    from ``first``, the region's first): a node made before the region ends a path, since
+    nothing made before the region leads back into it. A slot whose node is not found (a
+    branch beside the running node's, a node the engine runs under another name) keeps the
+    region as it is, and so does anything the engine cannot answer (no backward call of its own:
+    compiled autograd).
     """
-    needed = {slot.node for ref in slots if ref is not None and (slot := ref()) is not None}
-    node = _node_now()
-    stack, seen = ([] if node is None else [node]), set()
-    while stack and needed:
-        node = stack.pop()
-        nr = node._sequence_nr()
-        if nr < first or nr in seen:
-            continue
-        seen.add(nr)
-        below = [f for f, _ in node.next_functions if f is not None]
-        if nr in needed:
-            if not (_runs(node) and any(_runs(f) for f in below)):
-                return False
-            needed.discard(nr)
-        stack.extend(below)
+    needed = set()
+    for ref in slots:
+        slot = None if ref is None else ref()
+        if slot is not None:
+            needed.add(slot.node)
+    try:
+        if _keep_graph():
+            return False
+        stack, seen = [_node_now()], set()
+        while stack and stack[-1] is not None:
+            node = stack.pop()
+            nr = node._sequence_nr()
+            if nr < first or nr in seen:
+                continue
+            seen.add(nr)
+            below = [f for f, _ in node.next_functions if f is not None]
+            if nr in needed:
+                if not (_will_run(node) and any(map(_runs, below))):
+                    return False
+                needed.discard(nr)
+                if not needed:
+                    return True
+            stack += below
+    except RuntimeError:
+        return False
     return not needed
 
 
