@@ -241,7 +241,9 @@ def checkpoint(fn: Callable[..., Any], *args: Any,
     region's parameters' device; ``use_reentrant=True`` still gives non-reentrant semantics and
     no call warns; recomputed tensors a backward call did not use are freed when that call ends
     (torch keeps them until the graph is freed); the recompute dispatches no detach of the tensors
-    it rebuilds, and a module's parameters saved by the region are kept, not rebuilt.
+    it rebuilds, and a module's parameters saved by the region are kept, not rebuilt; a region
+    lets go of its inputs as soon as the backward call that recomputes it can need them no more
+    (not when its last node has run; kept for ``retain_graph=True`` and partial backward calls).
     """
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
