@@ -18,7 +18,7 @@ from timm.models.vision_transformer import VisionTransformer as TimmViT
 import zoo
 from helpers import assert_same_training, train_step_peak
 from zoo.memory import count_flops
-from zoo.models._transformer import TransformerModel
+from zoo.models._transformer import TransformerModel, run_blocks
 from zoo.models.bert import Bert
 from zoo.models.gpt2 import GPT2
 from zoo.models.vit import VisionTransformer
@@ -51,6 +51,9 @@ def tiny(family: str, efficient: bool | str = False, drop: float = 0.1) -> Trans
 
 
 FAMILIES = ["vit", "bert", "gpt2"]
+CLASSES = {"vit": VisionTransformer, "bert": Bert, "gpt2": GPT2}
+# every family with every mode it has (BERT, post-norm, has no pre-norm-only mode)
+FAMILY_MODES = [(f, m) for f in FAMILIES for m in MODES if m in CLASSES[f].checkpoint_modes]
 
 
 # -- sizes and shapes -----------------------------------------------------------------------------
@@ -165,8 +168,7 @@ def test_dropout_is_active_in_train_mode():
             assert not torch.allclose(a, b), f"{family}: two train forwards gave the same output"
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family, mode", FAMILY_MODES)
 def test_modes_train_exactly_like_plain_with_dropout(family, mode):
     torch.manual_seed(0)
     plain = tiny(family)
@@ -176,7 +178,7 @@ def test_modes_train_exactly_like_plain_with_dropout(family, mode):
     assert_same_training(plain, plain, ckpt, ckpt, plain.example_input(2))
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", Bert.checkpoint_modes)
 def test_bert_with_padding_and_segments_trains_exactly_like_plain(mode):
     torch.manual_seed(0)
     plain, ckpt = tiny("bert"), tiny("bert", efficient=mode)
@@ -258,15 +260,14 @@ def test_selective_keeps_no_more_than_plain_and_block_least():
     model = tiny("bert")
     x = model.example_input(4, 32)
     peaks = {}
-    for mode in (False, *MODES):
+    for mode in (False, *Bert.checkpoint_modes):
         model.set_grad_checkpointing(mode)
         peaks[mode] = train_step_peak(model, x)
     assert peaks["selective"] < peaks[False]
     assert peaks["block"] < peaks["selective"] and peaks["sublayer"] < peaks["selective"]
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family, mode", FAMILY_MODES)
 def test_modes_lower_peak_memory(family, mode):
     torch.manual_seed(0)
     model = tiny(family)
@@ -302,3 +303,14 @@ def test_bert_padding_is_not_attended():
         torch.testing.assert_close(model(ids, attention_mask=mask),
                                    model(changed, attention_mask=mask))
         assert not torch.allclose(model(ids), model(changed))  # without the mask they count
+
+
+@pytest.mark.parametrize("mode", ["selective_mlp", "selective_stream"])
+def test_a_post_norm_block_refuses_the_pre_norm_modes(mode):
+    """A post-norm block's norms need the stream between its sublayers and its last linears'
+    outputs: the modes that recompute them are pre-norm only, each refused in one line."""
+    with pytest.raises(ValueError, match=mode):
+        tiny("bert").set_grad_checkpointing(mode)
+    block = tiny("bert").blocks[0]
+    with pytest.raises(ValueError, match="pre-norm"):
+        run_blocks([block], torch.randn(2, 4, 64), mode)

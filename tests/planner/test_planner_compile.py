@@ -1,7 +1,8 @@
 """Plans that survive ``torch.compile``: a model planned with ``compiled=True`` (zoo's and an
 outside one), compiled, keeps its plan: the compiled training step's peak (measured exactly
 on the CPU by replaying AOTAutograd's partitioned graphs, ``zoo.bench.compile_budget``) is no
-higher than the eager plan's measured peak, and it recomputes no more FLOPs. A nested plan
+higher than the eager plan's measured peak, and it recomputes no more FLOPs (the one slack:
+BatchNorm's new running statistics, which the compiled plain model holds too). A nested plan
 (recompute within a recompute) is flattened by the partitioner, which recomputes each tagged
 op once: compiled, it holds more than planned, which is why ``compiled=True`` leaves it out.
 """
@@ -17,10 +18,18 @@ from zoo.planner import Planner, default_loss, measure_step, spine_planner
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def check_compiled(make, x: torch.Tensor, planner: Planner, fractions: tuple,
-                   slack: int = 0) -> None:
+def new_running_stats(model: torch.nn.Module) -> int:
+    """Bytes of the BatchNorm running statistics: compiled, each BatchNorm's new mean and
+    variance are tensors of their own (functionalized), which the forward graph saves for
+    ``native_batch_norm_backward`` (it takes them, and reads them only in eval mode), so a
+    compiled step holds them until backward where eager updates the buffers in place; the
+    plain model compiled holds them too. The one slack this allows."""
+    return sum(b.nbytes for n, b in model.named_buffers() if n.endswith(("mean", "var")))
+
+
+def check_compiled(make, x: torch.Tensor, planner: Planner, fractions: tuple) -> None:
     """Plans at ``fractions`` of the way from the least to the plain peak, compiled: peak no
-    higher than eager (plus ``slack`` bytes), recompute no more."""
+    higher than eager (plus BatchNorm's new running statistics), recompute no more."""
     plain_flops = measure_step(make(), x)[1]
     least, top = planner.least_peak, planner.plain_peak
     for f in fractions:
@@ -31,8 +40,61 @@ def check_compiled(make, x: torch.Tensor, planner: Planner, fractions: tuple,
         eager, eager_flops = measure_step(model, x)
         compiled = measure_compiled(model, x, 1.0, default_loss)
         assert eager == plan.predicted_peak and eager_flops - plain_flops == plan.recompute_flops
-        assert compiled["peak_bytes"] <= eager + slack, f
+        assert compiled["peak_bytes"] <= eager + new_running_stats(model), f
         assert compiled["flops"] <= eager_flops, f
+
+
+def tiny_conv() -> torch.nn.Sequential:
+    """conv-BN-ReLU twice, pooled into a linear head (the model of test_planner_vs_compile)."""
+    torch.manual_seed(0)
+    nn = torch.nn
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+
+class Residual(torch.nn.Module):
+    """A transformer's MLP sublayer: x + fc2(gelu(fc1(norm(x))))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.norm, self.fc1, self.act, self.fc2 = (nn.LayerNorm(32), nn.Linear(32, 64),
+                                                   nn.GELU(), nn.Linear(64, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class TokenMean(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(1)
+
+
+def tiny_mlp() -> torch.nn.Sequential:
+    """Three MLP sublayers on tokens, pooled into a linear head: no BatchNorm, so no slack."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(Residual(), Residual(), Residual(), TokenMean(),
+                               torch.nn.Linear(32, 10))
+
+
+@pytest.mark.parametrize("make, shape", [(tiny_conv, (4, 3, 16, 16)), (tiny_mlp, (4, 16, 32))],
+                         ids=["conv_bn", "mlp"])
+def test_every_compile_safe_plan_keeps_its_peak_and_recompute_compiled(make, shape):
+    """Every plan of the compile-safe search, a region's last op followed by a layer that saves
+    its output included (the partitioner recomputed it and the chain before it: measured 341,288
+    B and +5.6 MFLOP compiled where eager holds 284,648 B at +0.9 MFLOP on ``tiny_conv``)."""
+    torch.manual_seed(0)
+    x = torch.randn(*shape)
+    planner = spine_planner(make(), x, compiled=True)
+    assert len(planner.choices) > 2
+    for choice in planner.choices:
+        model = make()
+        choice.apply(model)
+        eager, eager_flops = measure_step(model, x)
+        compiled = measure_compiled(model, x, 1.0, default_loss)
+        assert compiled["flops"] == eager_flops, choice.predicted_peak
+        assert compiled["peak_bytes"] <= eager + new_running_stats(model), choice.predicted_peak
 
 
 def test_a_zoo_model_planned_for_compile_keeps_its_plan_compiled():
@@ -52,6 +114,4 @@ def test_an_outside_model_planned_for_compile_keeps_its_plan_compiled():
         return torchvision.models.resnet18(num_classes=10).train()
 
     x = torch.randn(8, 3, 64, 64)
-    # measured: the compiled step peaks 512 bytes (128 floats) above the eager plan here, the
-    # partitioner's ordering of the stem's backward; not closed yet
-    check_compiled(make, x, spine_planner(make(), x, compiled=True), (0.3,), slack=512)
+    check_compiled(make, x, spine_planner(make(), x, compiled=True), (0.0, 0.3, 0.7))

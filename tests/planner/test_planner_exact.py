@@ -63,18 +63,19 @@ def random_schedule(rng: random.Random, n: int) -> list:
 @pytest.mark.parametrize("family", ["vit", "bert", "gpt2", "resnet"])
 def test_the_finer_save_sets_are_predicted_to_the_byte_stored_and_nested(family):
     """The save set that spares a block's last linear (``ops:matmul-last``) and the
-    transformers' ``selective_sublayer`` mode, on every block, stored and inside a
-    checkpointed segment: measured = predicted. The save set is offered to pre-norm blocks with
+    transformers' ``selective_sublayer`` mode and, pre-norm, ``selective_mlp`` and
+    ``selective_stream``, on every block, stored and inside a checkpointed segment: measured =
+    predicted. The save set is offered to pre-norm blocks with
     two linear layers or more only, so a ResNet's planning profiles neither."""
     model, x = small(family)
     planner = Planner(model, x, modes=False)
     plain_flops = measure_step(model, x)[1]
     profiles = [planner.profile, *planner.variants]
     names = [q.block_mode for q in profiles]
-    finer = {"ops:matmul-last", "selective_sublayer"}
+    finer = {"ops:matmul-last", "selective_sublayer", "selective_mlp", "selective_stream"}
     if family == "bert":  # post-norm: its norms' backward needs the last linear's output
         finer = {"selective_sublayer"}
-        assert "ops:matmul-last" not in names
+        assert not {"ops:matmul-last", "selective_mlp", "selective_stream"} & set(names)
     if family == "resnet":
         assert not finer & set(names)
         return

@@ -250,3 +250,40 @@ def test_block_mode_profiles_count_what_the_blocks_own_checkpoints_keep():
         need = schedule_cost(m, [(0, n, None)], [v] * n)[0]
         peak = measured([(0, n, None)], [v] * n)
         assert peak <= p.base + need <= 1.1 * peak, names[v]
+
+
+@pytest.mark.parametrize("name, mode, refused", [("vit_cifar", "block", False),
+                                                 ("resnet20", "block", True)])
+def test_a_mode_that_checkpoints_units_whole_is_told_by_its_forward_alone(
+        monkeypatch, name, mode, refused):
+    """A block mode whose blocks are each one region keeping only their input (ViT's ``block``:
+    what a one-unit checkpointed segment does, so no profile) or that keep more than their one
+    region (ResNet's ``block``: refused, measured as a hand mode) is known once its forward has
+    run: the profile's step stops there, no backward runs."""
+    import zoo.planner.profile as profile_module
+
+    torch.manual_seed(0)
+    model = zoo.create_model(name)
+    x = model.example_input(2)
+    p = profile_chain(model, x)
+    traces = []
+    traced = profile_module.traced_step
+
+    def spy(*args, **kwargs):
+        found = traced(*args, **kwargs)
+        traces.append(found[0])
+        return found
+
+    monkeypatch.setattr(profile_module, "traced_step", spy)
+    if refused:
+        with pytest.raises(ValueError, match="keeps more than its one checkpoint region"):
+            profile_chain(model, x, None, mode, like=p, whole=False)
+    else:
+        assert profile_chain(model, x, None, mode, like=p, whole=False) is None
+    assert len(traces) == 1 and traces[0].stopped
+    assert not any(phase[0] in ("B", "BR", "tail") for phase in traces[0].mark)
+    # the same mode profiled for its own sake (whole=True) runs its backward
+    traces.clear()
+    if not refused:
+        assert profile_chain(model, x, None, mode, like=p) is not None
+        assert not traces[0].stopped and any(ph[0] == "B" for ph in traces[0].mark)

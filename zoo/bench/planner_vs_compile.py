@@ -276,8 +276,8 @@ def planner_vs_compile(models: str | tuple = ",".join(MODELS), batch: int = 32,
                        fractions: str | tuple = ",".join(f"{f:g}" for f in FRACTIONS),
                        solver: str | None = None, threads: int = 2, compiled: bool = True,
                        timing: str | tuple = "", repeats: int = 3, resume: bool = False,
-                       out: str = "docs/results/bench_planner_vs_compile_cpu.json"
-                       ) -> list[dict]:
+                       out: str = "docs/results/bench_planner_vs_compile_cpu.json",
+                       size: int = 32) -> list[dict]:
     """zoo.plan beside torch.compile's activation_memory_budget, eager and compiled.
 
     Per model and budget fraction ``f``: torch's step compiled under
@@ -286,6 +286,7 @@ def planner_vs_compile(models: str | tuple = ",".join(MODELS), batch: int = 32,
     (eager and compiled); the least peak each side reaches; and for the models in ``--timing``
     the planning time (median of ``--repeats``, timed first). Prints Markdown; rewrites ``--out``
     after each model (``--resume``: keeps the models and timings already in it and runs the rest).
+    ``--size``: the images' side in px for ``torchvision:`` and ``timm:`` models in ``--models``.
     """
     torch.set_num_threads(threads)
     fs = [float(f) for f in comma_list(fractions)]
@@ -305,7 +306,8 @@ def planner_vs_compile(models: str | tuple = ",".join(MODELS), batch: int = 32,
     done = {r["model"] for r in results}
     for name in comma_list(models):
         if name not in done:
-            results.append(compare(name, batch, fs, solver=solver, compiled=compiled))
+            results.append(compare(name, batch, fs, size=size, solver=solver,
+                                   compiled=compiled))
             write_json(Path(out), payload)
             print(markdown(results[-1:]), "\n", results[-1]["verdict"], flush=True)
     return results

@@ -100,6 +100,40 @@ def _traced_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict[str, An
     without Dynamo, forward and recompute alike, the recompute under the zoo's recompute flag
     and normalisation guard.
     """
+    global _tracing_region
+    if _tracing_region:  # nested: the outer region's recompute rebuilds this one's outputs
+        return _tagged_region(fn, args, kwargs, save_ops, context_fn)
+    _tracing_region = True
+    try:
+        out = _tagged_region(fn, args, kwargs, save_ops, context_fn)
+    finally:
+        _tracing_region = False
+    return torch_checkpoint.checkpoint(_kept_outputs, out, use_reentrant=False)
+
+
+_tracing_region = False  # True while Dynamo traces a region's body (regions nest)
+
+
+def _kept_outputs(out: Any) -> Any:
+    """Views of a region's output tensors, traced as a region of their own after it.
+
+    AOTAutograd's partitioner recomputes every op tagged for recompute that backward needs,
+    the region's last ops too: a tensor the ops after the region save for their backward (the
+    next BatchNorm's input) would be recomputed, and the region's chain up to it, where the
+    eager region leaves it as it is, alive in the next op's saved tensors. An op whose output
+    feeds a later region is saved instead (torch's ``cleanup_recompute_tags``: the boundary
+    between two regions is stored), so the outputs pass through this region of views: they are
+    kept if anything outside needs them, and what reads them recomputes a view, which is free.
+    Not covered: an output that is itself a view (a linear layer on a 3-D input ends in a
+    reshape); the partitioner never keeps a view, so such an output is rebuilt by recomputing.
+    """
+    return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.view_as(t), out)
+
+
+def _tagged_region(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
+                   save_ops: Collection[Any] | Callable[..., bool] | None,
+                   context_fn: Callable[[], tuple[Any, Any]] | None) -> Any:
+    """The region's body as one ``tag_activation_checkpoint`` subgraph (its ops tagged)."""
     fn = functools.partial(_compiled_body, fn)
     if context_fn is not None and context_fn is not torch_checkpoint.noop_context_fn:
         if save_ops:
@@ -207,7 +241,9 @@ def checkpoint(fn: Callable[..., Any], *args: Any,
     region's parameters' device; ``use_reentrant=True`` still gives non-reentrant semantics and
     no call warns; recomputed tensors a backward call did not use are freed when that call ends
     (torch keeps them until the graph is freed); the recompute dispatches no detach of the tensors
-    it rebuilds, and a module's parameters saved by the region are kept, not rebuilt.
+    it rebuilds, and a module's parameters saved by the region are kept, not rebuilt; a region
+    lets go of its inputs as soon as the backward call that recomputes it can need them no more
+    (not when its last node has run; kept for ``retain_graph=True`` and partial backward calls).
     """
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)

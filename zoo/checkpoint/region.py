@@ -30,6 +30,10 @@ from .recompute import _ForwardContext, _local, _RecomputeContext
 # the recompute runs, so ``torch.autograd.grad`` inside the region works, also during the forward
 # (the region is then recomputed up to where the forward is), and no graph holds a recomputed
 # tensor afterwards.
+# Once a backward call has recomputed the region, and that call will run every node still holding
+# one of its slots without keeping the graph, no later call can ask for a recompute: the region
+# then lets go of its inputs (and ``fn``) at once instead of when its last node has run, as a
+# compiled backward frees a saved input after its last use (``_Region.let_go``).
 # A region nested in another hands its inputs to the outer one (``_SaveInputs``), which then
 # recomputes them when the inner region needs them.
 # torch.utils.checkpoint's non-reentrant path follows the same rules (its "Nestable Checkpoint"
@@ -41,6 +45,14 @@ _Parameter = torch.nn.Parameter
 _Tensor = torch.Tensor  # an activation's class: never a Parameter (saves the metaclass check)
 _exec_group = getattr(torch._C, "_get_graph_exec_group", None)  # torch >= 2.9
 _current_task = torch._C._current_graph_task_id
+# What the engine says about the backward call running now; without any of them (older torch) a
+# region keeps its inputs until its last node has run.
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+_node_now = getattr(torch._C, "_current_autograd_node", None)
+_will_run = getattr(torch._C, "_will_engine_execute_node", None)
+_next_node = getattr(torch._C._autograd, "_get_sequence_nr", lambda: 0)
+_CAN_LET_GO = None not in (_keep_graph, _node_now, _will_run) and \
+    hasattr(torch._C._autograd, "_get_sequence_nr")
 
 
 def _backward_call() -> Any:
@@ -53,13 +65,18 @@ def _backward_call() -> Any:
 
 
 class _Slot:
-    """Stands in the autograd graph for one tensor the region saved, until backward needs it."""
+    """Stands in the autograd graph for one tensor the region saved, until backward needs it.
 
-    __slots__ = ("value", "shape", "__weakref__")
+    ``node``: the sequence number of the autograd node that saved it (the node made last on this
+    thread when the tensor was packed: an op's node exists before its saved tensors are packed).
+    """
 
-    def __init__(self, shape: torch.Size):
+    __slots__ = ("value", "shape", "node", "__weakref__")
+
+    def __init__(self, shape: torch.Size, node: int):
         self.value: torch.Tensor | None = None
         self.shape = shape
+        self.node = node
 
 
 class _StopRecompute(Exception):
@@ -107,7 +124,7 @@ class _Region:
     """One checkpointed call: its inputs, the forward's RNG/autocast state and its saved slots."""
 
     __slots__ = ("fn", "args", "kwargs", "versions", "forward", "opts", "slots", "filled",
-                 "in_forward", "last", "stop_early", "call", "saver", "live")
+                 "in_forward", "last", "stop_early", "call", "saver", "live", "first")
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, forward: _ForwardContext,
                  opts: keywords.Options):
@@ -115,6 +132,7 @@ class _Region:
         self.versions = [(t, t._version) for t in (*args, *kwargs.values())
                          if isinstance(t, torch.Tensor)]
         self.saver: Any = None
+        self.first = _next_node()  # the sequence number of the region's first autograd node
         if _inside_region():
             self.save_through_outer()
         elif observers:
@@ -190,7 +208,7 @@ class _Region:
             self.slots.append(None)
             self.last = None
             return tensor
-        slot = _Slot(tensor.shape)
+        slot = _Slot(tensor.shape, _next_node() - 1)
         self.slots.append(weakref.ref(slot))
         self.last = weakref.ref(tensor)
         return slot
@@ -217,6 +235,12 @@ class _Region:
         return value
 
     def recompute(self, call: Any) -> None:
+        if self.fn is None:
+            raise RuntimeError(
+                "zoo.checkpoint: a checkpointed region let go of its inputs after a backward call "
+                "that was to run all of its nodes, but another backward call needs its recompute "
+                "(was that backward interrupted?); run the forward again, or pass "
+                "retain_graph=True to a backward that must be repeated.")
         for tensor, version in self.versions:
             if tensor._version != version:
                 self.changed_in_place(version, tensor._version)
@@ -247,6 +271,23 @@ class _Region:
                       "deterministic given its inputs, or leave it out of the checkpoint.")
         if isinstance(call, int) and call >= 0:  # drop the unused when this backward call ends
             _engine.queue_callback(functools.partial(_empty_slots, self.slots))
+            if _CAN_LET_GO and self.saver is None and not self.in_forward and \
+                    _last_recompute(self.slots, self.first):
+                self.let_go()
+
+    def let_go(self) -> None:
+        """Drop the inputs, ``fn`` and the forward's state: no recompute can follow this one.
+
+        A saved input then lives as long as the plain model would keep it, not until the
+        region's last node has run (in a DenseNet, a layer's new maps are freed once the next
+        layer's concatenation is rebuilt). A region nested in another never gets here (its
+        inputs belong to the enclosing region), nor does one whose recompute served a graph
+        kept for another backward (``retain_graph=True``, double backward), a backward call
+        that leaves some of its nodes unrun (``torch.autograd.grad`` of a part, an output not in
+        the loss), or a ``GraphExecGroup``.
+        """
+        self.fn = self.args = self.kwargs = self.forward = None
+        self.versions = []
 
     def fill(self, tensor: torch.Tensor) -> int:
         """Pack hook of the recompute: hand the tensor to its slot.
@@ -285,6 +326,58 @@ class _Region:
 
     def fail(self, message: str) -> None:
         raise RuntimeError(f"zoo.checkpoint: {message}{self.opts.debug_report()}")
+
+
+def _last_recompute(slots: list[weakref.ref[_Slot] | None], first: int) -> bool:
+    """Whether the backward call running now runs every node that still holds one of ``slots``
+    and keeps no graph (so none of them will ask for a recompute again).
+
+    The nodes are found below the node running now, among the region's own (sequence numbers
+    from ``first``, the region's first): a node made before the region ends a path, since
+    nothing made before the region leads back into it. A slot whose node is not found (a
+    branch beside the running node's, a node the engine runs under another name) keeps the
+    region as it is, and so does anything the engine cannot answer (no backward call of its own:
+    compiled autograd).
+    """
+    needed = set()
+    for ref in slots:
+        slot = None if ref is None else ref()
+        if slot is not None:
+            needed.add(slot.node)
+    try:
+        if _keep_graph():
+            return False
+        stack, seen = [_node_now()], set()
+        while stack and stack[-1] is not None:
+            node = stack.pop()
+            nr = node._sequence_nr()
+            if nr < first or nr in seen:
+                continue
+            seen.add(nr)
+            below = [f for f, _ in node.next_functions if f is not None]
+            if nr in needed:
+                if not (_will_run(node) and any(map(_runs, below))):
+                    return False
+                needed.discard(nr)
+                if not needed:
+                    return True
+            stack += below
+    except RuntimeError:
+        return False
+    return not needed
+
+
+def _runs(node: Any) -> bool:
+    """Whether the engine runs ``node`` in this backward call or takes a gradient there.
+
+    A node whose gradient ``torch.autograd.grad`` only takes counts too, so a holder of a slot
+    runs if one of the nodes below it counts as well (the engine's own rule for running a node
+    when told which gradients to compute); a leaf whose gradient is taken is the engine's error.
+    """
+    try:
+        return _will_run(node)
+    except RuntimeError:
+        return True
 
 
 def _empty_slots(slots: list[weakref.ref[_Slot] | None]) -> None:

@@ -37,6 +37,15 @@ figures from ``python -m zoo.bench transformers``, one training step):
   linear runs twice without dropout after it; the attention core and the pointwise ops are
   recomputed, and a pre-norm block keeps its two residual-stream inputs, qkv and ``fc1``'s
   output (:func:`_selective_sublayers`).
+* ``"selective_mlp"`` (pre-norm blocks only): the attention sublayer checkpointed whole (only its input kept: its
+  recompute reruns the qkv linear and the core and stops before ``attn.proj``), the MLP as in
+  ``"selective_sublayer"``: per block, qkv's output (three widths per token) less to keep for
+  the qkv linear's FLOPs. A per-block choice for the planner between the two above, as
+  torch.compile's memory budget makes it op by op.
+* ``"selective_stream"`` (pre-norm blocks only): ``"selective_sublayer"`` without keeping the
+  residual stream between the sublayers: one selective region from the block's input to
+  ``fc1``'s output, so backward makes the stream again (``attn.proj`` reruns) for one width per
+  token less (:func:`_selective_stream`).
 """
 from __future__ import annotations
 
@@ -153,8 +162,20 @@ class Block(nn.Module):
     def mlp_output(self, x: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The rest of a pre-norm MLP sublayer: ``x + fc2(act(hidden))`` (with its dropouts);
         ``mlp_output(x, mlp_input(x))`` is ``mlp_sublayer(x)``."""
+        return x + self.mlp_branch(hidden)
+
+    def mlp_branch(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A pre-norm MLP's residual branch after ``fc1``: ``fc2(act(hidden))`` (dropouts,
+        stochastic depth)."""
         m = self.mlp
-        return x + self.drop_path2(m.drop2(m.fc2(m.norm(m.drop1(m.act(hidden))))))
+        return self.drop_path2(m.drop2(m.fc2(m.norm(m.drop1(m.act(hidden))))))
+
+    def attention_and_mlp_input(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pre-norm block up to ``fc1``: the residual stream between the sublayers and
+        ``fc1``'s output."""
+        x = self.attention_sublayer(x, attn_mask)
+        return x, self.mlp_input(x)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.mlp_sublayer(self.attention_sublayer(x, attn_mask))
@@ -163,7 +184,8 @@ class Block(nn.Module):
 def run_blocks(blocks: Sequence[Block], x: torch.Tensor, mode: str | None,
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Run ``blocks`` in order under checkpoint ``mode`` (see the module docstring): ``None``
-    (plain), ``"block"``, ``"sublayer"``, ``"selective"`` or ``"selective_sublayer"``.
+    (plain), ``"block"``, ``"sublayer"``, ``"selective"``, ``"selective_sublayer"``,
+    ``"selective_mlp"`` or ``"selective_stream"``.
 
     In ``"block"`` mode the last block runs plainly: backward needs its activations first, so
     recomputing them would cost FLOPs and save no peak memory (as
@@ -184,6 +206,10 @@ def run_blocks(blocks: Sequence[Block], x: torch.Tensor, mode: str | None,
             x = checkpoint(block.mlp_sublayer, x)
         elif mode == "selective":
             x = checkpoint(block, x, attn_mask, save_ops=SELECTIVE_SAVE_OPS)
+        elif mode == "selective_mlp":
+            x = _whole_attention_selective_mlp(block, x, attn_mask)
+        elif mode == "selective_stream":
+            x = _selective_stream(block, x, attn_mask)
         else:
             x = _selective_sublayers(block, x, attn_mask)
     return x
@@ -204,6 +230,37 @@ def _selective_sublayers(block: Block, x: torch.Tensor,
                    save_ops=AllBut(SELECTIVE_SAVE_OPS, block.attn.proj))
     hidden = checkpoint(block.mlp_input, x, save_ops=SELECTIVE_SAVE_OPS)
     return checkpoint(block.mlp_output, x, hidden)
+
+
+def _whole_attention_selective_mlp(block: Block, x: torch.Tensor,
+                                   attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """``selective_mlp``: the attention sublayer one checkpoint keeping only its input; the
+    MLP as ``selective_sublayer`` runs it. Pre-norm, ``norm2`` and ``fc1`` are a plain region
+    here: the next region keeps ``fc1``'s output as its input, and the recompute stops before
+    ``fc1`` (its backward needs only ``norm2``'s output), so no op's output is kept out of
+    the saved-tensor hooks' sight and the block may run inside an outer region too.
+    Pre-norm only (a post-norm attention sublayer's recompute would rerun ``attn.proj`` too,
+    for its norm)."""
+    if not block.pre_norm:
+        raise ValueError("selective_mlp is for pre-norm blocks: a post-norm block's norms need "
+                         "their inputs; use selective_sublayer")
+    x = checkpoint(block.attention_sublayer, x, attn_mask)
+    return checkpoint(block.mlp_output, x, checkpoint(block.mlp_input, x))
+
+
+def _selective_stream(block: Block, x: torch.Tensor,
+                      attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """``selective_stream`` (pre-norm only): one selective region from the block's input to
+    ``fc1``'s output, keeping qkv's and ``fc1``'s outputs, then the MLP branch as a region
+    keeping ``fc1``'s output; the residual sum after them is outside both. Nothing keeps the
+    residual stream between the sublayers: backward makes it again (``attn.proj`` reruns), as
+    torch.compile's memory budget chooses for some blocks of a ViT."""
+    if not block.pre_norm:
+        raise ValueError("selective_stream is for pre-norm blocks: a post-norm block's norms "
+                         "need their inputs, the stream itself; use selective_sublayer")
+    x, hidden = checkpoint(block.attention_and_mlp_input, x, attn_mask,
+                           save_ops=AllBut(SELECTIVE_SAVE_OPS, block.attn.proj))
+    return x + checkpoint(block.mlp_branch, hidden)
 
 
 class Step(nn.Module):
@@ -230,7 +287,8 @@ class TransformerModel(ZooModel):
     run under the active checkpoint mode, or under a planner's ``checkpoint_plan``."""
 
     checkpoint_modes: ClassVar[tuple[str, ...]] = ("block", "sublayer", "selective",
-                                                    "selective_sublayer")
+                                                    "selective_sublayer", "selective_mlp",
+                                                    "selective_stream")
     blocks: nn.Sequential
     global_pool = "token"  # the head reads the first token (ViT's class token, BERT's [CLS])
     context_length: int  # the longest token sequence (language models)

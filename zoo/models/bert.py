@@ -77,6 +77,11 @@ class Bert(TransformerModel):
         efficient: checkpointing: ``False``, ``True`` (``"block"``) or a mode name.
     """
 
+    # post-norm: the norms need the stream between the sublayers and the last linears' outputs,
+    # which the pre-norm modes selective_mlp and selective_stream recompute
+    checkpoint_modes = tuple(m for m in TransformerModel.checkpoint_modes
+                             if m not in ("selective_mlp", "selective_stream"))
+
     def __init__(self, vocab_size: int = 30522, max_positions: int = 512,
                  type_vocab_size: int = 2, embed_dim: int = 768, depth: int = 12,
                  num_heads: int = 12, mlp_ratio: float = 4.0, num_classes: int = 2,

@@ -227,9 +227,11 @@ def spine_planner(model: nn.Module, example_input: Any,
         covered = all(any(b == n or b.startswith(n + ".") for n in names) for b in blocks)
         if len(names) < 2 or not covered:
             return None
-        planner = Planner(Spine(model, names), example_input, loss_fn, modes=False,
-                          slots=slots, compiled=compiled)
-        planner.choices = [dataclasses.replace(c, spine=list(names)) for c in planner.choices]
+        planner = Planner(Spine(model, names, out_of_place=not compiled), example_input,
+                          loss_fn, modes=False, slots=slots, compiled=compiled)
+        planner.choices = [dataclasses.replace(c, spine=list(names),
+                                               spine_out_of_place=not compiled)
+                           for c in planner.choices]
         return planner
     finally:
         for m, options in wrapped.items():

@@ -13,7 +13,7 @@ from ..memory import format_bytes
 from .modes import ModeCost
 from .chain_profile import ChainProfile
 from .savesets import apply_save_sets, save_sets_removed
-from .spine import SpineStep, apply_spine
+from .spine import apply_spine, spine_steps
 
 __all__ = ["Plan", "plan_set_aside"]
 
@@ -51,7 +51,9 @@ class Plan:
     ``zoo.planner.measure_step`` measures them; ``overhead`` is recompute FLOPs over a plain
     step's FLOPs; ``modes``: the hand modes that were candidates, as measured; ``spine``: for a
     module without the zoo's chain, the dotted names of the submodules it was planned over
-    (``zoo.planner.spine``), whose calls the segments cover.
+    (``zoo.planner.spine``), whose calls the segments cover; ``spine_out_of_place``: its
+    in-place activations run out of place (``zoo.planner.spine.SpineStep``; not so in a plan
+    for ``torch.compile``).
     """
 
     segments: list[tuple[int, int, Any]]
@@ -67,13 +69,14 @@ class Plan:
     block_modes: list[str | None] | None = None
     cost: str = "flops"
     spine: list[str] | None = None
+    spine_out_of_place: bool = True
 
     def apply(self, model: nn.Module) -> None:
         """Make ``model`` run this plan (its chain's segments with their block modes, or its
         hand mode; a module planned over its spine runs the segments there)."""
         if self.spine is not None:
-            apply_spine(model, self.spine, self.segments)
-            apply_save_sets(model, [SpineStep(model.get_submodule(n), n) for n in self.spine],
+            apply_spine(model, self.spine, self.segments, self.spine_out_of_place)
+            apply_save_sets(model, spine_steps(model, self.spine, self.spine_out_of_place),
                             self.block_modes)
             return
         with_modes = hasattr(model, "set_checkpoint_block_modes")

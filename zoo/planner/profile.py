@@ -114,18 +114,24 @@ def _profile(model: nn.Module, example_input: torch.Tensor,
     chain = list(model.checkpoint_chain())
     n = len(chain)
     names = [_block_name(b) for b in chain]
+    # a mode that may turn out to checkpoint each unit whole is told by its forward alone
+    stop = None if whole or save_set else _checkpoints_units_whole
     if like is not None and like.repeats and like.n_blocks == n:
         order, sub_units = kept_blocks(like.units, like.repeats)
         plain, _, step_flops = traced_step(model, example_input, loss_fn,
-                                           [(0, len(order), False)], block_mode, order, fake)
+                                           [(0, len(order), False)], block_mode, order, fake,
+                                           stop)
         natural = _units_of(plain, len(order))
         if not _fits(sub_units, natural, like.joined):
             like = None  # the mode joins blocks differently: profile the whole chain
     if like is None or not like.repeats or like.n_blocks != n:
         plain, plain_peak, step_flops = traced_step(model, example_input, loss_fn,
-                                                    [(0, n, False)], block_mode, fake=fake)
+                                                    [(0, n, False)], block_mode, fake=fake,
+                                                    stop=stop)
         if plain.length != n:
             raise ValueError(f"run_chain ran {plain.length} blocks, checkpoint_chain() has {n}")
+        if plain.stopped:
+            return _whole_or_error(plain, block_mode)
         units = natural = _units_of(plain, n)
         many = max_units is not None and len(units) > max_units
         if many:
@@ -137,15 +143,10 @@ def _profile(model: nn.Module, example_input: torch.Tensor,
         order, sub_units = kept_blocks(units, prof.repeats)
         sub = _select(prof, sub_units)
     else:
+        if plain.stopped:
+            return _whole_or_error(plain, block_mode)
         sub = _from_plain(plain, sub_units, [names[j] for j in order])
         prof = None
-    if not whole and not save_set and whole_block(plain.regions, plain.in_key, natural):
-        if any(set(plain.saved.get(j, {})) - {plain.in_key[a]}
-               for a, b in natural for j in range(a, b) if plain.regions.get(j)):
-            raise ValueError(f"block mode {block_mode!r}: a block keeps more than its one "
-                             f"checkpoint region describes (a reversible stage's streams); "
-                             f"measured as a hand mode")
-        return None
     sub.step_flops = step_flops - sub.inner_flops
     for shift in range(4):
         segments, roles = nested_pattern(sub.n_units, shift)
@@ -163,6 +164,24 @@ def _profile(model: nn.Module, example_input: torch.Tensor,
         prof.step_flops = step_flops - prof.inner_flops
     prof.block_mode = block_mode
     return prof
+
+
+def _checkpoints_units_whole(plain: Trace) -> bool:
+    """Whether a forward's mode checkpoints each unit whole and nothing else (then the profile
+    is not wanted: a one-unit checkpointed segment does the same)."""
+    return whole_block(plain.regions, plain.in_key, _units_of(plain, plain.length))
+
+
+def _whole_or_error(plain: Trace, block_mode: str | None) -> None:
+    """None for a mode that checkpoints each unit whole; an error when a block keeps more than
+    its one region (then the mode is measured whole, as a hand mode)."""
+    natural = _units_of(plain, plain.length)
+    if any(set(plain.saved.get(j, {})) - {plain.in_key[a]}
+           for a, b in natural for j in range(a, b) if plain.regions.get(j)):
+        raise ValueError(f"block mode {block_mode!r}: a block keeps more than its one "
+                         f"checkpoint region describes (a reversible stage's streams); "
+                         f"measured as a hand mode")
+    return None
 
 
 def _fits(units: list[tuple[int, int]], natural: list[tuple[int, int]], joined: bool) -> bool:

@@ -34,7 +34,8 @@ from .fake import fake_state
 from .module_nesting import clear_nested
 from .tracker import storage_key
 
-__all__ = ["find_spine", "Spine", "apply_spine", "clear_spine", "spine_of"]
+__all__ = ["find_spine", "Spine", "SpineStep", "spine_steps", "apply_spine", "clear_spine",
+           "spine_of"]
 
 
 @dataclass
@@ -176,20 +177,42 @@ def _calls(call: _Call) -> list[_Call]:
 class SpineStep:
     """One spine module, called as a module (its hooks run, the checkpoint's normalisation
     guard among them) but past the pass-through the plan puts on it; ``name``: its dotted name,
-    for the planner's table."""
+    for the planner's table.
 
-    def __init__(self, module: nn.Module, name: str) -> None:
+    An in-place activation (``nn.ReLU(inplace=True)`` and its kind: a bool ``inplace`` and no
+    randomness) runs out of place here, to the same values and gradients: its input and output
+    are then two boundaries, and the planner may cut between them. That is what lets a stem's
+    ``conv1, bn1`` be one region inside another over ``conv1 ... maxpool``: the ReLU's backward
+    runs before BatchNorm's input is made again, so the two are never held together with two
+    gradients. Its input is freed at once (no module after it on the spine reads it), so a
+    stored step costs only the moment both exist. ``out_of_place=False`` keeps it in place: a
+    plan for ``torch.compile``, whose partitioner does not keep a region that ends just before
+    such a step (the compiled step holds more than the eager plan)."""
+
+    def __init__(self, module: nn.Module, name: str, out_of_place: bool = True) -> None:
         self.module, self.name = module, name
+        self.out_of_place = out_of_place and _in_place_activation(module)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
         if torch.compiler.is_compiling():  # no state may change inside a compiled checkpoint;
             return _own_forward(m, x)  # nor is the normalisation guard traced (docs above)
         m.__dict__["_zoo_spine_call"] = m.__dict__.get("_zoo_spine_call", 0) + 1
+        if self.out_of_place:
+            m.inplace = False
         try:
             return m(x)
         finally:
             m.__dict__["_zoo_spine_call"] -= 1
+            if self.out_of_place:
+                m.inplace = True
+
+
+def _in_place_activation(m: nn.Module) -> bool:
+    """Whether ``m`` is set to overwrite its input and would give the same values out of place
+    (not so for dropout's or RReLU's random draws, which may differ between the two kernels)."""
+    return getattr(m, "inplace", None) is True and not isinstance(
+        m, (nn.modules.dropout._DropoutNd, nn.RReLU))
 
 
 def _own_forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -230,10 +253,12 @@ def clear_spine(model: nn.Module) -> bool:
     return undone
 
 
-def apply_spine(model: nn.Module, names: Sequence[str], plan: Any) -> None:
+def apply_spine(model: nn.Module, names: Sequence[str], plan: Any,
+                out_of_place: bool = True) -> None:
     """Make ``model`` run ``plan`` (block-level segments, nested allowed) over its spine
     ``names`` in place of any checkpointing it had; ``plan=None`` (or one that checkpoints
-    nothing) only clears."""
+    nothing) only clears. ``out_of_place``: in-place activations run out of place
+    (:class:`SpineStep`), as the plan was made."""
     clear_spine(model)
     clear_nested(model, [])
     for m in model.modules():
@@ -242,24 +267,33 @@ def apply_spine(model: nn.Module, names: Sequence[str], plan: Any) -> None:
     if plan is None or all(ck is False for *_, ck in plan):
         return
     modules = [model.get_submodule(n) for n in names]
-    _install(modules, [SpineStep(m, n) for m, n in zip(modules, names)], plan)
+    _install(modules, spine_steps(model, names, out_of_place), plan)
+
+
+def spine_steps(model: nn.Module, names: Sequence[str], out_of_place: bool = True
+                ) -> list[SpineStep]:
+    """The :class:`SpineStep` of each of ``model``'s spine modules ``names``."""
+    return [SpineStep(model.get_submodule(n), n, out_of_place) for n in names]
 
 
 class Spine(nn.Module):
-    """``model`` seen by the planner as a zoo model whose chain is its spine ``names``."""
+    """``model`` seen by the planner as a zoo model whose chain is its spine ``names``
+    (``out_of_place``: as :class:`SpineStep` runs its in-place activations)."""
 
     checkpoint_modes: tuple[str, ...] = ()
     checkpoint_block_modes = None
     grad_checkpointing = None
 
-    def __init__(self, model: nn.Module, names: Sequence[str]) -> None:
+    def __init__(self, model: nn.Module, names: Sequence[str], out_of_place: bool = True
+                 ) -> None:
         super().__init__()
         self.inner = model
         self.names = list(names)
+        self.out_of_place = out_of_place
         self.checkpoint_plan: Any = None
 
     def checkpoint_chain(self) -> list[SpineStep]:
-        return [SpineStep(self.inner.get_submodule(n), n) for n in self.names]
+        return spine_steps(self.inner, self.names, self.out_of_place)
 
     def set_checkpoint_plan(self, plan: Any) -> None:
         self.checkpoint_plan = plan

@@ -66,6 +66,7 @@ class Trace:
         self.meta: dict[int, tuple] = {}  # position -> (input's, output's shape and dtype)
         self.regions: dict[int, list[set[int]]] = {}  # position -> its own regions' inputs
         self.length = 0
+        self.stopped = False  # the step ended after its forward
         self._last_flops = 0
 
     def op_done(self) -> None:
@@ -134,13 +135,14 @@ Segments = Sequence[tuple[int, int, Any]]  # (start, stop, False | True | inner 
 
 def traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torch.Tensor],
                 segments: Segments, block_mode: str | None = None,
-                order: Sequence[int] | None = None,
-                fake: FakeStep | None = None) -> tuple[Trace, int, int]:
+                order: Sequence[int] | None = None, fake: FakeStep | None = None,
+                stop: Callable[[Trace], bool] | None = None) -> tuple[Trace, int, int]:
     """One fake training step of ``model`` whose chain runs the blocks ``order`` (default: all)
     by ``segments`` (positions in ``order``; a segment is stored, checkpointed, or checkpointed
     with an inner plan its recompute runs), each block in ``block_mode``: (trace, peak bytes,
     FLOPs). Nothing in ``model`` is changed. ``fake``: the fake state to run on (made for
-    this step when not given)."""
+    this step when not given). ``stop``: asked after the forward; when it says the forward's
+    trace is all that is needed, the step ends there (``trace.stopped``: no backward ran)."""
     from torch.nn.utils.stateless import _reparametrize_module
 
     fake = fake or FakeStep(model, x)
@@ -203,7 +205,9 @@ def traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torc
             # the fake tensors stand in for the parameters until backward has recomputed too
             stack.enter_context(_reparametrize_module(model, fake.state))
             loss = loss_fn(model(fx))
-            loss.backward()
+            trace.stopped = stop is not None and stop(trace)
+            if not trace.stopped:
+                loss.backward()
             del loss
     finally:
         region.observers.remove(trace.region_inputs)
