@@ -56,6 +56,7 @@ torch's keywords.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -108,7 +109,8 @@ def _traced_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict[str, An
         out = _tagged_region(fn, args, kwargs, save_ops, context_fn)
     finally:
         _tracing_region = False
-    return torch_checkpoint.checkpoint(_kept_outputs, out, use_reentrant=False)
+    return torch_checkpoint.checkpoint(_kept_outputs, out, use_reentrant=False,
+                                       context_fn=_KEEP_BASES)
 
 
 _tracing_region = False  # True while Dynamo traces a region's body (regions nest)
@@ -128,6 +130,55 @@ def _kept_outputs(out: Any) -> Any:
     reshape); the partitioner never keeps a view, so such an output is rebuilt by recomputing.
     """
     return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.view_as(t), out)
+
+
+def _keep_bases(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """The views region's policy, called by AOTAutograd's tracer after each of its ops: the op
+    that made the region's output is kept, also where that output is a view of it or one output
+    of several (layer norm's normalised tensor beside its mean and rstd).
+
+    torch's boundary rule keeps the region's last op; when that op is a view or a ``getitem``,
+    the partitioner recomputes it from its base whatever its tag, and so the whole region, early,
+    in backward. Tagging the base (the op before the views, or the multi-output op) to be saved
+    keeps what eager keeps: a view shares its base's storage; a multi-output op keeps its small
+    side outputs (statistics) too. Read from the graph being traced; without one (eager, or a
+    torch whose tracer differs) nothing is tagged.
+    """
+    policy = torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+    try:
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+        mode = get_proxy_mode()
+        if mode is None:
+            return policy
+        node = next(reversed(mode.tracer.graph.nodes))
+        for arg in node.args:
+            if isinstance(arg, torch.fx.Node):
+                _keep_base(arg)
+    except Exception:  # a torch whose tracer has another shape: the boundary rule alone
+        pass
+    return policy
+
+
+def _keep_base(node: torch.fx.Node) -> None:
+    """Tag the op whose output ``node`` views (or is one output of) MUST_SAVE, if a region's."""
+    from torch._functorch.partitioners import get_default_op_list
+    views = get_default_op_list().view_ops
+    while node.op == "call_function":
+        target = getattr(node.target, "overloadpacket", node.target)
+        if target not in views and target is not operator.getitem:
+            break
+        node = node.args[0]
+    if node.op != "call_function":
+        return
+    policy = torch_checkpoint.CheckpointPolicy
+    recompute = (policy.PREFER_RECOMPUTE, policy.MUST_RECOMPUTE)
+    # a multi-output op is saved through its getitems: none of them may stay tagged recompute
+    for kept in (node, *(u for u in node.users if u.target is operator.getitem)):
+        if kept.meta.get("recompute") in recompute:
+            kept.meta["recompute"] = policy.MUST_SAVE
+
+
+_KEEP_BASES = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts, _keep_bases)
 
 
 def _tagged_region(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
