@@ -126,8 +126,8 @@ def _kept_outputs(out: Any) -> Any:
     feeds a later region is saved instead (torch's ``cleanup_recompute_tags``: the boundary
     between two regions is stored), so the outputs pass through this region of views: they are
     kept if anything outside needs them, and what reads them recomputes a view, which is free.
-    Not covered: an output that is itself a view (a linear layer on a 3-D input ends in a
-    reshape); the partitioner never keeps a view, so such an output is rebuilt by recomputing.
+    An output that is itself a view, or one output of several (a layer norm's), is kept through
+    the op it comes from (:func:`_keep_bases`, this region's policy).
     """
     return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.view_as(t), out)
 
@@ -141,28 +141,31 @@ def _keep_bases(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     the partitioner recomputes it from its base whatever its tag, and so the whole region, early,
     in backward. Tagging the base (the op before the views, or the multi-output op) to be saved
     keeps what eager keeps: a view shares its base's storage; a multi-output op keeps its small
-    side outputs (statistics) too. Read from the graph being traced; without one (eager, or a
-    torch whose tracer differs) nothing is tagged.
+    side outputs (statistics) too. Read from the graph being traced, whose last node is ``op``'s
+    (torch >= 2.5 calls the policy after the op); otherwise (eager, an older torch) nothing is
+    tagged and the boundary rule acts alone.
     """
     policy = torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
     try:
+        from torch._functorch.partitioners import get_default_op_list
         from torch.fx.experimental.proxy_tensor import get_proxy_mode
-        mode = get_proxy_mode()
-        if mode is None:
-            return policy
-        node = next(reversed(mode.tracer.graph.nodes))
-        for arg in node.args:
-            if isinstance(arg, torch.fx.Node):
-                _keep_base(arg)
-    except Exception:  # a torch whose tracer has another shape: the boundary rule alone
-        pass
+    except ImportError:
+        return policy
+    mode = get_proxy_mode()
+    graph = getattr(getattr(mode, "tracer", None), "graph", None)
+    node = next(reversed(graph.nodes), None) if graph is not None else None
+    if node is None or node.target is not op:
+        return policy
+    views = get_default_op_list().view_ops
+    for arg in node.args:
+        if isinstance(arg, torch.fx.Node):
+            _keep_base(arg, views)
     return policy
 
 
-def _keep_base(node: torch.fx.Node) -> None:
-    """Tag the op whose output ``node`` views (or is one output of) MUST_SAVE, if a region's."""
-    from torch._functorch.partitioners import get_default_op_list
-    views = get_default_op_list().view_ops
+def _keep_base(node: torch.fx.Node, views: Collection[Any]) -> None:
+    """Tag the op whose output ``node`` views (or is one output of) MUST_SAVE, if a region's;
+    ``views`` are the ops the partitioner treats as views."""
     while node.op == "call_function":
         target = getattr(node.target, "overloadpacket", node.target)
         if target not in views and target is not operator.getitem:
