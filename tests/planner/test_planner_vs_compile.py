@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+import zoo
 from zoo.bench.compile_budget import compile_step, default_solver, measure_compiled
 from zoo.bench.planner_vs_compile import compare, markdown
 from zoo.memory import count_flops, cpu_peak_bytes
@@ -85,3 +86,22 @@ def test_compare_reports_both_sides() -> None:
     assert verdict["compiled_keeps_plan"] == (verdict["compiled_not_kept"] == [])
     assert verdict["every_fraction"] == (verdict["missed_fractions"] == [])
     assert "| tiny (4) | 0.3 |" in markdown([result])
+
+
+def small_bert() -> nn.Module:
+    """BERT at a width where activations outweigh the parameters (post-norm, dropout on)."""
+    torch.manual_seed(0)
+    return zoo.create_model("bert_base", vocab_size=512, max_positions=64, embed_dim=64,
+                            depth=2, num_heads=4)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.1])
+def test_compiled_step_on_meta_counts_as_on_the_cpu(fraction: float) -> None:
+    """``fake=True`` (torch's compiled step on the meta device, no kernel) measures the bytes and
+    FLOPs the CPU step measures, to the byte and FLOP, where the budget makes torch recompute."""
+    x = small_bert().example_input(4, 32)
+    real = measure_compiled(small_bert(), x, fraction, default_loss)
+    fake = measure_compiled(small_bert(), x, fraction, default_loss, fake=True)
+    assert fake == real
+    plain = measure_compiled(small_bert(), x, 1.0, default_loss, fake=True)
+    assert real["flops"] > plain["flops"] and real["peak_bytes"] < plain["peak_bytes"]
