@@ -57,7 +57,7 @@ def build(name: str | Callable[[], nn.Module], batch: int, seed: int = 0,
     ``torchvision:resnet18`` / ``timm:resnet50``, or a callable making a model), and a batch
     for it: images at the model's size (CIFAR models 32 px, ImageNet ones 224 px; ``size`` px
     for ``torchvision:``, ``timm:`` and callables, 224 / 224 / 32 when not given), token ids of
-    128 for BERT."""
+    128 for BERT and GPT-2 (``size`` of them for a callable making a token model)."""
     def make() -> nn.Module:
         torch.manual_seed(seed)
         if callable(name):
@@ -72,7 +72,9 @@ def build(name: str | Callable[[], nn.Module], batch: int, seed: int = 0,
 
     torch.manual_seed(seed)
     model = make()
-    if callable(name) or name.startswith(("torchvision:", "timm:")):
+    if callable(name) and hasattr(model, "vocab_size"):
+        x = model.example_input(batch, size or 32)
+    elif callable(name) or name.startswith(("torchvision:", "timm:")):
         side = size or (32 if callable(name) else 224)
         x = torch.randn(batch, 3, side, side)
     else:
