@@ -307,13 +307,16 @@ class EmbeddedBlock(nn.Module):
         return self.block(self.embed(x))
 
     def run(self, x: torch.Tensor, mode: str | None) -> torch.Tensor:
-        """The embedding, then the block in ``mode`` (as :func:`run_blocks`); ``"block"``
-        checkpoints both as one region, ``"selective_stream"`` puts the embedding inside the
-        block's first region (nothing but the model's input kept for it)."""
+        """The embedding, then the block in ``mode`` (as :func:`run_blocks`); ``"block"`` and
+        ``"selective"`` checkpoint both as one region, ``"selective_stream"`` puts the
+        embedding inside the block's first region (nothing but the model's input kept for
+        it)."""
         if mode is None:
             return self(x)
         if mode == "block":
             return checkpoint(self, x)
+        if mode == "selective":
+            return checkpoint(self, x, save_ops=SELECTIVE_SAVE_OPS)
         if mode == "selective_stream":
             return _selective_stream(self.block, x, None, self.embed)
         return run_blocks([self.block], self.embed(x), mode)
