@@ -45,7 +45,9 @@ figures from ``python -m zoo.bench transformers``, one training step):
 * ``"selective_stream"`` (pre-norm blocks only): ``"selective_sublayer"`` without keeping the
   residual stream between the sublayers: one selective region from the block's input to
   ``fc1``'s output, so backward makes the stream again (``attn.proj`` reruns) for one width per
-  token less (:func:`_selective_stream`).
+  token less (:func:`_selective_stream`). In a ViT's plan the embedding runs inside the first
+  block's region (:class:`EmbeddedBlock`), so its output is not kept either: the patch
+  convolution reruns, as torch.compile's memory budget chooses at half the activations.
 """
 from __future__ import annotations
 
