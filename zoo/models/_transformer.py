@@ -64,8 +64,8 @@ from ..checkpoint import checkpoint
 from ..checkpoint.policies import AllBut
 from ._base import ZooModel
 
-__all__ = ["Attention", "Block", "EmbeddedBlock", "TransformerModel", "Step", "SELECTIVE_SAVE_OPS", "run_blocks",
-           "init_linear_and_embedding"]
+__all__ = ["Attention", "Block", "EmbeddedBlock", "TransformerModel", "Step",
+           "SELECTIVE_SAVE_OPS", "run_blocks", "init_linear_and_embedding"]
 
 # The matmuls of a block: nn.Linear dispatches to addmm (with bias) or mm (without). The attention
 # core's matmuls are bmm (SDPA's math path) or a fused SDPA kernel: neither is kept.
