@@ -143,13 +143,14 @@ def whole_block(regions: dict[int, list[set[int]]], in_key: dict[int, int],
     """Whether a block mode checkpoints each unit whole and nothing else (one region per unit,
     keeping only the unit's input): then it is what a one-unit checkpointed segment does.
     A region's inputs are those that need a gradient, so one over the model's own input (a
-    ViT's images, through its embedding) names none."""
+    ViT's images, through its embedding: the chain's first unit) names none."""
     some = False
     for a, b in units:
         kept = [r for j in range(a, b) for r in regions.get(j, [])]
         if not kept:
             continue
-        if len(kept) != 1 or kept[0] - {in_key[a]}:
+        over_images = a == 0 and len(kept) == 1 and not kept[0]
+        if not over_images and (len(kept) != 1 or kept[0] != {in_key[a]}):
             return False
         some = True
     return some
