@@ -57,33 +57,35 @@ def _flash_on_cpu(q: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: fl
 
 
 class _QKVAttention(torch.autograd.Function):
-    """SDPA's CPU flash kernel on q, k, v views of ``qkv``; backward head by head, each head's
-    gradients written over its own q/k/v slice of the saved ``qkv``."""
+    """SDPA's CPU flash kernel on ``q, k, v``, views of ``qkv``; backward head by head, each
+    head's gradients written over its own q/k/v slice of the saved ``qkv``, which then is the
+    qkv gradient (``q, k, v`` get none: the views add nothing more)."""
 
     @staticmethod
-    def forward(ctx: Any, qkv: torch.Tensor, heads: int, causal: bool) -> torch.Tensor:
-        q, k, v = _split(qkv, heads).unbind(0)
+    def forward(ctx: Any, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                causal: bool) -> torch.Tensor:
         out, lse = _FORWARD(q, k, v, 0.0, causal)
         ctx.save_for_backward(qkv, out, lse)
-        ctx.heads, ctx.causal = heads, causal
+        ctx.heads, ctx.causal = q.shape[1], causal
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         qkv, out, lse = ctx.saved_tensors
-        q, k, v = _split(qkv, ctx.heads).unbind(0)
+        split = _split(qkv, ctx.heads)
         if _keep_graph():  # the saved qkv is read again: the plain kernel, new gradients
-            grads = _BACKWARD(grad_out, q, k, v, out, lse, 0.0, ctx.causal)
-            return torch.stack(grads).permute(1, 3, 0, 2, 4).reshape(qkv.shape), None, None
-        for h in range(q.shape[1]):
-            at = slice(h, h + 1)
-            grads = _BACKWARD(grad_out[:, at], q[:, at], k[:, at], v[:, at], out[:, at],
-                              lse[:, at], 0.0, ctx.causal)
-            for into, grad in zip((q, k, v), grads):
-                into[:, at].copy_(grad)
+            grads = _BACKWARD(grad_out, *split.unbind(0), out, lse, 0.0, ctx.causal)
+            return torch.stack(grads).permute(1, 3, 0, 2, 4).reshape(qkv.shape), None, None, \
+                None, None
+        for head, *rest in zip(split.split(1, 2), grad_out.split(1, 1), out.split(1, 1),
+                               lse.split(1, 1)):
+            into = head.unbind(0)  # this head's q, k and v
+            grads = _BACKWARD(rest[0], *into, *rest[1:], 0.0, ctx.causal)
+            for slot, grad in zip(into, grads):
+                slot.copy_(grad)
             del grads
-        return qkv, None, None
+        return qkv, None, None, None, None
 
 
 def qkv_attention(qkv: torch.Tensor, heads: int, attn_mask: torch.Tensor | None = None,
@@ -96,6 +98,6 @@ def qkv_attention(qkv: torch.Tensor, heads: int, attn_mask: torch.Tensor | None 
     else)."""
     q, k, v = _split(qkv, heads).unbind(0)
     if grad_in_place and qkv.is_contiguous() and _flash_on_cpu(q, attn_mask, dropout_p):
-        return _QKVAttention.apply(qkv, heads, causal)
+        return _QKVAttention.apply(qkv, q, k, v, causal)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                           is_causal=causal)
