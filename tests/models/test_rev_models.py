@@ -156,11 +156,11 @@ def test_revnet_activation_memory_does_not_grow_with_depth():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, ratio", [("revnet110", 0.100), ("rev_vit_cifar", 0.254)])
+@pytest.mark.parametrize("name, ratio", [("revnet110", 0.100), ("rev_vit_cifar", 0.250)])
 def test_rebuilt_peak_against_its_stored_twin(name, ratio):
-    """Where the CIFAR models' rebuilt peaks stand (exact bytes, batch 32): RevNet-110 at most
-    0.10x (the goal; its second stage's downsampling unit's backward), Rev-ViT 0.253x (the
-    second block's attention backward); what they hold: docs/benchmarks/reversible.md."""
+    """The CIFAR models' rebuilt peaks at most their goals (exact bytes, batch 32): RevNet-110
+    0.10x (its second stage's downsampling unit's backward), Rev-ViT 0.25x (its attention
+    backward writes the qkv gradient in place); what they hold: docs/benchmarks/reversible.md."""
     model = zoo.create_model(name)
     x = model.example_input(32)
     stored = measure_step(model, x)[0]

@@ -63,6 +63,7 @@ from torch import nn
 from ..checkpoint import checkpoint
 from ..checkpoint.policies import AllBut
 from ._base import ZooModel
+from ._qkv_attention import qkv_attention
 
 __all__ = ["Attention", "Block", "EmbeddedBlock", "TransformerModel", "Step",
            "SELECTIVE_SAVE_OPS", "run_blocks", "init_linear_and_embedding"]
@@ -84,16 +85,21 @@ class Attention(nn.Module):
         attn_drop: dropout on the attention probabilities (inside SDPA, train mode only).
         proj_drop: dropout after the output projection (BERT's and GPT-2's hidden dropout).
         causal: mask future positions (GPT-2): SDPA's ``is_causal=True``.
+        qkv_grad_in_place: backward writes the qkv gradient over the saved qkv output, head by
+            head, where SDPA runs the CPU flash kernel (:mod:`zoo.models._qkv_attention`):
+            the same gradients, one head's new gradients held instead of all heads'.
     """
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attn_drop: float = 0.0,
-                 proj_drop: float = 0.0, causal: bool = False) -> None:
+                 proj_drop: float = 0.0, causal: bool = False,
+                 qkv_grad_in_place: bool = False) -> None:
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"num_heads ({num_heads}) must divide the width dim ({dim})")
         self.num_heads = num_heads
         self.attn_drop = float(attn_drop)
         self.causal = causal
+        self.qkv_grad_in_place = qkv_grad_in_place
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
@@ -102,11 +108,9 @@ class Attention(nn.Module):
         """``x``: (B, T, dim); ``attn_mask``: optional boolean mask broadcastable to
         (B, heads, T, T), True where attention is allowed."""
         batch, tokens, dim = x.shape
-        q, k, v = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, dim // self.num_heads) \
-            .permute(2, 0, 3, 1, 4).unbind(0)
-        x = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=self.attn_drop if self.training else 0.0,
-            is_causal=self.causal and attn_mask is None)
+        x = qkv_attention(self.qkv(x), self.num_heads, attn_mask,
+                          self.attn_drop if self.training else 0.0,
+                          self.causal and attn_mask is None, self.qkv_grad_in_place)
         x = x.transpose(1, 2).reshape(batch, tokens, dim)
         return self.proj_drop(self.proj(x))
 

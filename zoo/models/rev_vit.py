@@ -101,6 +101,8 @@ class ReversibleTransformer:
     def make_reversible(self) -> None:
         for block in self.blocks:
             block.__class__ = RevBlock  # adds f and g; modules, names and weights unchanged
+            block.attn.qkv_grad_in_place = True  # qkv feeds the attention alone: its memory
+            # takes the qkv gradient (where SDPA runs the CPU flash kernel)
 
 
 class RevVisionTransformer(ReversibleTransformer, VisionTransformer):
