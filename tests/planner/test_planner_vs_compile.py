@@ -12,9 +12,11 @@ import torch
 from torch import nn
 
 import zoo
-from zoo.bench.compile_budget import compile_step, default_solver, measure_compiled
+from zoo.bench.compile_budget import (check_meta_like_cpu, compile_step, default_solver,
+                                     measure_compiled)
 from zoo.bench.planner_vs_compile import compare, markdown
 from zoo.memory import count_flops, cpu_peak_bytes
+from zoo.models.vit import VisionTransformer
 from zoo.planner import default_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -108,3 +110,16 @@ def test_fake_compare_is_the_cpu_compare() -> None:
     assert all(row["torch_recompute_flops"] > 0 for row in runs[0]["rows"])
     assert runs[0]["rows"][0]["torch_peak_bytes"] < runs[0]["plain_peak_bytes"]
     assert runs[0]["zoo_least"]["zoo_compiled_peak_bytes"] is not None  # compiled, dropout in it
+
+
+def test_fake_refuses_a_model_whose_meta_ops_are_not_the_cpus() -> None:
+    """A ViT without attention dropout runs SDPA's fused CPU kernel on the CPU and its math path
+    on the meta device, so ``--fake`` would not give the CPU's figures: refused in one line; a
+    BERT (attention dropout: the math path on both) and a CNN are measured."""
+    torch.manual_seed(0)
+    vit = VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=1, num_heads=4,
+                            num_classes=10)
+    with pytest.raises(ValueError, match="--fake cannot measure VisionTransformer.*flash"):
+        compare(lambda: vit, batch=2, fractions=(1.0,), fake=True, compiled=False)
+    check_meta_like_cpu(small_bert(), torch.randint(0, 512, (2, 16)))
+    check_meta_like_cpu(zoo.create_model("resnet20"), torch.randn(2, 3, 32, 32))

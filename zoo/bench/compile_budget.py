@@ -22,10 +22,14 @@ With ``fake=True`` the model and the batch go to the ``meta`` device first: Dyna
 the partitioner decides as on the CPU, and the replayed step runs no kernel, so a large model
 (BERT-base at sequence 128, batch 32: 2.1 TFLOP a step) is measured in seconds. Bytes and FLOPs
 are the CPU's to the byte and FLOP (tests/planner/test_planner_vs_compile.py checks both sides
-on a small BERT at every fraction), as zoo's own fake steps are.
+on a small BERT at every fraction), as zoo's own fake steps are, wherever the model dispatches
+the same aten ops on the meta device as on the CPU: :func:`check_meta_like_cpu` refuses a model
+that does not (SDPA without attention dropout runs PyTorch's fused CPU kernel on the CPU and its
+math path on meta: a ViT's figures would not be the CPU's).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
@@ -33,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from zoo.planner.tracker import StepCounter
 
@@ -150,6 +155,48 @@ def measure_compiled(model: nn.Module, x: torch.Tensor, budget: float,
         raise RuntimeError(f"the measured step did not run the compiled graphs: {step.counts}")
     return {"budget": budget, "solver": step.solver, "peak_bytes": counter.peak,
             "flops": counter.flops}
+
+
+class _OpNames(TorchDispatchMode):
+    """The kernels dispatched under it (aten ops, not prim's metadata queries), by name and
+    count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        if func.namespace != "prim":  # metadata queries (prim.device), no kernel
+            self.names[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def check_meta_like_cpu(model: nn.Module, x: torch.Tensor) -> None:
+    """Raise ValueError when one training-mode forward of ``model`` dispatches other aten ops on
+    the meta device than on (fake) CPU tensors: then a ``fake=True`` measurement would not be
+    the CPU's. ``model`` is not changed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    from zoo.planner.fake import fake_state
+
+    counts = []
+    for device in ("cpu", "meta"):
+        mode = FakeTensorMode()
+        state, inp = fake_state(model, mode), mode.from_tensor(x.detach())
+        with mode:
+            if device == "meta":
+                state = {k: v.to("meta") for k, v in state.items()}
+                inp = inp.to("meta")
+        with _reparametrize_module(model, state), mode, _OpNames() as ops, torch.no_grad():
+            model(inp)
+        counts.append(ops.names)
+    if counts[0] != counts[1]:
+        differ = sorted(k for k in counts[0] | counts[1] if counts[0][k] != counts[1][k])[:3]
+        raise ValueError(f"--fake cannot measure {type(model).__name__}: on the meta device it "
+                         f"runs other ops than on the CPU ({', '.join(differ)}); measure it "
+                         f"without --fake")
 
 
 @contextlib.contextmanager

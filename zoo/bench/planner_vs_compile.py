@@ -40,7 +40,7 @@ import zoo
 from zoo.memory import format_bytes
 from zoo.planner import Planner, default_loss, measure_step, spine_planner
 
-from .compile_budget import default_solver, measure_compiled
+from .compile_budget import check_meta_like_cpu, default_solver, measure_compiled
 from .report import comma_list, command_line, machine_info, write_json
 
 __all__ = ["FRACTIONS", "build", "compare", "verdict", "plan_seconds", "markdown",
@@ -147,6 +147,8 @@ def compare(name: str | Callable[[], nn.Module], batch: int = 32,
     below zoo's least peak), and the least peak of each (zoo's eager and compiled).
     ``fake``: torch's compiled steps on the ``meta`` device (same bytes and FLOPs)."""
     make, x = build(name, batch, seed, size)
+    if fake:
+        check_meta_like_cpu(make().train(), x)
     plain_peak, plain_flops = measure_step(make(), x)
     start = time.perf_counter()
     planner = _planner(make(), x)
