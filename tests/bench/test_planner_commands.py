@@ -101,3 +101,19 @@ def test_planner_vs_compile_meets_torchs_peak(tmp_path: Path) -> None:
     assert row["fraction"] == 1.0 and row["torch_recompute_flops"] == 0
     assert row["zoo_peak_bytes"] <= row["torch_peak_bytes"]
     assert r["zoo_least"]["peak_bytes"] <= r["plain_peak_bytes"]
+
+
+def test_planner_vs_compile_fake_gives_the_cpu_figures(tmp_path: Path) -> None:
+    """``--fake True`` (torch's compiled steps and the compile-safe plans compiled, on the meta
+    device) writes the rows, least peaks and verdict the CPU run writes."""
+    runs = {}
+    for fake in (False, True):
+        out = tmp_path / f"fake_{fake}.json"
+        bench("planner-vs-compile", "--models", "cifar_cnn", "--batch", 2, "--fractions",
+              "1.0,0.3", "--threads", 1, "--fake", fake, "--out", out)
+        (runs[fake],) = json.loads(out.read_text())["results"]
+    assert runs[True].pop("fake") is True and runs[False].pop("fake") is False
+    runs[True].pop("plan_seconds"), runs[False].pop("plan_seconds")
+    assert runs[True] == runs[False]
+    assert runs[True]["rows"][1]["torch_recompute_flops"] > 0
+    assert runs[True]["zoo_least"]["zoo_compiled_peak_bytes"] is not None  # compiled, on meta

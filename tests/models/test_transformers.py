@@ -205,10 +205,24 @@ def test_planner_chain_trains_exactly_like_plain(family):
     torch.manual_seed(0)
     plain, planned = tiny(family), tiny(family)
     chain = planned.checkpoint_chain()
-    assert len(chain) == 1 + 2 + (0 if family == "bert" else 1)  # embedding, blocks, norm
+    # embedding, blocks, norm; ViT's embedding is one element with its first block
+    assert len(chain) == 3 + (family == "gpt2")
     n = len(chain)
     planned.set_checkpoint_plan([(0, 1, False), (1, 2, True), (2, n, True)])
     assert_same_training(plain, plain, planned, planned, plain.example_input(2))
+
+
+@pytest.mark.parametrize("mode", VisionTransformer.checkpoint_modes)
+def test_vit_embedding_with_first_block_in_each_mode_trains_exactly(mode):
+    """The chain's first element (embedding and first block; ``selective_stream`` makes the
+    embedding inside the block's region) in each mode, stored and inside a checkpointed
+    segment, with the other blocks in the same mode: the plain model's training."""
+    for plan in ([(0, 3, False)], [(0, 2, True), (2, 3, False)]):
+        torch.manual_seed(0)
+        plain, planned = tiny("vit"), tiny("vit")
+        planned.set_checkpoint_plan(plan)
+        planned.set_checkpoint_block_modes([mode, mode, None])
+        assert_same_training(plain, plain, planned, planned, plain.example_input(2))
 
 
 def test_gpt2_embeddings_stay_tied_through_checkpointed_training():

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+import zoo
 from zoo.bench.compile_budget import compile_step, default_solver, measure_compiled
 from zoo.bench.planner_vs_compile import compare, markdown
 from zoo.memory import count_flops, cpu_peak_bytes
@@ -85,3 +86,25 @@ def test_compare_reports_both_sides() -> None:
     assert verdict["compiled_keeps_plan"] == (verdict["compiled_not_kept"] == [])
     assert verdict["every_fraction"] == (verdict["missed_fractions"] == [])
     assert "| tiny (4) | 0.3 |" in markdown([result])
+
+
+def small_bert() -> nn.Module:
+    """BERT at a width where activations outweigh the parameters (post-norm, dropout on)."""
+    torch.manual_seed(0)
+    return zoo.create_model("bert_base", vocab_size=512, max_positions=64, embed_dim=64,
+                            depth=2, num_heads=4)
+
+
+def test_fake_compare_is_the_cpu_compare() -> None:
+    """``compare(..., fake=True)`` (torch's compiled steps, and zoo's compile-safe plans compiled,
+    on the meta device: no kernel) gives every figure the CPU run gives, to the byte and FLOP, on
+    a small BERT whose regions hold dropout, at a budget where torch recomputes."""
+    runs = [compare(small_bert, batch=4, fractions=(0.5,), fake=fake, size=32)
+            for fake in (True, False)]
+    for run in runs:
+        run.pop("plan_seconds")
+    assert runs[0].pop("fake") is True and runs[1].pop("fake") is False
+    assert runs[0] == runs[1]
+    assert all(row["torch_recompute_flops"] > 0 for row in runs[0]["rows"])
+    assert runs[0]["rows"][0]["torch_peak_bytes"] < runs[0]["plain_peak_bytes"]
+    assert runs[0]["zoo_least"]["zoo_compiled_peak_bytes"] is not None  # compiled, dropout in it

@@ -15,6 +15,10 @@ Per model (its plain forward: no zoo checkpointing) and per budget fraction ``f`
   schedules of plain blocks, which the partitioner keeps), measured eagerly and under
   ``torch.compile`` (as torch's rows are, partitioner at its default budget).
 
+``--fake``: torch's compiled steps run on the ``meta`` device (no kernel; the same bytes and
+FLOPs, :mod:`zoo.bench.compile_budget`), so a model as large as BERT-base at sequence 128 is
+compared in minutes; zoo's side is measured on fake tensors either way.
+
 Recompute is a step's FLOPs beyond a plain eager step's. Also the least peak of each: torch's
 lowest over the fractions, zoo's :attr:`Planner.least_peak` (measured, eager and compiled), and
 per model whether zoo's plans meet torch's (:func:`verdict`). :func:`planner_vs_compile` writes
@@ -53,7 +57,7 @@ def build(name: str | Callable[[], nn.Module], batch: int, seed: int = 0,
     ``torchvision:resnet18`` / ``timm:resnet50``, or a callable making a model), and a batch
     for it: images at the model's size (CIFAR models 32 px, ImageNet ones 224 px; ``size`` px
     for ``torchvision:``, ``timm:`` and callables, 224 / 224 / 32 when not given), token ids of
-    128 for BERT."""
+    128 for BERT and GPT-2 (``size`` of them for a callable making a token model)."""
     def make() -> nn.Module:
         torch.manual_seed(seed)
         if callable(name):
@@ -68,7 +72,9 @@ def build(name: str | Callable[[], nn.Module], batch: int, seed: int = 0,
 
     torch.manual_seed(seed)
     model = make()
-    if callable(name) or name.startswith(("torchvision:", "timm:")):
+    if callable(name) and hasattr(model, "vocab_size"):
+        x = model.example_input(batch, size or 32)
+    elif callable(name) or name.startswith(("torchvision:", "timm:")):
         side = size or (32 if callable(name) else 224)
         x = torch.randn(batch, 3, side, side)
     else:
@@ -109,7 +115,7 @@ def _zoo_row(make: Callable[[], nn.Module], planner: Planner, x: torch.Tensor, b
 
 
 def _compiled_row(make: Callable[[], nn.Module], planner: Planner, x: torch.Tensor,
-                  budget: int, plain_flops: int) -> dict[str, Any]:
+                  budget: int, plain_flops: int, fake: bool = False) -> dict[str, Any]:
     """The compile-safe plan (``compiled=True``) at ``budget``, measured eagerly and compiled;
     Nones below its least peak."""
     keys = ("zoo_c_plan", "zoo_c_peak_bytes", "zoo_c_recompute_flops",
@@ -120,7 +126,7 @@ def _compiled_row(make: Callable[[], nn.Module], planner: Planner, x: torch.Tens
     model = make()
     plan.apply(model)
     peak, flops = measure_step(model, x)
-    c = measure_compiled(model, x, 1.0, default_loss)
+    c = measure_compiled(model, x, 1.0, default_loss, fake=fake)
     return dict(zip(keys, (_describe(plan), peak, flops - plain_flops, c["peak_bytes"],
                            c["flops"] - plain_flops)))
 
@@ -135,9 +141,11 @@ def _describe(plan: Any) -> str:
 
 def compare(name: str | Callable[[], nn.Module], batch: int = 32,
             fractions: Sequence[float] = FRACTIONS, seed: int = 0, size: int = 32,
-            solver: str | None = None, compiled: bool = True) -> dict[str, Any]:
+            solver: str | None = None, compiled: bool = True, fake: bool = False
+            ) -> dict[str, Any]:
     """One model: the plain step, per fraction torch's row and zoo's at torch's peak (None
-    below zoo's least peak), and the least peak of each (zoo's eager and compiled)."""
+    below zoo's least peak), and the least peak of each (zoo's eager and compiled).
+    ``fake``: torch's compiled steps on the ``meta`` device (same bytes and FLOPs)."""
     make, x = build(name, batch, seed, size)
     plain_peak, plain_flops = measure_step(make(), x)
     start = time.perf_counter()
@@ -146,7 +154,7 @@ def compare(name: str | Callable[[], nn.Module], batch: int = 32,
     compile_planner = _planner(make(), x, compiled=True) if compiled else None
     rows = []
     for f in fractions:
-        c = measure_compiled(make(), x, f, default_loss, solver)
+        c = measure_compiled(make(), x, f, default_loss, solver, fake=fake)
         row = {"fraction": f, "torch_peak_bytes": c["peak_bytes"],
                "torch_recompute_flops": c["flops"] - plain_flops}
         if c["peak_bytes"] < planner.least_peak:
@@ -155,17 +163,18 @@ def compare(name: str | Callable[[], nn.Module], batch: int = 32,
         else:
             row.update(_zoo_row(make, planner, x, c["peak_bytes"], plain_flops))
         if compile_planner is not None:
-            row.update(_compiled_row(make, compile_planner, x, c["peak_bytes"], plain_flops))
+            row.update(_compiled_row(make, compile_planner, x, c["peak_bytes"], plain_flops,
+                                     fake))
         rows.append(row)
     least = min(rows, key=lambda r: (r["torch_peak_bytes"], r["torch_recompute_flops"]))
     zoo_least = _zoo_row(make, planner, x, planner.least_peak, plain_flops)
     if compile_planner is not None:
         zoo_least.update(_compiled_row(make, compile_planner, x, compile_planner.least_peak,
-                                       plain_flops))
+                                       plain_flops, fake))
     zoo_least.update(peak_bytes=zoo_least["zoo_peak_bytes"],
                      recompute_flops=zoo_least["zoo_recompute_flops"], plan=zoo_least["zoo_plan"])
     label = name if isinstance(name, str) else getattr(name, "__name__", "model")
-    result = {"model": label, "batch": batch, "solver": solver or default_solver(),
+    result = {"model": label, "batch": batch, "solver": solver or default_solver(), "fake": fake,
               "plain_peak_bytes": plain_peak, "plain_flops": plain_flops, "rows": rows,
               "plan_seconds": round(seconds, 2),
               "torch_least": {k: least[k] for k in ("fraction", "torch_peak_bytes",
@@ -277,7 +286,7 @@ def planner_vs_compile(models: str | tuple = ",".join(MODELS), batch: int = 32,
                        solver: str | None = None, threads: int = 2, compiled: bool = True,
                        timing: str | tuple = "", repeats: int = 3, resume: bool = False,
                        out: str = "docs/results/bench_planner_vs_compile_cpu.json",
-                       size: int = 32) -> list[dict]:
+                       size: int = 32, fake: bool = False) -> list[dict]:
     """zoo.plan beside torch.compile's activation_memory_budget, eager and compiled.
 
     Per model and budget fraction ``f``: torch's step compiled under
@@ -287,6 +296,8 @@ def planner_vs_compile(models: str | tuple = ",".join(MODELS), batch: int = 32,
     the planning time (median of ``--repeats``, timed first). Prints Markdown; rewrites ``--out``
     after each model (``--resume``: keeps the models and timings already in it and runs the rest).
     ``--size``: the images' side in px for ``torchvision:`` and ``timm:`` models in ``--models``.
+    ``--fake``: torch's compiled steps run on the ``meta`` device, no kernel (same bytes and
+    FLOPs); for models too large to step for real on this CPU.
     """
     torch.set_num_threads(threads)
     fs = [float(f) for f in comma_list(fractions)]
@@ -307,7 +318,7 @@ def planner_vs_compile(models: str | tuple = ",".join(MODELS), batch: int = 32,
     for name in comma_list(models):
         if name not in done:
             results.append(compare(name, batch, fs, size=size, solver=solver,
-                                   compiled=compiled))
+                                   compiled=compiled, fake=fake))
             write_json(Path(out), payload)
             print(markdown(results[-1:]), "\n", results[-1]["verdict"], flush=True)
     return results

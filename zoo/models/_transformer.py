@@ -45,7 +45,9 @@ figures from ``python -m zoo.bench transformers``, one training step):
 * ``"selective_stream"`` (pre-norm blocks only): ``"selective_sublayer"`` without keeping the
   residual stream between the sublayers: one selective region from the block's input to
   ``fc1``'s output, so backward makes the stream again (``attn.proj`` reruns) for one width per
-  token less (:func:`_selective_stream`).
+  token less (:func:`_selective_stream`). In a ViT's plan the embedding runs inside the first
+  block's region (:class:`EmbeddedBlock`), so its output is not kept either: the patch
+  convolution reruns, as torch.compile's memory budget chooses at half the activations.
 """
 from __future__ import annotations
 
@@ -62,8 +64,8 @@ from ..checkpoint import checkpoint
 from ..checkpoint.policies import AllBut
 from ._base import ZooModel
 
-__all__ = ["Attention", "Block", "TransformerModel", "Step", "SELECTIVE_SAVE_OPS", "run_blocks",
-           "init_linear_and_embedding"]
+__all__ = ["Attention", "Block", "EmbeddedBlock", "TransformerModel", "Step",
+           "SELECTIVE_SAVE_OPS", "run_blocks", "init_linear_and_embedding"]
 
 # The matmuls of a block: nn.Linear dispatches to addmm (with bias) or mm (without). The attention
 # core's matmuls are bmm (SDPA's math path) or a fused SDPA kernel: neither is kept.
@@ -248,17 +250,22 @@ def _whole_attention_selective_mlp(block: Block, x: torch.Tensor,
     return checkpoint(block.mlp_output, x, checkpoint(block.mlp_input, x))
 
 
-def _selective_stream(block: Block, x: torch.Tensor,
-                      attn_mask: torch.Tensor | None) -> torch.Tensor:
+def _selective_stream(block: Block, x: torch.Tensor, attn_mask: torch.Tensor | None,
+                      embed: Callable[[torch.Tensor], torch.Tensor] | None = None
+                      ) -> torch.Tensor:
     """``selective_stream`` (pre-norm only): one selective region from the block's input to
     ``fc1``'s output, keeping qkv's and ``fc1``'s outputs, then the MLP branch as a region
     keeping ``fc1``'s output; the residual sum after them is outside both. Nothing keeps the
     residual stream between the sublayers: backward makes it again (``attn.proj`` reruns), as
-    torch.compile's memory budget chooses for some blocks of a ViT."""
+    torch.compile's memory budget chooses for some blocks of a ViT. ``embed``: run first,
+    inside the region (its matmuls' outputs kept, a convolution's not), so the block's input
+    is not kept either (:class:`EmbeddedBlock`)."""
     if not block.pre_norm:
         raise ValueError("selective_stream is for pre-norm blocks: a post-norm block's norms "
                          "need their inputs, the stream itself; use selective_sublayer")
-    x, hidden = checkpoint(block.attention_and_mlp_input, x, attn_mask,
+    front = block.attention_and_mlp_input if embed is None else \
+        (lambda images, mask: block.attention_and_mlp_input(embed(images), mask))
+    x, hidden = checkpoint(front, x, attn_mask,
                            save_ops=AllBut(SELECTIVE_SAVE_OPS, block.attn.proj))
     return x + checkpoint(block.mlp_branch, hidden)
 
@@ -277,6 +284,44 @@ class Step(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.fn(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return self.name
+
+
+class EmbeddedBlock(nn.Module):
+    """The embedding and the first block as one element of ``checkpoint_chain``: the plan then
+    never keeps the embedding's output for its own sake, and in ``"selective_stream"`` the
+    first block's selective region starts at the model's input, so backward makes the
+    embedding's output again (the patch convolution reruns) instead of keeping it, as
+    torch.compile's memory budget chooses for a ViT (:meth:`run`).
+
+    The embedding callable and the block are held as plain attributes, so the model's
+    parameters stay registered once, where they live.
+    """
+
+    def __init__(self, embed: Callable[[torch.Tensor], torch.Tensor], block: Block) -> None:
+        super().__init__()
+        self.__dict__["embed"], self.__dict__["block"] = embed, block
+        self.name = "embed+block"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(self.embed(x))
+
+    def run(self, x: torch.Tensor, mode: str | None) -> torch.Tensor:
+        """The embedding, then the block in ``mode`` (as :func:`run_blocks`); ``"block"`` and
+        ``"selective"`` checkpoint both as one region, ``"selective_stream"`` puts the
+        embedding inside the block's first region (nothing but the model's input kept for
+        it)."""
+        if mode is None:
+            return self(x)
+        if mode == "block":
+            return checkpoint(self, x)
+        if mode == "selective":
+            return checkpoint(self, x, save_ops=SELECTIVE_SAVE_OPS)
+        if mode == "selective_stream":
+            return _selective_stream(self.block, x, None, self.embed)
+        return run_blocks([self.block], self.embed(x), mode)
 
     def extra_repr(self) -> str:
         return self.name
@@ -310,6 +355,8 @@ class TransformerModel(ZooModel):
         a :class:`Block` (or a ``partial`` of one holding ``attn_mask``) is checkpointed whole
         (``"block"``), by sublayer or selectively; embeddings and norms run plainly."""
         fn, kw = (block.func, block.keywords) if isinstance(block, partial) else (block, {})
+        if isinstance(fn, EmbeddedBlock):
+            return fn.run(x, mode)
         if mode is None or not isinstance(fn, Block):
             return block(x)
         if mode == "block":

@@ -32,7 +32,7 @@ from torch import nn
 
 from ._base import CIFAR_MEAN, CIFAR_STD, classifier
 from ._registry import register_model
-from ._transformer import Block, Step, TransformerModel
+from ._transformer import Block, EmbeddedBlock, Step, TransformerModel
 
 __all__ = ["VisionTransformer"]
 
@@ -129,8 +129,12 @@ class VisionTransformer(TransformerModel):
         return x if pre_logits else self.head(x)
 
     def checkpoint_chain(self) -> list[nn.Module]:
-        """The embedding (patches, class token, positions), every block, the final norm."""
-        return [Step(self.embed, "embed"), *self.blocks, self.norm]
+        """The embedding (patches, class token, positions) with the first block
+        (:class:`EmbeddedBlock`: in ``selective_stream`` the block's region starts at the
+        images), every other block, the final norm."""
+        if not len(self.blocks):
+            return [Step(self.embed, "embed"), self.norm]
+        return [EmbeddedBlock(self.embed, self.blocks[0]), *self.blocks[1:], self.norm]
 
     def example_input(self, batch_size: int = 2, size: int | None = None) -> torch.Tensor:
         """Random images. ``size`` defaults to ``img_size`` for models made for 32 px and to 160

@@ -151,7 +151,7 @@ def _profile(model: nn.Module, example_input: torch.Tensor,
     for shift in range(4):
         segments, roles = nested_pattern(sub.n_units, shift)
         trace = traced_step(model, example_input, loss_fn, blocks_of(sub.units, segments),
-                            block_mode, order, fake)[0]
+                            block_mode, order, fake, saves=False)[0]  # read_pattern: levels
         read_pattern(sub, trace, segments, roles)
     fill_gaps(sub)
     if prof is None:  # everything from the kept units

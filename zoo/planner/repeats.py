@@ -141,13 +141,15 @@ def expand(sub: ChainProfile, rep: Sequence[int], units: list[tuple[int, int]],
 def whole_block(regions: dict[int, list[set[int]]], in_key: dict[int, int],
                 units: Sequence[tuple[int, int]]) -> bool:
     """Whether a block mode checkpoints each unit whole and nothing else (one region per unit,
-    keeping only the unit's input): then it is what a one-unit checkpointed segment does."""
+    keeping only the unit's input): then it is what a one-unit checkpointed segment does.
+    A region's inputs are those that need a gradient, so one over the model's own input (a
+    ViT's images, through its embedding) names none."""
     some = False
     for a, b in units:
         kept = [r for j in range(a, b) for r in regions.get(j, [])]
         if not kept:
             continue
-        if len(kept) != 1 or kept[0] != {in_key[a]}:
+        if len(kept) != 1 or kept[0] - {in_key[a]}:
             return False
         some = True
     return some

@@ -136,13 +136,18 @@ Segments = Sequence[tuple[int, int, Any]]  # (start, stop, False | True | inner 
 def traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torch.Tensor],
                 segments: Segments, block_mode: str | None = None,
                 order: Sequence[int] | None = None, fake: FakeStep | None = None,
-                stop: Callable[[Trace], bool] | None = None) -> tuple[Trace, int, int]:
+                stop: Callable[[Trace], bool] | None = None, saves: bool = True
+                ) -> tuple[Trace, int, int]:
     """One fake training step of ``model`` whose chain runs the blocks ``order`` (default: all)
     by ``segments`` (positions in ``order``; a segment is stored, checkpointed, or checkpointed
     with an inner plan its recompute runs), each block in ``block_mode``: (trace, peak bytes,
     FLOPs). Nothing in ``model`` is changed. ``fake``: the fake state to run on (made for
     this step when not given). ``stop``: asked after the forward; when it says the forward's
-    trace is all that is needed, the step ends there (``trace.stopped``: no backward ran)."""
+    trace is all that is needed, the step ends there (``trace.stopped``: no backward ran).
+    ``saves=False``: no saved-tensor hook (``trace.saved`` and ``at_last_pack`` stay empty; a
+    block's own regions are still seen): autograd then passes each saved tensor as it is,
+    where a hook makes it detach every one that is not an op's output first (a dispatched op,
+    a tenth of a fake step's time), for a step whose marks, peaks and FLOPs are all it needs."""
     from torch.nn.utils.stateless import _reparametrize_module
 
     fake = fake or FakeStep(model, x)
@@ -197,7 +202,8 @@ def traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torc
         with contextlib.ExitStack() as stack:
             stack.enter_context(fake.mode)
             stack.enter_context(counter)
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(trace.pack, _same))
+            if saves:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(trace.pack, _same))
             stack.enter_context(warnings.catch_warnings())
             warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
             warnings.filterwarnings("ignore", message=".*saved_tensors_hooks.*selective",

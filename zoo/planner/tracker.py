@@ -38,7 +38,7 @@ def storage_bytes(t: torch.Tensor) -> int:
     return math.ceil(n / 512) * 512 if t.device.type == "cuda" else n
 
 
-_SKIP = {torch.ops.prim.device.default}
+_DEVICE = torch.ops.prim.device.default  # asked by the autograd engine: most of a step's calls
 
 
 class StepCounter(TorchDispatchMode):
@@ -79,6 +79,8 @@ class StepCounter(TorchDispatchMode):
             self.current -= entry[0]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func is _DEVICE:  # creates nothing, counts nothing: answered first
+            return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):  # run its dense kernel directly
             cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in tree_flatten(args)[0])
@@ -86,15 +88,16 @@ class StepCounter(TorchDispatchMode):
             out = func.dispatch(key, *args, **kwargs)
         else:
             out = func(*args, **kwargs)
-        if func in _SKIP:
-            return out
         packet = getattr(func, "_overloadpacket", None)  # None: a higher-order operator
         formula = flop_registry.get(packet) if packet is not None else None
         if formula is not None:
             self.flops += int(formula(*args, **kwargs, out_val=out))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._add(t)
+        if isinstance(out, torch.Tensor):  # most ops: no tree to walk
+            self._add(out)
+        else:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._add(t)
         if self.current > self.peak:
             self.peak = self.current
         if self.on_op is not None:
