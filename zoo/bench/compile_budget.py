@@ -223,7 +223,9 @@ def _meta_rng() -> Iterator[None]:
     try:
         for h in hops:
             h.py_kernels[DispatchKey.BackendSelect] = select(h)
+            getattr(h, "_dispatch_cache", {}).clear()  # a CPU step may have cached the old one
         yield
     finally:
         for h in hops:
             h.py_kernels[DispatchKey.BackendSelect] = old[h]
+            getattr(h, "_dispatch_cache", {}).clear()
