@@ -47,9 +47,8 @@ def test_budget_one_is_the_plain_step() -> None:
     assert count_flops(step) == count_flops(lambda: eager_step(plain, x))
     eager = cpu_peak_bytes(lambda: eager_step(plain, x), track=(plain,))
     compiled = cpu_peak_bytes(step, track=(model,))
-    # the functionalized running-stat updates wait for AOTAutograd's epilogue: at most their bytes
-    stats = sum(b.nbytes for n, b in model.named_buffers() if n.endswith(("mean", "var")))
-    assert 0 <= compiled - eager <= stats
+    # the running statistics are written in place, as eager and inductor write them
+    assert compiled == eager
     assert step.counts == {"forward": 3, "backward": 3, "graphs": 1}
 
 

@@ -6,7 +6,12 @@ torch.compile's answer to "fit this budget" lives in AOTAutograd's partitioner
 activation memory its default partition saves for the backward, it solves a 0-1 knapsack
 (``activation_memory_budget_solver``, default ``"dp"``; runtimes estimated from FLOPs) over the
 recomputable forward ops and saves the rest. Which ops run, and what they keep, is decided there;
-inductor only generates kernels for those graphs afterwards.
+inductor only generates kernels for those graphs afterwards. Two things inductor does to the
+graphs are done here too, so that a BatchNorm step is measured as inductor runs it: its
+decomposed BatchNorm backward takes no running statistics in training
+(:func:`_batch_norm_backward`: the partition keeps no copy of them), and it writes the new running
+statistics into the buffers as they are made (:func:`_mutations_in_place`), where AOTAutograd's
+graph copies them at the forward's end. A compiled plain step then peaks where the eager one does.
 
 Here the partitioned forward and backward graphs run through ``torch.fx.Interpreter`` with the
 boxed calling convention (every value, inputs included, freed after its last use, as inductor's
@@ -49,9 +54,47 @@ def default_solver() -> str:
     return torch._functorch.config.activation_memory_budget_solver
 
 
+def _batch_norm_backward(grad: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor | None,
+                         running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+                         *rest: Any) -> Any:
+    """``native_batch_norm_backward`` as inductor's graphs run it: in training (``rest[2]``) it
+    reads the batch's saved statistics only, so the running ones are not passed, and the
+    partition keeps no copy of them for the backward (eager saves the buffers themselves).
+    Same kernel, same gradients; NotImplemented (the op as traced) otherwise."""
+    train = rest[2]
+    if not train or (running_mean is None and running_var is None):
+        return NotImplemented
+    return torch.ops.aten.native_batch_norm_backward.default(grad, inp, weight, None, None,
+                                                              *rest)
+
+
+def _mutations_in_place(gm: torch.fx.GraphModule) -> None:
+    """Move each ``copy_`` of a new value into a graph input (a BatchNorm's running statistics,
+    its batch counter) to right after that value is made, so the functional copy is freed at
+    once: inductor writes these updates straight into the buffers (its BatchNorm kernel stores
+    the running statistics in place), where AOTAutograd's graph copies them at the forward's end.
+    Moved only when no later op reads the input before the copy."""
+    nodes = list(gm.graph.nodes)
+    where = {n: i for i, n in enumerate(nodes)}
+    for node in nodes:
+        if node.target is not torch.ops.aten.copy_.default:
+            continue
+        dst, src = node.args[0], node.args[1]
+        if dst.op != "placeholder" or not isinstance(src, torch.fx.Node) or node.users:
+            continue
+        readers = [u for u in dst.users if u is not node and where[u] > where[src]]
+        if not readers and where[src] < where[node]:
+            src.append(node)
+    gm.graph.lint()
+    gm.recompile()
+
+
 def _interpreted(counts: dict[str, int], kind: str, gm: torch.fx.GraphModule,
                  _example: Any) -> Callable[[list], Any]:
-    """An AOTAutograd graph compiler that runs ``gm`` op by op, freeing values after last use."""
+    """An AOTAutograd graph compiler that runs ``gm`` op by op, freeing values after last use
+    (input mutations moved to where inductor makes them: :func:`_mutations_in_place`)."""
+    _mutations_in_place(gm)
+
     def run(args: list) -> Any:
         counts[kind] += 1
         return torch.fx.Interpreter(gm).boxed_run(args)
@@ -99,6 +142,8 @@ def compile_step(model: nn.Module, x: torch.Tensor, budget: float,
     aot = aot_autograd(fw_compiler=lambda g, e: _interpreted(counts, "forward", g, e),
                        bw_compiler=lambda g, e: _interpreted(counts, "backward", g, e),
                        partition_fn=min_cut_rematerialization_partition,
+                       decompositions={torch.ops.aten.native_batch_norm_backward.default:
+                                       _batch_norm_backward},
                        keep_inference_input_mutations=True)
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
