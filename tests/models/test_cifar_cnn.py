@@ -87,27 +87,45 @@ def test_dropout_and_batchnorm_run_again_inside_the_checkpoint_yet_count_once(mo
     model(x).square().mean().backward()
     for h in hooks:
         h.remove()
-    assert calls["cnn_block_1.dropout"] == 2  # forward and recompute
+    # forward and recompute; ``nested`` runs its pool and dropout once, outside its region
+    assert calls["cnn_block_1.dropout"] == (1 if mode == "nested" else 2)
     assert calls["cnn_block_1.bn2"] == 2
     assert model.cnn_block_1.conv1.weight.grad.abs().sum() > 0
     assert all(int(m.num_batches_tracked) == 1 for m in model.modules()
                if isinstance(m, nn.BatchNorm2d))
 
 
-@pytest.mark.parametrize("mode,rerun", [("halves", {"conv1"}), ("block", {"conv1", "conv2"}),
-                                        ("bn_relu", set())])
-def test_each_mode_reruns_exactly_the_convolutions_it_says(mode, rerun):
+@pytest.mark.parametrize("mode,runs", [("halves", {"conv1": 2, "conv2": 1}),
+                                       ("block", {"conv1": 2, "conv2": 2}),
+                                       ("bn_relu", {"conv1": 1, "conv2": 1}),
+                                       ("nested", {"conv1": 3, "conv2": 2})])
+def test_each_mode_reruns_exactly_the_convolutions_it_says(mode, runs):
+    """``nested``: the outer region's recompute runs conv1 and conv2 (the inner region keeping
+    nothing but its output), the inner region's recompute conv1 alone (it stops before conv2)."""
     torch.manual_seed(0)
     model = zoo.create_model("cifar_cnn", efficient=mode)
-    runs: Counter = Counter()
-    hooks = [m.register_forward_hook(lambda m, a, o, name=name: runs.update([name]))
+    seen: Counter = Counter()
+    hooks = [m.register_forward_hook(lambda m, a, o, name=name: seen.update([name]))
              for name, m in model.named_modules() if isinstance(m, nn.Conv2d)]
     model(model.example_input(2)).square().mean().backward()
     for h in hooks:
         h.remove()
-    assert len(runs) == 4 and set(runs.values()) <= {1, 2}
-    assert {name for name, count in runs.items() if count == 2} == {
-        f"cnn_block_{b}.{conv}" for b in (1, 2) for conv in rerun}
+    assert seen == {f"cnn_block_{b}.{conv}": n for b in (1, 2) for conv, n in runs.items()}
+
+
+def test_nested_mode_has_the_lowest_peak():
+    """Only the ReLU output after conv2's BatchNorm is kept (the max pool saves it anyway): in
+    the block's backward conv2's output is made again after the ReLU's and the pool's
+    gradients are gone, so fewer full-size maps are alive at once than in any other mode."""
+    x = torch.randn(8, 3, 32, 32)
+
+    def peak(mode: str | bool) -> int:
+        torch.manual_seed(0)
+        model = zoo.create_model("cifar_cnn", efficient=mode)
+        return cpu_peak_bytes(lambda: model(x).square().mean().backward(), track=(model,))
+
+    nested = peak("nested")
+    assert all(nested < peak(mode) for mode in (False, "halves", "block", "bn_relu"))
 
 
 @pytest.mark.parametrize("mode", MODES)
