@@ -122,3 +122,35 @@ def test_fake_refuses_a_model_whose_meta_ops_are_not_the_cpus() -> None:
         compare(lambda: vit, batch=2, fractions=(1.0,), fake=True, compiled=False)
     check_meta_like_cpu(small_bert(), torch.randint(0, 512, (2, 16)))
     check_meta_like_cpu(zoo.create_model("resnet20"), torch.randn(2, 3, 32, 32))
+
+
+def test_inductor_keeps_no_running_statistics_for_the_backward() -> None:
+    """What the replay does to a BatchNorm step is what inductor's own graphs do: with
+    inductor's decompositions, the new running statistics copied into the buffers are not among
+    what the forward graph hands to the backward (its BatchNorm backward does not read them in
+    training), so a measurement that keeps them holds bytes an inductor step does not."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    graphs = []
+
+    def forward(gm: torch.fx.GraphModule, _example: list) -> torch.fx.GraphModule:
+        graphs.append(gm)
+        return gm
+
+    backend = aot_autograd(fw_compiler=forward, bw_compiler=lambda gm, _example: gm,
+                           partition_fn=min_cut_rematerialization_partition,
+                           decompositions=select_decomp_table(),
+                           keep_inference_input_mutations=True)
+    model = tiny().train()
+    torch._dynamo.reset()
+    step = torch.compile(lambda inp: default_loss(model(inp)), backend=backend, fullgraph=True)
+    step(torch.randn(2, 3, 8, 8)).backward()
+    (gm,) = graphs
+    copies = [n for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default
+              and n.args[0].op == "placeholder"]
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    saved = set(output.args[0][1:])  # the loss, then what the backward takes
+    assert len(copies) == 6  # mean, variance and batch count of each BatchNorm
+    assert not saved & {n.args[1] for n in copies}
