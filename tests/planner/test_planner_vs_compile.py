@@ -154,3 +154,30 @@ def test_inductor_keeps_no_running_statistics_for_the_backward() -> None:
     saved = set(output.args[0][1:])  # the loss, then what the backward takes
     assert len(copies) == 6  # mean, variance and batch count of each BatchNorm
     assert not saved & {n.args[1] for n in copies}
+
+
+@pytest.mark.parametrize("read_view_later", [False, True])
+def test_input_updates_move_to_where_they_are_made_unless_read_later(read_view_later) -> None:
+    """The replay writes an input's new value as soon as it is made, as inductor does, but not
+    while the old value (or a view of it) is still to be read: the step computes the same."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from zoo.bench.compile_budget import _mutations_in_place
+
+    aten = torch.ops.aten
+
+    def step(p: torch.Tensor) -> torch.Tensor:
+        old = aten.view.default(p, [-1])
+        new = aten.add.Tensor(p, 1)
+        out = aten.mul.Tensor(old if read_view_later else new, 2)
+        aten.copy_.default(p, new)
+        return out
+
+    gm = make_fx(step)(torch.zeros(2, 2))
+    _mutations_in_place(gm)
+    order = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    moved = order.index(aten.copy_.default) == order.index(aten.add.Tensor) + 1
+    assert moved is not read_view_later
+    p, q = torch.arange(4.0).view(2, 2), torch.arange(4.0).view(2, 2)
+    torch.testing.assert_close(gm(p), step(q))
+    torch.testing.assert_close(p, q)

@@ -73,7 +73,7 @@ def _mutations_in_place(gm: torch.fx.GraphModule) -> None:
     its batch counter) to right after that value is made, so the functional copy is freed at
     once: inductor writes these updates straight into the buffers (its BatchNorm kernel stores
     the running statistics in place), where AOTAutograd's graph copies them at the forward's end.
-    Moved only when no later op reads the input before the copy."""
+    Moved only when nothing reads the input, or a view of it, after the value is made."""
     nodes = list(gm.graph.nodes)
     where = {n: i for i, n in enumerate(nodes)}
     for node in nodes:
@@ -82,11 +82,22 @@ def _mutations_in_place(gm: torch.fx.GraphModule) -> None:
         dst, src = node.args[0], node.args[1]
         if dst.op != "placeholder" or not isinstance(src, torch.fx.Node) or node.users:
             continue
-        readers = [u for u in dst.users if u is not node and where[u] > where[src]]
-        if not readers and where[src] < where[node]:
+        readers = [u for u in _readers(dst) if u is not node]
+        if where[src] < where[node] and all(where[u] <= where[src] for u in readers):
             src.append(node)
     gm.graph.lint()
     gm.recompile()
+
+
+def _readers(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The ops that read ``node``'s value: its users, and the users of a view of it."""
+    out = []
+    for user in node.users:
+        out.append(user)
+        schema = getattr(user.target, "_schema", None)
+        if schema is not None and any(r.alias_info is not None for r in schema.returns):
+            out += _readers(user)
+    return out
 
 
 def _interpreted(counts: dict[str, int], kind: str, gm: torch.fx.GraphModule,
