@@ -24,6 +24,8 @@ def test_host_cost_writes_every_variant_with_its_floor(tmp_path: Path) -> None:
     assert {"plain", "zoo halves", "zoo block", "zoo bn_relu", "torch checkpoint"} <= set(rows)
     for name, row in rows.items():
         assert row["ops"] >= row["dispatched"] > 0
-        if name.startswith("zoo "):
-            assert row["dispatched"] == row["floor_dispatched"] and row["regions"] > 0
+        if name.startswith("zoo "):  # nothing beyond the recompute; a region nested in
+            # another hands its inputs to the outer one through one no-op Function (one op)
+            nested = 2 if name == "zoo nested" else 0
+            assert row["dispatched"] == row["floor_dispatched"] + nested and row["regions"] > 0
     assert "| zoo halves |" in md.read_text()

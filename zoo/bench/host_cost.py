@@ -164,21 +164,30 @@ def _statistics_frozen(model: nn.Module) -> Iterator[None]:
                 m._buffers["num_batches_tracked"] = count
 
 
-def recompute_ops(fn: Callable, args: tuple, kwargs: dict, save_ops: Any = None
-                  ) -> tuple[int, int]:
+def recompute_ops(fn: Callable, args: tuple, kwargs: dict, save_ops: Any = None,
+                  nested: list[Region] | None = None) -> tuple[int, int]:
     """(ops, saved tensors) a recompute of ``fn(*args, **kwargs)`` must redo: the ops of its
     forward up to the one that saves the last tensor for backward (what comes after is not
     needed), less those whose outputs a selective region keeps (``save_ops``), and how many
-    tensors that part saves. Run it inside :func:`_statistics_frozen`."""
+    tensors that part saves. ``nested``: gets the regions that part opens inside (each made
+    again by the recompute, so each recomputed in its turn). Run it inside
+    :func:`_statistics_frozen`."""
     at_pack: list[tuple[int, int]] = []
-    with torch.enable_grad(), OpCounter(save_ops or ()) as counter:
-        def pack(tensor: torch.Tensor) -> None:
-            at_pack.append((counter.total, counter.excluded))
+    inner: list[tuple[Region, int]] = []
+    region.recorders.append(lambda *r: inner.append((r, len(at_pack))))
+    try:
+        with torch.enable_grad(), OpCounter(save_ops or ()) as counter:
+            def pack(tensor: torch.Tensor) -> None:
+                at_pack.append((counter.total, counter.excluded))
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
-            fn(*args, **kwargs)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
+                fn(*args, **kwargs)
+    finally:
+        region.recorders.pop()
     if not at_pack:
         return 0, 0
+    if nested is not None:
+        nested += [r for r, packs in inner if packs < len(at_pack)]
     total, kept = at_pack[-1]
     return total - kept, len(at_pack)
 
@@ -226,10 +235,16 @@ class Floor:
 
 
 def floor_of(model: nn.Module, step: Callable[[], Any]) -> Floor:
-    """The :class:`Floor` of ``step()``, a training step of ``model``."""
-    regions = recorded_regions(step)
+    """The :class:`Floor` of ``step()``, a training step of ``model``: its regions' recomputes,
+    and those of the regions each recompute opens again inside it (a nested mode's)."""
+    todo, regions, counts = recorded_regions(step), [], []
     with _statistics_frozen(model):
-        counts = [recompute_ops(*r) for r in regions]
+        while todo:
+            r = todo.pop(0)
+            inner: list[Region] = []
+            counts.append(recompute_ops(*r, nested=inner))
+            regions.append(r)
+            todo += inner
     return Floor(sum(ops for ops, _ in counts), regions, [saved for _, saved in counts])
 
 
