@@ -174,7 +174,11 @@ def recompute_ops(fn: Callable, args: tuple, kwargs: dict, save_ops: Any = None,
     :func:`_statistics_frozen`."""
     at_pack: list[tuple[int, int]] = []
     inner: list[tuple[Region, int]] = []
-    region.recorders.append(lambda *r: inner.append((r, len(at_pack))))
+
+    def record(*r: Any) -> None:
+        inner.append((r, len(at_pack)))
+
+    region.recorders.append(record)
     try:
         with torch.enable_grad(), OpCounter(save_ops or ()) as counter:
             def pack(tensor: torch.Tensor) -> None:
@@ -183,7 +187,7 @@ def recompute_ops(fn: Callable, args: tuple, kwargs: dict, save_ops: Any = None,
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
                 fn(*args, **kwargs)
     finally:
-        region.recorders.pop()
+        region.recorders.remove(record)
     if not at_pack:
         return 0, 0
     if nested is not None:
