@@ -118,19 +118,23 @@ class Entry:
 Region = tuple[Callable, tuple, dict, Any]
 
 
+@contextmanager
+def _recording(record: Callable[..., None]) -> Iterator[None]:
+    """``record(fn, args, kwargs, save_ops)`` called for every region opened (not nested in
+    another) while inside."""
+    region.recorders.append(record)
+    try:
+        yield
+    finally:
+        region.recorders.remove(record)
+
+
 def recorded_regions(step: Callable[[], Any]) -> list[Region]:
     """(fn, args, kwargs, save_ops) of every zoo.checkpoint region ``step()`` opens (nested
     regions are part of their outer one)."""
     regions: list[Region] = []
-
-    def record(fn: Callable, args: tuple, kwargs: dict, save_ops: Any) -> None:
-        regions.append((fn, args, kwargs, save_ops))
-
-    region.recorders.append(record)
-    try:
+    with _recording(lambda *r: regions.append(r)):
         step()
-    finally:
-        region.recorders.remove(record)
     return regions
 
 
@@ -173,21 +177,14 @@ def recompute_ops(fn: Callable, args: tuple, kwargs: dict, save_ops: Any = None,
     again by the recompute, so each recomputed in its turn). Run it inside
     :func:`_statistics_frozen`."""
     at_pack: list[tuple[int, int]] = []
-    inner: list[tuple[Region, int]] = []
+    inner: list[tuple[Region, int]] = []  # with the tensors saved before it opened
+    with _recording(lambda *r: inner.append((r, len(at_pack)))), torch.enable_grad(), \
+            OpCounter(save_ops or ()) as counter:
+        def pack(tensor: torch.Tensor) -> None:
+            at_pack.append((counter.total, counter.excluded))
 
-    def record(*r: Any) -> None:
-        inner.append((r, len(at_pack)))
-
-    region.recorders.append(record)
-    try:
-        with torch.enable_grad(), OpCounter(save_ops or ()) as counter:
-            def pack(tensor: torch.Tensor) -> None:
-                at_pack.append((counter.total, counter.excluded))
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
-                fn(*args, **kwargs)
-    finally:
-        region.recorders.remove(record)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
+            fn(*args, **kwargs)
     if not at_pack:
         return 0, 0
     if nested is not None:
