@@ -24,7 +24,7 @@ from torch import nn
 
 from ..checkpoint import checkpoint, is_recomputing, region
 from .fake import FakeStep
-from .tracker import StepCounter, storage_bytes, storage_key
+from .tracker import StepCounter, storage_bytes
 
 __all__ = ["Trace", "traced_step", "grad_bytes"]
 
@@ -91,7 +91,7 @@ class Trace:
         if self.phase[0] == "F" and not is_recomputing():
             i = self.phase[1]
             self.at_last_pack[i] = self.peak.get(self.phase, self.counter.current)
-            key = storage_key(t)
+            key = self.counter.key(t)
             if key not in self.param_keys:
                 self.saved.setdefault(i, {})[key] = storage_bytes(t)
         return t
@@ -104,7 +104,7 @@ class Trace:
             self.pack(t)
         if self.phase[0] == "F" and not is_recomputing():
             self.regions.setdefault(self.phase[1], []).append(
-                {storage_key(t) for t in tensors if t.requires_grad})
+                {self.counter.key(t) for t in tensors if t.requires_grad})
 
     def note_grad(self, g: torch.Tensor) -> None:
         self.grads[self.phase] = self.grads.get(self.phase, 0) + grad_bytes(g)
@@ -112,7 +112,7 @@ class Trace:
     def call_block(self, i: int, block: Callable, x: torch.Tensor) -> torch.Tensor:
         if is_recomputing():  # a recompute runs inside the segment's backward phase
             return block(x)
-        self.in_key[i], self.in_bytes[i] = storage_key(x), storage_bytes(x)
+        self.in_key[i], self.in_bytes[i] = self.counter.key(x), storage_bytes(x)
         if i == 0 and x.requires_grad:
             x.register_hook(lambda g: self.enter(("tail",)))
         self.enter(("F", i))
@@ -120,7 +120,7 @@ class Trace:
         if not isinstance(y, torch.Tensor):
             raise TypeError(f"chain block {i} returned {type(y).__name__}; the planner needs "
                             "blocks that take and return one tensor")
-        self.out_key[i], self.out_bytes[i] = storage_key(y), storage_bytes(y)
+        self.out_key[i], self.out_bytes[i] = self.counter.key(y), storage_bytes(y)
         self.out_dgrad[i] = grad_bytes(y) if y.requires_grad else 0
         self.meta[i] = ((tuple(x.shape), x.dtype), (tuple(y.shape), y.dtype))
         self.alias[i] = self.out_key[i] == self.in_key[i]
@@ -155,7 +155,7 @@ def traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torc
     fake.clear()
     counter = StepCounter()
     counter.track(tensors)
-    trace = Trace(counter, {storage_key(t) for t in tensors})
+    trace = Trace(counter, {counter.key(t) for t in tensors})
     counter.on_op = trace.op_done
     handles = [p.register_hook(trace.note_grad) for p in tensors
                if p.requires_grad and p.is_leaf]

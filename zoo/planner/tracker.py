@@ -56,7 +56,8 @@ class StepCounter(TorchDispatchMode):
         self.peak = 0
         self.flops = 0
         self.on_op = on_op
-        self._live: dict[int, tuple[int, Any]] = {}
+        self._live: dict[int, tuple[int, Any, int]] = {}
+        self._made = 0  # storages seen so far: each live one's serial number
 
     def track(self, *objects: Any) -> None:
         for obj in objects:
@@ -70,8 +71,18 @@ class StepCounter(TorchDispatchMode):
         if key in self._live:
             return
         nbytes = storage_bytes(t)
-        self._live[key] = (nbytes, weakref.ref(st, lambda _, key=key: self._free(key)))
+        self._made += 1
+        self._live[key] = (nbytes, weakref.ref(st, lambda _, key=key: self._free(key)),
+                           self._made)
         self.current += nbytes
+
+    def key(self, t: torch.Tensor) -> int:
+        """An identity of ``t``'s storage that no other storage of the step shares, unlike its
+        address (``storage_key``), which a storage made after this one is freed may reuse: the
+        serial number of a storage the counter sees, its address negated for one it does not."""
+        address = storage_key(t)
+        entry = self._live.get(address)
+        return -address if entry is None else entry[2]
 
     def _free(self, key: int) -> None:
         entry = self._live.pop(key, None)
