@@ -1,8 +1,10 @@
 """The profiler's pattern runs take no saved-tensor hook: what they read (levels at each phase's
 start, peaks, FLOPs and recompute FLOPs) is the same as in a run with the hook, byte for byte,
-on a conv-BN chain, a concatenating chain and with blocks in their own checkpoint modes. A
-storage is known by a key no later storage of the step shares (its address is reused once it is
-freed).
+on a conv-BN chain, a concatenating chain and with blocks in their own checkpoint modes. They
+run only as many times as the contexts a schedule reads need: two where no unit holds its input
+in the unit before, none where every unit runs stored at the top level only (a save set), with
+the same plans as four runs give. A storage is known by a key no later storage of the step
+shares (its address is reused once it is freed).
 """
 from __future__ import annotations
 
@@ -10,6 +12,10 @@ import pytest
 import torch
 
 import zoo
+import zoo.planner.profile as profile
+from test_planner_modes import small
+from zoo.models.densenet import DenseNet
+from zoo.planner import Planner
 from zoo.planner.contexts import blocks_of, nested_pattern
 from zoo.planner.fake import FakeStep, default_loss
 from zoo.planner.trace import traced_step
@@ -35,6 +41,44 @@ def test_a_pattern_run_reads_the_same_without_the_saved_tensor_hook(name, mode):
         assert bare.flops == hooked.flops and bare.rflops == hooked.rflops
         assert hooked.saved  # the hook saw what the blocks saved; without it only the
         assert bool(bare.saved) == (mode is not None)  # blocks' own regions' inputs are seen
+
+
+def _model(family: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    if family != "densenet40-like":
+        return small(family)
+    torch.manual_seed(0)  # BN-ReLU-conv3x3 layers, no bottleneck, 3 x 3 layers
+    model = DenseNet(growth_rate=12, block_config=(3, 3, 3), num_init_features=24,
+                     num_classes=10, stem="cifar", bn_size=None, compression=1.0)
+    return model, model.example_input(4)
+
+
+@pytest.mark.parametrize("family,plain_steps,set_steps", [
+    ("densenet40-like", 3, 1), ("densenet", 3, 1), ("resnet", 5, 5)])
+def test_the_pattern_runs_only_where_a_schedule_reads_what_they_show(
+        family, plain_steps, set_steps, monkeypatch):
+    """No DenseNet layer keeps its output in a plain step (the next one reads the
+    concatenation), so two pattern runs show every context; with ``ops:matmul`` every layer
+    runs stored at the top level only, in its plain step's context: no pattern run. A ResNet
+    block holds its input in the block before (the next conv saves the ReLU's output), and its
+    in-place ReLU blocks take no save set: four runs each. The plans are the ones all four
+    runs give, and most of a DenseNet's take the save set."""
+    model, x = _model(family)
+    calls = []
+    traced = profile.traced_step
+    monkeypatch.setattr(profile, "traced_step", lambda *a, **k: calls.append(1) or traced(*a, **k))
+    plain = profile.profile_chain(model, x)
+    assert (len(calls), plain.n_units > 4) == (plain_steps, True)
+    calls.clear()
+    matmul = profile.profile_chain(model, x, block_mode="ops:matmul")
+    assert len(calls) == set_steps
+    assert any(matmul.opaque) and all(matmul.opaque) == family.startswith("densenet")
+    lean = Planner(model, x, modes=False).choices
+    monkeypatch.setattr(profile, "_pattern_runs", lambda *a: 4)
+    full = Planner(model, x, modes=False).choices
+    assert [(c.predicted_peak, c.recompute_flops, c.segments, c.block_modes) for c in lean] == \
+        [(c.predicted_peak, c.recompute_flops, c.segments, c.block_modes) for c in full]
+    with_set = [c for c in lean if "ops:matmul" in (c.block_modes or ())]
+    assert len(with_set) > len(lean) // 2 or family != "densenet40-like"
 
 
 def test_a_storage_made_after_another_is_freed_never_takes_its_key():

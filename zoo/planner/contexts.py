@@ -7,7 +7,9 @@ holds the unit's input (the unit before it: the input outlives the unit's backwa
 enclosing region, or nobody: it is freed inside, at different points). :func:`nested_pattern`
 lays out four runs, shifted by one unit each time, in which every unit is seen first in a
 checkpointed region, recomputed after an inner region, recomputed after a stored unit, and stored
-after a checkpointed segment; :func:`read_pattern` fills in the profile's per-context figures.
+after a checkpointed segment (two runs, where no unit's input is held by the unit before: the
+first two contexts are then all there is); :func:`read_pattern` fills in the profile's
+per-context figures.
 """
 from __future__ import annotations
 
@@ -23,31 +25,42 @@ __all__ = ["nested_pattern", "blocks_of", "read_pattern", "fill_gaps", "unit_pea
 REGION, AFTER_INNER, AFTER_UNIT, AFTER_SEGMENT = "region", "after inner", "after unit", "after"
 
 
-def nested_pattern(n_units: int, shift: int) -> tuple[list, dict[int, str]]:
+def nested_pattern(n_units: int, shift: int, held: bool = True
+                   ) -> tuple[list, dict[int, str]]:
     """Unit-level nested segments and each unit's role in them. From unit ``shift % 4`` on, every
     four units ``a..a+3`` run as ``[(a, a+3, [(a, a+1, [(a, a+1, None)]), (a+1, a+3, None)]),
     (a+3, a+4, None)]``: unit ``a`` is recomputed first in a region (``region``), ``a+1``
     recomputed right after an inner checkpointed segment (``after inner``: nobody holds its
     input but itself), ``a+2`` recomputed after a stored unit (``after unit``), ``a+3`` stored
     right after a checkpointed segment (``after``). The units before the first group form a
-    shorter one."""
+    shorter one.
+
+    ``held=False``, for a chain none of whose units holds its input in the unit before in a
+    plain step: from unit ``shift % 2`` on, every two units ``a, a+1`` run as the first two of
+    such a group, ``(a, a+2, [(a, a+1, [(a, a+1, None)]), (a+1, a+2, None)])``, so that two
+    runs show every unit in a region and after an inner one. The other two contexts add
+    nothing there: recomputed after a stored unit, such a unit's input is held by nobody but
+    itself (``after inner`` again), and stored after a segment it is as in the plain step."""
+    size = 4 if held else 2
     segments: list = []
     roles: dict[int, str] = {}
-    start = shift % 4 if shift % 4 < n_units else 0
+    start = shift % size if shift % size < n_units else 0
     if start >= 2:
         segments += [(0, start - 1, [(0, start - 1, None)]), (start - 1, start, None)]
         roles.update({0: REGION, start - 1: AFTER_SEGMENT})
         roles.update({u: AFTER_UNIT for u in range(1, start - 1)})
     elif start == 1:
         segments.append((0, 1, None))
-    for a in range(start, n_units, 4):
-        b = min(a + 3, n_units)
+    for a in range(start, n_units, size):
+        b = min(a + max(2, size - 1), n_units)
         inner: list = [(a, a + 1, [(a, a + 1, None)])] if b - a > 1 else [(a, a + 1, None)]
         if b - a > 1:
             inner.append((a + 1, b, None))
         segments.append((a, b, inner))
-        roles.update({a: REGION, a + 1: AFTER_INNER, a + 2: AFTER_UNIT})
-        if b < n_units:
+        roles.update({a: REGION, a + 1: AFTER_INNER})
+        if held:
+            roles[a + 2] = AFTER_UNIT
+        if b < n_units and held:
             segments.append((b, b + 1, None))
             roles[b] = AFTER_SEGMENT
     return segments, {u: r for u, r in roles.items() if u < n_units}

@@ -138,11 +138,12 @@ class _Grid:
 
     def _states(self, a: int, e: int | None) -> tuple[int, ...]:
         """The input states that differ at unit ``a``: the top level has no region, and where no
-        variant's backward tells a region from a unit holding its input, they share a table."""
+        variant's backward tells a region from a unit holding its input, they share a table (a
+        variant that runs the unit stored at the top level only is not asked)."""
         if e is None:
             return (NOT_HELD, BY_UNIT)
         if all(q.rise_in_backward(a, True, BY_UNIT) == q.rise_in_backward(a, True, BY_REGION)
-               is not None for q in self.m.profiles):
+               is not None for q in self.m.profiles if not q.is_opaque(a)):
             return (NOT_HELD, BY_UNIT)
         return STATES
 

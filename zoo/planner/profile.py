@@ -19,6 +19,10 @@ while every tensor is counted as ``MemTracker`` counts it and every FLOP as ``Fl
    were recomputed (each is then freed as soon as its node has used it, not when the node is
    released) and who else holds the unit's input (the unit before it: the input outlives the
    unit's backward; the enclosing region, or nobody: it is freed inside, at different points).
+   Where no unit's input is held by the unit before (a DenseNet, whose layers read the
+   concatenation), two runs show all the contexts there are; where no unit can run in a
+   context the plain step did not show (every unit with a save set: stored at the top level
+   only), none runs.
 
 Outside the chain (stem, head, loss) nothing is modelled: the memory levels there are read off
 the first run and enter the planner as constants. A block whose output shares its input's
@@ -69,13 +73,14 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
                   max_units: int | None = None) -> ChainProfile | None:
     """Profile ``model``'s chain (``checkpoint_chain``) on ``example_input`` for the planner.
 
-    Runs five training steps under ``FakeTensorMode`` (nothing is computed, nothing is changed
-    in ``model``: parameters, buffers and its checkpoint plan are left as they were): a plain
-    one of the whole chain, then four of its kept units only (``zoo.planner.repeats``: a run of
-    identical units is profiled on its first three). ``block_mode``: every block runs in that
+    Runs up to five training steps under ``FakeTensorMode`` (nothing is computed, nothing is
+    changed in ``model``: parameters, buffers and its checkpoint plan are left as they were): a
+    plain one of the whole chain, then up to four of its kept units only
+    (``zoo.planner.repeats``: a run of identical units is profiled on its first three; the
+    module docstring says when fewer are needed). ``block_mode``: every block runs in that
     intra-block checkpoint mode (``model.run_chain_block``) or, for a save set's name
-    (``zoo.planner.savesets``), checkpointed with it, stored or inside a checkpointed
-    segment; ``like``: the plain profile of the same chain, whose kept units then serve for the
+    (``zoo.planner.savesets``), checkpointed with it, stored at the top level only;
+    ``like``: the plain profile of the same chain, whose kept units then serve for the
     plain step too. ``whole=False``: None for a mode that checkpoints each unit whole and
     nothing else (a one-unit checkpointed segment already does that). ``fake``: fake copies of
     the model's state to run on (made here when not given). ``max_units``: a chain of more
@@ -92,7 +97,7 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
             return None
         with save_set_applied(model, chain, block_mode):
             prof = _profile(model, example_input, loss_fn, None, like, whole, fake, max_units,
-                            save_set=True)
+                            stored_only=[t is not None for t in wrapped])
         if prof is not None:  # torch's selective checkpoint keeps its cache even inside an
             # outer region's forward: stored at the top only
             prof.opaque = [o or any(wrapped[j] is not None for j in range(a, b))
@@ -106,16 +111,19 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
 def _profile(model: nn.Module, example_input: torch.Tensor,
              loss_fn: Callable[[Any], torch.Tensor] | None, block_mode: str | None,
              like: ChainProfile | None, whole: bool, fake: FakeStep | None,
-             max_units: int | None = None, save_set: bool = False) -> ChainProfile | None:
-    """``save_set``: the blocks' modules are checkpointed with a save set, whose regions keep
-    their ops' outputs beside their input (so never a whole-block checkpoint's double)."""
+             max_units: int | None = None, stored_only: Sequence[bool] = ()
+             ) -> ChainProfile | None:
+    """``stored_only``: per chain block, whether it is checkpointed with a save set (whose
+    region keeps its ops' outputs beside its input, so never a whole-block checkpoint's double,
+    and whose cache torch keeps even inside an outer recompute: its unit runs stored at the top
+    level only)."""
     loss_fn = loss_fn or default_loss
     fake = fake or FakeStep(model, example_input)
     chain = list(model.checkpoint_chain())
     n = len(chain)
     names = [_block_name(b) for b in chain]
     # a mode that may turn out to checkpoint each unit whole is told by its forward alone
-    stop = None if whole or save_set else _checkpoints_units_whole
+    stop = None if whole or stored_only else _checkpoints_units_whole
     if like is not None and like.repeats and like.n_blocks == n:
         order, sub_units = kept_blocks(like.units, like.repeats)
         plain, _, step_flops = traced_step(model, example_input, loss_fn,
@@ -148,8 +156,11 @@ def _profile(model: nn.Module, example_input: torch.Tensor,
         sub = _from_plain(plain, sub_units, [names[j] for j in order])
         prof = None
     sub.step_flops = step_flops - sub.inner_flops
-    for shift in range(4):
-        segments, roles = nested_pattern(sub.n_units, shift)
+    kept_stored_only = [bool(stored_only) and any(stored_only[order[j]] for j in range(a, b))
+                        for a, b in sub.units]
+    runs = _pattern_runs(sub, kept_stored_only)
+    for shift in range(runs):
+        segments, roles = nested_pattern(sub.n_units, shift, held=runs == 4)
         trace = traced_step(model, example_input, loss_fn, blocks_of(sub.units, segments),
                             block_mode, order, fake, saves=False)[0]  # read_pattern: levels
         read_pattern(sub, trace, segments, roles)
@@ -164,6 +175,17 @@ def _profile(model: nn.Module, example_input: torch.Tensor,
         prof.step_flops = step_flops - prof.inner_flops
     prof.block_mode = block_mode
     return prof
+
+
+def _pattern_runs(sub: ChainProfile, stored_only: Sequence[bool]) -> int:
+    """How many pattern runs show every context a schedule may put a unit of ``sub`` in: four
+    where a unit holds its input in the unit before in the plain step (a schedule may
+    checkpoint that one), two where none does (:func:`.contexts.nested_pattern`), none where
+    every unit runs stored at the top level only (a unit keeping part of its tensors out of
+    the hooks' sight, or with a save set: ``stored_only``) in the context of its plain step."""
+    if any(sub.held_in_plain(u) for u in range(sub.n_units)):
+        return 4
+    return 2 if not all(sub.is_opaque(u) or stored_only[u] for u in range(sub.n_units)) else 0
 
 
 def _checkpoints_units_whole(plain: Trace) -> bool:
