@@ -36,7 +36,7 @@ from ..checkpoint import split_segments
 from ..memory import parse_budget
 from .batch import largest_batch
 from .errors import BudgetTooSmallError
-from .fake import default_loss
+from .fake import collector_paused, default_loss
 from .front import Front, solve_nested
 from .measure import measure_step
 from .modes import ModeCost, profile_modes
@@ -108,15 +108,16 @@ def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | flo
     budget = parse_budget(memory_budget, device)
     if cost not in ("flops", "time"):
         raise ValueError(f"cost must be 'flops' or 'time', got {cost!r}")
-    if hasattr(model, "checkpoint_chain") and modules is None:
-        with plan_set_aside(model):  # a plan applied before is not the plain step's
-            result = _plan_zoo_model(model, example_input, budget, loss_fn, cost, modes,
-                                     block_modes, compiled)
-    else:
-        spine = spine_planner(model, example_input, loss_fn, compiled=compiled) \
-            if modules is None else None
-        result = spine.plan(budget) if spine is not None else \
-            plan_module(model, example_input, budget, loss_fn, modules)
+    with collector_paused():
+        if hasattr(model, "checkpoint_chain") and modules is None:
+            with plan_set_aside(model):  # a plan applied before is not the plain step's
+                result = _plan_zoo_model(model, example_input, budget, loss_fn, cost, modes,
+                                         block_modes, compiled)
+        else:
+            spine = spine_planner(model, example_input, loss_fn, compiled=compiled) \
+                if modules is None else None
+            result = spine.plan(budget) if spine is not None else \
+                plan_module(model, example_input, budget, loss_fn, modules)
     if apply:
         result.apply(model)
     return result

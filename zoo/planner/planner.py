@@ -22,7 +22,7 @@ from torch import nn
 
 from ..memory import parse_budget
 from .errors import BudgetTooSmallError
-from .fake import FakeStep
+from .fake import FakeStep, collector_paused
 from .front import Front
 from .modes import ModeCost, profile_modes
 from .nested import MAX_UNITS
@@ -168,7 +168,8 @@ class Planner:
     only, which AOTAutograd's partitioner keeps (it recomputes each tagged op once, so a
     nested schedule's recompute within a recompute, and a block's own checkpoints inside a
     stored block, are not kept: their compiled step holds more than planned;
-    tests/planner/test_planner_compile.py)."""
+    tests/planner/test_planner_compile.py). Python's cyclic garbage collector is paused while
+    it profiles and searches (``fake.collector_paused``: no figure depends on it)."""
 
     def __init__(self, model: nn.Module, example_input: torch.Tensor,
                  loss_fn: Callable[[Any], torch.Tensor] | None = None, *, modes: bool = True,
@@ -176,16 +177,17 @@ class Planner:
                  profile: ChainProfile | None = None, compiled: bool = False) -> None:
         if compiled:
             modes = block_modes = False
-        fake = FakeStep(model, example_input)
-        self.profile = profile or profile_chain(model, example_input, loss_fn, fake=fake,
-                                                max_units=MAX_UNITS)
-        self.variants, per_block = _block_mode_profiles(model, example_input, loss_fn,
-                                                        self.profile, fake) \
-            if block_modes and profile is None else ([], set())
-        self.modes = profile_modes(model, example_input, self.profile.step_flops, loss_fn,
-                                   _unique_modes(model, per_block), fake) if modes else []
-        self.choices = plan_choices(self.profile, self.variants, self.modes, slots,
-                                    one_level=compiled)
+        with collector_paused():
+            fake = FakeStep(model, example_input)
+            self.profile = profile or profile_chain(model, example_input, loss_fn, fake=fake,
+                                                    max_units=MAX_UNITS)
+            self.variants, per_block = _block_mode_profiles(model, example_input, loss_fn,
+                                                            self.profile, fake) \
+                if block_modes and profile is None else ([], set())
+            self.modes = profile_modes(model, example_input, self.profile.step_flops, loss_fn,
+                                       _unique_modes(model, per_block), fake) if modes else []
+            self.choices = plan_choices(self.profile, self.variants, self.modes, slots,
+                                        one_level=compiled)
 
     @property
     def least_peak(self) -> int:
