@@ -41,7 +41,7 @@ def nested_pattern(n_units: int, shift: int, held: bool = True
     runs show every unit in a region and after an inner one. The other two contexts add
     nothing there: recomputed after a stored unit, such a unit's input is held by nobody but
     itself (``after inner`` again), and stored after a segment it is as in the plain step."""
-    size = 4 if held else 2
+    size, span = (4, 3) if held else (2, 2)  # units per group; of them, in its region
     segments: list = []
     roles: dict[int, str] = {}
     start = shift % size if shift % size < n_units else 0
@@ -52,7 +52,7 @@ def nested_pattern(n_units: int, shift: int, held: bool = True
     elif start == 1:
         segments.append((0, 1, None))
     for a in range(start, n_units, size):
-        b = min(a + max(2, size - 1), n_units)
+        b = min(a + span, n_units)
         inner: list = [(a, a + 1, [(a, a + 1, None)])] if b - a > 1 else [(a, a + 1, None)]
         if b - a > 1:
             inner.append((a + 1, b, None))

@@ -68,12 +68,12 @@ def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector paused for the duration (as it was after).
 
     A planning's fake steps make millions of short-lived objects, so the collector would run
-    thousands of times, scanning the model's fake state each time: a tenth of a planning's time
-    (DenseNet-BC-100). What it would find is closures and bookkeeping, about ten megabytes,
-    left to its next run: no fake tensor's storage lives in a reference cycle, so no byte the
-    steps count depends on when the collector runs (tests/planner/test_planner_trace.py plans
-    with it running after every allocation too). Pausing it is process-wide: another thread's
-    cycles wait for the planning's end as well."""
+    thousands of times, scanning the model's fake state each time: about 7% of a planning's
+    time (DenseNet-BC-100, ResNet-110). What it would find is closures and bookkeeping, about
+    ten megabytes, left to its next run: no fake tensor's storage lives in a reference cycle,
+    so no byte the steps count depends on when the collector runs
+    (tests/planner/test_planner_trace.py plans with it running every ten allocations too).
+    Pausing it is process-wide: another thread's cycles wait for the planning's end as well."""
     was = gc.isenabled()
     gc.disable()
     try:
