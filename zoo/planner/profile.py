@@ -185,7 +185,7 @@ def _pattern_runs(sub: ChainProfile, stored_only: Sequence[bool]) -> int:
     the hooks' sight, or with a save set: ``stored_only``) in the context of its plain step."""
     if any(sub.held_in_plain(u) for u in range(sub.n_units)):
         return 4
-    return 2 if not all(sub.is_opaque(u) or stored_only[u] for u in range(sub.n_units)) else 0
+    return 0 if all(sub.is_opaque(u) or stored_only[u] for u in range(sub.n_units)) else 2
 
 
 def _checkpoints_units_whole(plain: Trace) -> bool:
