@@ -9,6 +9,7 @@ its last segment unchecked, that ``plot`` draws, and that ``gpu --smoke`` writes
 """
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 from pathlib import Path
@@ -20,6 +21,7 @@ import zoo
 from zoo.bench import cli
 from zoo.bench.max_batch import PeakPredictor, largest_batch
 from zoo.bench.measure import measure_or_report, training_step
+from zoo.bench.overhead import one_line
 from zoo.bench.report import benchmark_table
 from zoo.bench.runs import parse_budgets, run_benchmark, run_max_batch, run_segments
 from zoo.bench.variants import Variant, build_variant, canonical_name
@@ -220,6 +222,29 @@ def test_failing_variant_is_a_row_not_a_crash() -> None:
     assert rows[2]["status"] == "ok" and rows[2]["peak_bytes"] < rows[0]["peak_bytes"]
     assert rows[2]["bn_count_error"] == 0 and rows[0]["time_ratio"] == 1.0
     assert "| 2 | wrong input | failed: RuntimeError: " in benchmark_table(rows)
+
+
+def test_a_failure_names_its_cause_and_logs_its_traceback(
+        capsys: pytest.CaptureFixture) -> None:
+    """A compile error's first line only introduces its cause ("backend='inductor' raised:"):
+    the row's one line carries the cause too, and the whole traceback goes to stderr."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    try:
+        try:
+            raise NotImplementedError("no lowering for aten.fancy_op")
+        except NotImplementedError as inner:
+            frame = ("first_useful_frame" in  # a third argument in newer torch
+                     inspect.signature(BackendCompilerFailed.__init__).parameters)
+            raise BackendCompilerFailed(lambda *a: None, inner, *[None] * frame) from inner
+    except BackendCompilerFailed as e:
+        line = one_line(e)
+    assert line.startswith("BackendCompilerFailed: ")
+    assert "NotImplementedError: no lowering for aten.fancy_op" in line and "\n" not in line
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "aten.fancy_op" in err
+    assert one_line(ValueError("bad\nmore"), log=False) == "ValueError: bad"
+    assert capsys.readouterr().err == ""
 
 
 def test_gpu_smoke_writes_every_part(tmp_path: Path) -> None:

@@ -23,7 +23,9 @@ from __future__ import annotations
 import copy
 import random
 import statistics
+import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,11 +86,18 @@ def run_modes(device: torch.device, compile: bool = True) -> list[str]:
     return modes
 
 
-def one_line(error: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message (compile errors
-    carry pages of context; the first line names the cause)."""
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
+def one_line(error: BaseException, log: bool = True) -> str:
+    """An exception as one line for a table cell: its type and the first line of its message,
+    joined to the next one where the first only introduces it (a compile error's first line is
+    "backend='inductor' raised:", the cause is on the second). With ``log``, the whole
+    traceback goes to stderr too, so the run's log keeps what the cell cannot."""
+    if log:
+        traceback.print_exception(error, file=sys.stderr)
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    text = lines[0] if not lines[0].endswith(":") or len(lines) < 2 else " ".join(lines[:2])
+    return f"{type(error).__name__}: {text[:300]}"
 
 
 @dataclass
