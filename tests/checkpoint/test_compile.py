@@ -198,6 +198,37 @@ def test_cp_batchnorm_under_torchs_checkpoint_compiles_exactly(images):
                                         images)
 
 
+class _NodeList(list):
+    """A graph's nodes as torch 2.11 gives them: ``reversed()`` of them is an iterable that is
+    no iterator (later releases return an iterator)."""
+
+    def __reversed__(self):
+        return list(super().__reversed__())
+
+
+def test_outputs_policy_reads_the_traced_graph_whatever_reversed_returns(monkeypatch):
+    """The policy of the region that keeps a region's outputs tags the op a view output comes
+    from to be saved, reading the last node of the graph being traced; on torch 2.11, where
+    ``reversed(graph.nodes)`` is no iterator, every compiled region failed with inductor."""
+    from types import SimpleNamespace
+
+    import torch.fx.experimental.proxy_tensor as proxy_tensor
+    from zoo.checkpoint import _keep_bases
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    base = graph.call_function(torch.ops.aten.relu.default, (x,))
+    base.meta["recompute"] = torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+    view = graph.call_function(torch.ops.aten.view.default, (base, [-1]))
+    out = graph.call_function(torch.ops.aten.alias.default, (view,))
+    nodes = _NodeList([x, base, view, out])
+    mode = SimpleNamespace(tracer=SimpleNamespace(graph=SimpleNamespace(nodes=nodes)))
+    monkeypatch.setattr(proxy_tensor, "get_proxy_mode", lambda: mode)
+    policy = _keep_bases(None, torch.ops.aten.alias.default)
+    assert policy == torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+    assert base.meta["recompute"] == torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+
+
 def test_is_recomputing_is_false_while_tracing():
     """A compiled graph never reruns Python: the flags read False when traced (and break no graph),
     inside a region as outside it."""

@@ -153,7 +153,8 @@ def _keep_bases(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         return policy
     mode = get_proxy_mode()
     graph = getattr(getattr(mode, "tracer", None), "graph", None)
-    node = next(reversed(graph.nodes), None) if graph is not None else None
+    # reversed(graph.nodes) is an iterable, not an iterator, in torch 2.11: iter() serves both
+    node = next(iter(reversed(graph.nodes)), None) if graph is not None else None
     if node is None or node.target is not op:
         return policy
     views = get_default_op_list().view_ops
