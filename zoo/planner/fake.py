@@ -45,8 +45,9 @@ def fake_state(model: nn.Module, fake: Any) -> dict[str, torch.Tensor]:
 class FakeStep:
     """Fake copies of a model's parameters and buffers and of an input, made once for the many
     fake steps of a planning (making them costs a few hundred microseconds per tensor): the
-    ``mode`` (a ``PlannerFakeMode``: ``FakeTensorMode`` with quicker cache keys) they belong to, ``state`` by name, the unique ``tensors``, the
-    ``input``. :meth:`clear` drops the gradients a step left on them."""
+    ``mode`` they belong to (a ``PlannerFakeMode``: ``FakeTensorMode`` with quicker cache
+    keys), ``state`` by name, the unique ``tensors``, the ``input``. :meth:`clear` drops the
+    gradients a step left on them."""
 
     def __init__(self, model: nn.Module, example_input: Any) -> None:
         self.mode = PlannerFakeMode()
