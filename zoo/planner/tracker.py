@@ -40,7 +40,7 @@ def storage_bytes(t: torch.Tensor) -> int:
 
 
 _DEVICE = torch.ops.prim.device.default  # asked by the autograd engine: most of a step's calls
-_DETACH = torch.ops.aten.detach.default  # autograd saving and unpacking a tensor subclass's
+_DETACH = torch.ops.aten.detach.default  # autograd's, for each fake tensor it saves or unpacks
 
 
 def fake_detach(t: FakeTensor) -> FakeTensor:
@@ -48,7 +48,7 @@ def fake_detach(t: FakeTensor) -> FakeTensor:
     meta tensor of ``t``'s shape, strides and offset set onto ``t``'s storage), without
     hashing a cache key: a fifth of the time. Autograd detaches every fake tensor it saves or
     unpacks (``shallow_copy_and_detach`` of a Python tensor subclass dispatches ``detach``):
-    two in five of a pattern run's ops, a tenth of a DenseNet-BC-100 planning."""
+    a third of a pattern run's ops, a tenth of a DenseNet-BC-100 planning."""
     with in_kernel_invocation_manager(t.fake_mode):
         meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
         meta.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
