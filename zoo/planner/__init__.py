@@ -13,15 +13,15 @@ applies it with ``model.set_checkpoint_plan`` and ``model.set_checkpoint_block_m
 :mod:`.measure` measures a step without running it; :mod:`.modules` plans any other module.
 
 Files, each importing only those listed before it (no circles): ``errors.py``, ``tracker.py``
-(bytes and FLOPs op by op), ``fake.py`` (fake state, the default loss), ``measure.py`` (one
-fake step's peak and FLOPs), ``modes.py`` (hand modes as candidates), ``module_nesting.py``,
-``spine.py`` (any module's run of calls as a chain), ``savesets.py`` (op-level choices),
-``trace.py`` (an instrumented step), ``repeats.py`` (repeated units profiled once),
-``contexts.py`` (the runs that show each unit in every context), ``profile.py`` (what each
-unit costs), ``solve.py`` (the one-level memory model), ``nested.py`` (multi-level schedules),
-``front.py`` (their search), ``plans.py`` (the :class:`Plan`), ``modules.py`` (blocks of any
-module), ``batch.py``, ``timing.py``, ``planner.py`` (:class:`Planner`); this file holds
-:func:`plan`.
+(bytes and FLOPs op by op), ``fake_mode.py`` (``FakeTensorMode`` with quicker cache keys),
+``fake.py`` (fake state, the default loss), ``measure.py`` (one fake step's peak and FLOPs),
+``modes.py`` (hand modes as candidates), ``module_nesting.py``, ``spine.py`` (any module's run of
+calls as a chain), ``savesets.py`` (op-level choices), ``trace.py`` (an instrumented step),
+``repeats.py`` (repeated units profiled once), ``contexts.py`` (the runs that show each unit in
+every context), ``profile.py`` (what each unit costs), ``solve.py`` (the one-level memory model),
+``nested.py`` (multi-level schedules), ``front.py`` (their search), ``plans.py`` (the
+:class:`Plan`), ``modules.py`` (blocks of any module), ``batch.py``, ``timing.py``, ``planner.py``
+(:class:`Planner`); this file holds :func:`plan`.
 """
 from __future__ import annotations
 

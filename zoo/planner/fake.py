@@ -2,8 +2,8 @@
 and the default loss of a profiled step.
 
 ``measure.py`` and ``profile.py`` both run a training step under ``FakeTensorMode`` on these;
-keeping them here (importing nothing else from the package) is what keeps the package free of
-import circles.
+keeping them here (importing nothing else from the package but its fake mode, ``fake_mode.py``)
+is what keeps the package free of import circles.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .fake_mode import PlannerFakeMode
 
 __all__ = ["fake_state", "default_loss", "FakeStep", "collector_paused"]
 
@@ -43,13 +45,12 @@ def fake_state(model: nn.Module, fake: Any) -> dict[str, torch.Tensor]:
 class FakeStep:
     """Fake copies of a model's parameters and buffers and of an input, made once for the many
     fake steps of a planning (making them costs a few hundred microseconds per tensor): the
-    ``mode`` (``FakeTensorMode``) they belong to, ``state`` by name, the unique ``tensors``, the
-    ``input``. :meth:`clear` drops the gradients a step left on them."""
+    ``mode`` they belong to (a ``PlannerFakeMode``: ``FakeTensorMode`` with quicker cache
+    keys), ``state`` by name, the unique ``tensors``, the ``input``. :meth:`clear` drops the
+    gradients a step left on them."""
 
     def __init__(self, model: nn.Module, example_input: Any) -> None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        self.mode = FakeTensorMode()
+        self.mode = PlannerFakeMode()
         self.state = fake_state(model, self.mode)
         self.tensors = list({id(t): t for t in self.state.values()}.values())
         x = example_input

@@ -98,12 +98,26 @@ def _envelope(candidates: Any) -> list[FrontPlan]:
 
 
 class _Grid:
-    """The dynamic programme's tables over ``slots`` memory slots of ``step`` bytes."""
+    """The dynamic programme's tables over ``slots`` memory slots of ``step`` bytes.
+
+    A table ``F[a][s]`` is the elementwise least, over every way to start at unit ``a``, of
+    the rest's table shifted by what that start holds. The ways that checkpoint ``[a, b)``
+    share their hold for every ``b`` and start at a slot that grows with ``b`` (a longer
+    segment's unsaved forward rises no less), so they are taken together
+    (:meth:`_least_checkpointed`): one running least down the rows ``b``, read at each slot
+    from the last row that may start there. Mins of the same sums, in the same order of
+    additions: the tables are those of taking the ways one by one."""
 
     def __init__(self, m: NestedModel, top: int, step: int) -> None:
         self.m, self.step = m, step
         self.size = int(round(top / step)) + 1
         self._options: dict[tuple, list[tuple]] = {}  # (e, a, s): made once, traced again
+        # by_region[a][b - a - 1] is R[b][a][BY_REGION]: the rows a checkpointed start reads
+        self.by_region = [np.empty((m.n - a, self.size)) for a in range(m.n)]
+        self.rise = np.array(m.fwd_ckpt, dtype=float)
+        self.flops_before = np.array(m.flops_before, dtype=np.int64)
+        self._work = np.empty((m.n, self.size))  # reused: a fresh one per unit costs more
+        self._slots = np.arange(self.size)
         self.R: list[Any] = [None] * (m.n + 1)
         for e in range(1, m.n + 1):
             self.R[e] = self._solve(e)
@@ -117,19 +131,25 @@ class _Grid:
         tables whose sum, shifted by the hold, is the rest's cost)."""
         found = self._options.get((e, a, s))
         if found is None:
-            found = self._options[e, a, s] = self._make_options(F, a, s, e, last)
+            found = self._options[e, a, s] = self._stored_options(F, a, s, e) \
+                + self._checkpointed_options(F, a, s, e, last)
         return found
 
-    def _make_options(self, F: list, a: int, s: int, e: int | None, last: int) -> list[tuple]:
-        m, out = self.m, []
-        for v in range(len(m.profiles)):
-            terms = m.stored(a, v, s, e)
+    def _stored_options(self, F: list, a: int, s: int, e: int | None) -> list[tuple]:
+        out = []
+        for v in range(len(self.m.profiles)):
+            terms = self.m.stored(a, v, s, e)
             if terms is not None:
                 hold, local, s2, cost = terms
                 out.append((("s", v, s2), self.slot(local), self.slot(hold), cost,
                             (F[a + 1][s2],)))
+        return out
+
+    def _checkpointed_options(self, F: list, a: int, s: int, e: int | None, last: int
+                              ) -> list[tuple]:
+        out = []
         for b in range(a + 1, last + (1 if e is None else 0)):
-            hold, local, cost = m.checkpointed(a, b, s, e)
+            hold, local, cost = self.m.checkpointed(a, b, s, e)
             if local == INF:  # a unit in it runs stored only
                 continue
             out.append((("c", b), self.slot(local), self.slot(hold), cost,
@@ -148,28 +168,74 @@ class _Grid:
         return STATES
 
     def _solve(self, e: int | None) -> list[list[Any]]:
-        size = self.size
-        last = self.m.n if e is None else e
+        size, m = self.size, self.m
+        last = m.n if e is None else e
         F: list[list[Any]] = [[None] * 3 for _ in range(last + 1)]
+        not_held = np.empty((last + 1, size))  # row b: F[b][NOT_HELD]
         for s in STATES:
-            F[last][s] = np.full(size, INF)
-            F[last][s][min(size, max(0, self.slot(self.m.end(s, e)))):] = 0.0
+            F[last][s] = not_held[last] if s == NOT_HELD else np.empty(size)
+            F[last][s][:] = INF
+            F[last][s][min(size, max(0, self.slot(m.end(s, e)))):] = 0.0
         for a in range(last - 1, -1, -1):
             states = self._states(a, e)
+            runs = self._checkpointed_runs(not_held, a, e, last)
             for s in states:
-                best = np.full(size, INF)
-                for _, floor, hold, cost, parts in self.options(F, a, s, e, last):
+                best = not_held[a] if s == NOT_HELD else self._region_row(a, e) \
+                    if s == BY_REGION else np.empty(size)
+                best[:] = INF
+                for _, floor, hold, cost, parts in self._stored_options(F, a, s, e):
                     start = max(floor, hold, 0)
                     if start >= size:
                         continue
                     hold = max(hold, 0)
-                    total = parts[0][:size - hold] if len(parts) == 1 else \
-                        parts[0][:size - hold] + parts[1][:size - hold]
+                    total = parts[0][:size - hold]
                     np.minimum(best[start:], total[start - hold:] + cost, out=best[start:])
+                if runs is not None:
+                    self._least_checkpointed(best, runs, a, s, e)
                 F[a][s] = best
             if BY_REGION not in states:
                 F[a][BY_REGION] = F[a][BY_UNIT]
+                if e is not None:  # a checkpointed start reads a region's table by row
+                    np.copyto(self._region_row(a, e), F[a][BY_UNIT])
         return F
+
+    def _region_row(self, a: int, e: int | None) -> np.ndarray:
+        return self.by_region[a][e - a - 1]
+
+    def _checkpointed_runs(self, not_held: np.ndarray, a: int, e: int | None, last: int
+                           ) -> np.ndarray | None:
+        """Row ``i``: the least, over ``b`` up to ``a + 1 + i``, of the rest's table after
+        checkpointing ``[a, b)``, unshifted (``R[b][a][BY_REGION] + F[b][NOT_HELD]`` plus
+        the segment's recompute); None when no segment starts at ``a``."""
+        stop = last + (1 if e is None else 0)
+        if stop <= a + 1:
+            return None
+        rest = np.add(self.by_region[a][:stop - a - 1], not_held[a + 1:stop],
+                      out=self._work[:stop - a - 1])
+        if e is not None:
+            rest += (self.flops_before[a + 1:stop] - self.flops_before[a])[:, None]
+        for i in range(1, len(rest)):  # np.minimum.accumulate down axis 0 takes 7x longer
+            np.minimum(rest[i - 1], rest[i], out=rest[i])
+        return rest
+
+    def _least_checkpointed(self, best: np.ndarray, runs: np.ndarray, a: int, s: int,
+                            e: int | None) -> None:
+        """``best`` lowered by every segment ``[a, b)`` checkpointed, input held as ``s``:
+        at each slot, the running least (``runs``) of the segments that may start there
+        (their starting slots grow with ``b``)."""
+        size, m = self.size, self.m
+        hold = 0 if s else m.profiles[0].act[a]
+        h = max(self.slot(hold), 0)
+        if h >= size:
+            return
+        rise = self.rise[a, a + 1:a + 1 + len(runs)]
+        floors = np.rint((m.offset(e) + hold + rise) / self.step)  # inf: runs stored only
+        starts = np.maximum(floors, h) - h  # slots of the rest's table, shifted by the hold
+        cols = self._slots[:size - h]
+        row = np.searchsorted(starts, cols, side="right") - 1
+        least = runs[np.maximum(row, 0), cols]
+        least[row < 0] = INF
+        np.minimum(best[h:], least, out=best[h:])
 
     def levels(self, samples: int) -> list[int]:
         """Grid slots where the top level's least recompute falls: each is one proposal (evenly

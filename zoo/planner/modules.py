@@ -27,6 +27,7 @@ from ..blocks import checkpoint_module, find_blocks, is_checkpointed
 from ..memory import format_bytes
 from .errors import BudgetTooSmallError
 from .fake import default_loss, fake_state
+from .fake_mode import PlannerFakeMode
 from .measure import measure_step
 from .module_nesting import clear_nested, nest, outer_candidates, restore_nested, set_nested
 
@@ -88,12 +89,11 @@ def block_costs(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_i
                 ) -> tuple[dict[str, int], dict[str, int]]:
     """(bytes autograd saves inside each block, forward FLOPs of each block) in one plain fake
     training step; parameters are not counted (checkpointing does not free them)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.nn.utils.stateless import _reparametrize_module
     from torch.utils.flop_counter import FlopCounterMode
 
-    fake = FakeTensorMode()
+    fake = PlannerFakeMode()
     state = fake_state(model, fake)
     params = {StorageWeakRef(t.untyped_storage()).cdata for t in state.values()}
     x = fake.from_tensor(example_input.detach()) if isinstance(example_input, torch.Tensor) \

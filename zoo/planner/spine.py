@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten
 from ..blocks import checkpoint_module, is_checkpointed
 from ..checkpoint import run_plan
 from .fake import fake_state
+from .fake_mode import PlannerFakeMode
 from .module_nesting import clear_nested
 from .tracker import storage_key
 
@@ -71,10 +72,9 @@ class _Ops(TorchDispatchMode):
 
 def _trace_calls(model: nn.Module, example_input: Any) -> tuple[_Call, dict[str, int], _Ops]:
     """One fake forward: the tree of submodule calls, how often each module ran, the ops."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module
 
-    fake = FakeTensorMode()
+    fake = PlannerFakeMode()
     state = fake_state(model, fake)
     x = fake.from_tensor(example_input) if isinstance(example_input, torch.Tensor) \
         else example_input

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
@@ -40,6 +40,19 @@ def storage_bytes(t: torch.Tensor) -> int:
 
 
 _DEVICE = torch.ops.prim.device.default  # asked by the autograd engine: most of a step's calls
+_DETACH = torch.ops.aten.detach.default  # autograd's, for each fake tensor it saves or unpacks
+
+
+def fake_detach(t: FakeTensor) -> FakeTensor:
+    """``t.detach()`` for a fake tensor, made as ``FakeTensorMode`` makes it from its cache (a
+    meta tensor of ``t``'s shape, strides and offset set onto ``t``'s storage), without
+    hashing a cache key: a fifth of the time. Autograd detaches every fake tensor it saves or
+    unpacks (``shallow_copy_and_detach`` of a Python tensor subclass dispatches ``detach``):
+    a third of a pattern run's ops, a tenth of a DenseNet-BC-100 planning."""
+    with in_kernel_invocation_manager(t.fake_mode):
+        meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        meta.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    return FakeTensor(t.fake_mode, meta, t.fake_device)
 
 
 class StepCounter(TorchDispatchMode):
@@ -100,6 +113,9 @@ class StepCounter(TorchDispatchMode):
             cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in tree_flatten(args)[0])
             key = torch._C.DispatchKey.CUDA if cuda else torch._C.DispatchKey.CPU
             out = func.dispatch(key, *args, **kwargs)
+        elif func is _DETACH and type(args[0]) is FakeTensor and not args[0].is_conj() \
+                and not args[0].is_neg():
+            out = fake_detach(args[0])
         else:
             out = func(*args, **kwargs)
         packet = getattr(func, "_overloadpacket", None)  # None: a higher-order operator
