@@ -124,14 +124,16 @@ class _Region:
     """One checkpointed call: its inputs, the forward's RNG/autocast state and its saved slots."""
 
     __slots__ = ("fn", "args", "kwargs", "versions", "forward", "opts", "slots", "filled",
-                 "in_forward", "last", "stop_early", "call", "saver", "live", "first")
+                 "in_forward", "last", "stop_early", "call", "saver", "saved_versions", "live",
+                 "first")
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, forward: _ForwardContext,
                  opts: keywords.Options):
         self.fn, self.args, self.kwargs, self.forward, self.opts = fn, args, kwargs, forward, opts
         self.versions = [(t, t._version) for t in (*args, *kwargs.values())
                          if isinstance(t, torch.Tensor)]
-        self.saver: Any = None
+        self.saver: torch.Tensor | None = None  # a nested region's: see save_through_outer
+        self.saved_versions: list[int] = []
         self.first = _next_node()  # the sequence number of the region's first autograd node
         if _inside_region():
             self.save_through_outer()
@@ -151,8 +153,10 @@ class _Region:
                    if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors:
             return
-        self.saver = _SaveInputs.apply(*tensors).grad_fn
-        self.saver.metadata["versions"] = [t._version for t in tensors]
+        # The no-op's output, not its node: in torch 2.11 a Python handle of a node does not
+        # keep the node (and so its saved tensors) alive; the output does, on every torch.
+        self.saver = _SaveInputs.apply(*tensors)
+        self.saved_versions = [t._version for t in tensors]
 
     def forget_saved_inputs(self) -> None:
         """After the forward: let go of the inputs the enclosing region keeps for us."""
@@ -171,8 +175,8 @@ class _Region:
         """
         if self.saver is None:
             return self.args, self.kwargs
-        tensors = self.saver.saved_tensors
-        for tensor, version in zip(tensors, self.saver.metadata["versions"]):
+        tensors = self.saver.grad_fn.saved_tensors
+        for tensor, version in zip(tensors, self.saved_versions):
             if tensor._version != version:
                 self.changed_in_place(version, tensor._version)
         saved = iter(tensors)
