@@ -254,10 +254,20 @@ def test_selective_recomputes_the_attention_core_and_no_linear(family):
     assert plain < block < plain * 4 / 3  # at most one more forward
 
 
+def _counts_fused_attention() -> bool:
+    """Whether FlopCounterMode counts the CPU's fused attention kernel (torch 2.15 does, 2.14
+    counts it as 0 FLOPs): without dropout, SDPA on the CPU runs that kernel."""
+    q = torch.randn(1, 1, 4, 8)
+    with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    return counter.get_total_flops() > 0
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_selective_sublayer_recomputes_what_selective_does_and_keeps_less(family):
     """Without dropout after the last linears, ``selective_sublayer`` reruns no linear more than
-    ``selective`` (exact FLOPs) and its step peaks lower (exact bytes, fake step)."""
+    ``selective`` (exact FLOPs) and its step peaks lower (exact bytes, fake step). What both
+    rerun beyond plain is the attention core, counted only where torch counts its fused kernel."""
     torch.manual_seed(0)
     model = tiny(family, drop=0.0)
     x = model.example_input(4) if family == "vit" else model.example_input(4, 32)
@@ -265,7 +275,11 @@ def test_selective_sublayer_recomputes_what_selective_does_and_keeps_less(family
     for mode in (False, "selective", "selective_sublayer"):
         model.set_grad_checkpointing(mode)
         steps[mode] = measure_step(model, x)
-    assert steps["selective_sublayer"][1] == steps["selective"][1] > steps[False][1]
+    assert steps["selective_sublayer"][1] == steps["selective"][1]
+    if _counts_fused_attention():
+        assert steps["selective"][1] > steps[False][1]
+    else:
+        assert steps["selective"][1] == steps[False][1]
     assert steps["selective_sublayer"][0] < steps["selective"][0] < steps[False][0]
 
 
