@@ -255,8 +255,9 @@ def test_selective_recomputes_the_attention_core_and_no_linear(family):
 
 
 def _counts_fused_attention() -> bool:
-    """Whether FlopCounterMode counts the CPU's fused attention kernel (torch 2.15 does, 2.14
-    counts it as 0 FLOPs): without dropout, SDPA on the CPU runs that kernel."""
+    """Whether FlopCounterMode counts the CPU's fused attention kernel (torch 2.14.1 counts it as
+    0 FLOPs; the test passed before on a torch that counts it): without dropout, SDPA on the
+    CPU runs that kernel."""
     q = torch.randn(1, 1, 4, 8)
     with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
         torch.nn.functional.scaled_dot_product_attention(q, q, q)
