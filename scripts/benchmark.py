@@ -1,8 +1,8 @@
-"""Every benchmark of the zoo: ``python scripts/benchmark.py SUBCOMMAND [--flags]``, the same
-command as ``python -m zoo.bench`` (zoo/bench/cli.py); ``--help`` lists the subcommands."""
+"""Every benchmark of the zoo: ``python scripts/benchmark.py SUBCOMMAND [--flags]`` (the
+subcommands are registered in scripts/bench/cli.py); ``--help`` lists them."""
 import sys
 
-from zoo.bench.cli import main
+from bench.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(prog="python scripts/benchmark.py"))

@@ -11,7 +11,7 @@ from torch.utils import checkpoint as torch_checkpoint
 
 import zoo
 from zoo.checkpoint import region
-from zoo.planner.measure import measure_step
+from zoo.memory.step import measure_step
 
 pytestmark = pytest.mark.skipif(not region._CAN_LET_GO,
                                 reason="this torch cannot say what a backward call will run")

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
 import zoo
-from zoo.bench.host_cost import COPY, OpCounter
+from zoo.memory.host import COPY, OpCounter
 
 MM = {torch.ops.aten.addmm.default, torch.ops.aten.mm.default}
 

@@ -20,12 +20,12 @@ from torch import nn
 
 import zoo
 from zoo.memory import count_flops, cpu_peak_bytes
-from zoo.planner.measure import peak_bytes
+from zoo.memory.step import peak_bytes
 from zoo.models import ZooModel
 from zoo.planner import (BudgetTooSmallError, ChainProfile, default_loss, least_peak, measure_step,
                          predict_peak, profile_chain, recompute_flops, smallest_peak,
                          solve_profile)
-from zoo.planner.solve import solve
+from zoo.planner.search.one_level import solve
 
 ROOT = Path(__file__).resolve().parents[2]
 

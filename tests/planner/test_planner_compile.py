@@ -1,6 +1,6 @@
 """Plans that survive ``torch.compile``: a model planned with ``compiled=True`` (zoo's and an
 outside one), compiled, keeps its plan: the compiled training step's peak (measured exactly
-on the CPU by replaying AOTAutograd's partitioned graphs, ``zoo.bench.compile_budget``) is no
+on the CPU by replaying AOTAutograd's partitioned graphs, ``zoo.memory.compiled``) is no
 higher than the eager plan's measured peak, and it recomputes no more FLOPs (BatchNorm's
 running statistics written in place, as inductor writes them: no slack). A nested plan
 (recompute within a recompute) is flattened by the partitioner, which recomputes each tagged
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zoo
-from zoo.bench.compile_budget import measure_compiled
+from zoo.memory.compiled import measure_compiled
 from zoo.planner import Planner, default_loss, measure_step, spine_planner
 
 pytestmark = pytest.mark.usefixtures("one_thread")

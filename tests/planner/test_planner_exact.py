@@ -5,7 +5,7 @@ byte and the FLOP of a measured step. And the byte counter it measures with is `
 figure.
 
 Measured: one training step under ``FakeTensorMode`` (``zoo.planner.measure_step``, the lean
-counter of ``zoo.planner.tracker``; a real CPU step counts the same bytes, checked here too).
+counter of ``zoo.memory.tracker``; a real CPU step counts the same bytes, checked here too).
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import torch
 from test_planner_modes import small
 from test_planner_nested import nested_schedules
 from zoo.planner import Planner, block_plan, default_loss, measure_step
-from zoo.planner.measure import peak_bytes
-from zoo.planner.nested import NestedModel, schedule_cost
-from zoo.planner.savesets import apply_save_sets
-from zoo.planner.tracker import StepCounter
+from zoo.memory.step import peak_bytes
+from zoo.planner.search.multi_level import NestedModel, schedule_cost
+from zoo.planner.search.savesets import apply_save_sets
+from zoo.memory.tracker import StepCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -213,7 +213,7 @@ def test_a_long_chain_is_planned_nested_over_joined_units_to_the_byte(monkeypatc
     joined a few at a time; the plans, nested and with per-block modes, stay exact. Shown on
     ResNet-56 with the limit lowered to 24 units (its 29 join to 11)."""
     import zoo
-    import zoo.planner.planner as planner_module
+    import zoo.planner.choose as planner_module
 
     monkeypatch.setattr(planner_module, "MAX_UNITS", 24)
     torch.manual_seed(0)

@@ -11,8 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import zoo
 from zoo.planner import Planner
-from zoo.planner.fake_mode import PlannerFakeMode
-from zoo.planner.tracker import StepCounter
+from zoo.memory.fake_mode import PlannerFakeMode
+from zoo.memory.tracker import StepCounter
 
 
 def _ops(mode: FakeTensorMode) -> list[tuple]:
@@ -56,7 +56,7 @@ def test_its_keys_tell_apart_what_torchs_do_on_a_planning():
     torchs = [k for keys in short.values() for k in keys]
     assert len(short) > 50 and all(len(keys) == 1 for keys in short.values())
     assert len(set(torchs)) == len(torchs)
-    assert all(k.key[0] == "zoo.planner.fake_mode" for k in short)
+    assert all(k.key[0] == "zoo.memory.fake_mode" for k in short)
 
 
 def _key_kind(mode: PlannerFakeMode, args: tuple) -> str:
@@ -65,7 +65,7 @@ def _key_kind(mode: PlannerFakeMode, args: tuple) -> str:
         key = mode._cache_key(_CacheKeyState(), torch.ops.aten.mul.Tensor, args, {})
     except _BypassDispatchCache:
         return "torch's refusal"
-    return "short" if key.key[0] == "zoo.planner.fake_mode" else "torch's"
+    return "short" if key.key[0] == "zoo.memory.fake_mode" else "torch's"
 
 
 def test_a_call_the_short_key_does_not_describe_gets_torchs_key():

@@ -15,7 +15,7 @@ import zoo
 from helpers import run_steps
 from zoo.blocks import checkpoint_module, find_blocks, is_checkpointed
 from zoo.planner import BudgetTooSmallError, measure_step
-from zoo.planner.module_nesting import SegmentedSequential, outer_candidates, set_nested
+from zoo.planner.modules.nesting import SegmentedSequential, outer_candidates, set_nested
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

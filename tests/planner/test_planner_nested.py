@@ -15,9 +15,9 @@ from zoo.models.densenet import DenseNet
 from zoo.planner import (BudgetTooSmallError, ChainProfile, least_peak, measure_step,
                          predict_peak, profile_block_modes, profile_chain, recompute_flops,
                          smallest_peak, solve_profile)
-from zoo.planner.front import solve_nested
-from zoo.planner.nested import NestedModel, schedule_cost
-from zoo.planner.savesets import apply_save_sets, is_save_set
+from zoo.planner.search.front import solve_nested
+from zoo.planner.search.multi_level import NestedModel, schedule_cost
+from zoo.planner.search.savesets import apply_save_sets, is_save_set
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -260,7 +260,7 @@ def test_a_mode_that_checkpoints_units_whole_is_told_by_its_forward_alone(
     what a one-unit checkpointed segment does, so no profile) or that keep more than their one
     region (ResNet's ``block``: refused, measured as a hand mode) is known once its forward has
     run: the profile's step stops there, no backward runs."""
-    import zoo.planner.profile as profile_module
+    import zoo.planner.profiling.profile as profile_module
 
     torch.manual_seed(0)
     model = zoo.create_model(name)

@@ -17,7 +17,7 @@ from torch import nn
 import zoo
 from helpers import assert_same_training
 from zoo.planner import measure_step
-from zoo.planner.spine import Spine, SpineStep
+from zoo.planner.modules.spine import Spine, SpineStep
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,7 +10,7 @@ import torch
 import zoo
 from zoo.planner import (measure_step, predict_peak, profile_chain, recompute_flops,
                          smallest_peak, solve_profile)
-from zoo.planner.timing import time_profile
+from zoo.planner.profiling.timing import time_profile
 
 
 @pytest.fixture(scope="module")

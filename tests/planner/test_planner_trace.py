@@ -16,15 +16,15 @@ import pytest
 import torch
 
 import zoo
-import zoo.planner.planner as planner
-import zoo.planner.profile as profile
+import zoo.planner.choose as planner
+import zoo.planner.profiling.profile as profile
 from test_planner_modes import small
 from zoo.models.densenet import DenseNet
 from zoo.planner import Planner
-from zoo.planner.contexts import blocks_of, nested_pattern
-from zoo.planner.fake import FakeStep, default_loss
-from zoo.planner.trace import traced_step
-from zoo.planner.tracker import StepCounter, storage_key
+from zoo.planner.profiling.contexts import blocks_of, nested_pattern
+from zoo.memory.fake import FakeStep, default_loss
+from zoo.planner.profiling.trace import traced_step
+from zoo.memory.tracker import StepCounter, storage_key
 
 
 @pytest.mark.parametrize("name,mode", [("resnet20", None), ("resnet20", "halves"),

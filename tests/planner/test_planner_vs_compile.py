@@ -1,4 +1,4 @@
-"""zoo.bench.compile_budget and zoo.bench.planner_vs_compile on a tiny conv-bn-relu model.
+"""zoo.memory.compiled and bench.planner_vs_compile on a tiny conv-bn-relu model.
 
 The compiled step (inductor's partitioner under ``activation_memory_budget``, graphs interpreted
 op by op) must be the plain model's step: same FLOPs and gradients at budget 1.0, BatchNorm
@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import zoo
-from zoo.bench.compile_budget import (check_meta_like_cpu, compile_step, default_solver,
+from zoo.memory.compiled import (check_meta_like_cpu, compile_step, default_solver,
                                      measure_compiled)
-from zoo.bench.planner_vs_compile import compare, markdown
+from bench.planner_vs_compile import compare, markdown
 from zoo.memory import count_flops, cpu_peak_bytes
 from zoo.models.vit import VisionTransformer
 from zoo.planner import default_loss
@@ -162,7 +162,7 @@ def test_input_updates_move_to_where_they_are_made_unless_read_later(read_view_l
     while the old value (or a view of it) is still to be read: the step computes the same."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from zoo.bench.compile_budget import _mutations_in_place
+    from zoo.memory.compiled import _mutations_in_place
 
     aten = torch.ops.aten
 

@@ -38,7 +38,7 @@ from .recompute import _ForwardContext, _local, _RecomputeContext
 # recomputes them when the inner region needs them.
 # torch.utils.checkpoint's non-reentrant path follows the same rules (its "Nestable Checkpoint"
 # note) with more bookkeeping per region (per-task handle maps, metadata, device probing);
-# python -m zoo.bench checkpoint --small measures the difference.
+# python scripts/benchmark.py checkpoint --small measures the difference.
 # --------------------------------------------------------------------------------------------
 _engine = torch.autograd.Variable._execution_engine
 _Parameter = torch.nn.Parameter
@@ -110,7 +110,7 @@ _SAVED = object()  # stands in a nested region's arguments for an input the oute
 observers: list[Callable[[tuple, dict], None]] = []
 
 # Called with (fn, args, kwargs, save_ops) of every region not nested in another, before its
-# forward: the host-cost benchmark (zoo.bench.host_cost) replays each region on its own to count
+# forward: the host-cost benchmark (zoo.memory.host) replays each region on its own to count
 # the ops its recompute must redo.
 recorders: list[Callable[[Callable, tuple, dict, Any], None]] = []
 

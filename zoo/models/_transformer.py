@@ -14,7 +14,7 @@ attention dropout active, SDPA falls back to its math path, which does store it.
 
 Checkpoint modes (``TransformerModel.checkpoint_modes``; all give the plain model's outputs and
 gradients exactly, dropout included, because ``zoo.checkpoint`` replays the random numbers; CPU
-figures from ``python -m zoo.bench transformers``, one training step):
+figures from ``python scripts/benchmark.py transformers``, one training step):
 
 * ``"block"`` (recommended): every block but the last is one checkpoint; only its input is
   kept and it runs again in backward (zoo.checkpoint, like torch's non-reentrant one, stops once

@@ -8,7 +8,7 @@ classifier. Dropout 0.1 on the embeddings, on the attention probabilities, after
 sublayer and before the classifier, as in the paper; ``zoo.checkpoint`` replays it exactly.
 
 Checkpointing is what made BERT-base fit at batch 64 in seed 004 (-60% memory for +25% time).
-Here (``python -m zoo.bench transformers``, batch 64, sequence 128, CPU): ``"block"`` and
+Here (``python scripts/benchmark.py transformers``, batch 64, sequence 128, CPU): ``"block"`` and
 ``"sublayer"`` recompute whole blocks / sublayers; ``"selective"`` (Megatron-style, Korthikanti
 et al. 2022) keeps the matmul outputs and recomputes only the attention core and pointwise ops,
 for a large saving at almost no extra FLOPs (on the CPU, attention with dropout stores the

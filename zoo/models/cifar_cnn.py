@@ -16,7 +16,7 @@ the seed's exact layers (biased convolutions, no BatchNorm).
 
 Checkpoint modes (all give exactly the plain model's outputs, gradients and BatchNorm statistics
 in train mode, dropout active, and the same state_dict). Batch 64, one training step, exact CPU
-peak (parameters and gradients included) and FLOPs (``python -m zoo.bench resnet``); plain
+peak (parameters and gradients included) and FLOPs (``python scripts/benchmark.py resnet``); plain
 104.4 MiB.
 
 * ``"halves"`` (recommended): each block is checkpointed in two halves meeting at conv2's output

@@ -16,7 +16,7 @@ gradients and BatchNorm statistics, and the same state_dict):
   stops as soon as it has rebuilt every tensor backward needs, and a convolution saves its input
   before it runs), so no convolution runs twice: +0% FLOPs. Kept per layer: the bottleneck's
   output and the new maps; the concatenation and the BN-ReLU outputs are never stored.
-  DenseNet-BC-100, batch 32: 0.245x the plain model's peak (``python -m zoo.bench densenet``).
+  DenseNet-BC-100, batch 32: 0.245x the plain model's peak (``python scripts/benchmark.py densenet``).
 * ``"layer"``: each dense layer is checkpointed whole; its 1x1 bottleneck convolution runs again
   in backward, and only the layers' new maps are kept: 0.166x the peak for +16% FLOPs.
 

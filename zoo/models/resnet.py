@@ -8,7 +8,7 @@ every BatchNorm; most of it is cheap to rebuild.
 Checkpoint modes (``checkpoint_modes``, the recommended first; all give exactly the plain model's
 outputs, gradients and BatchNorm statistics, and the same state_dict). Figures: one training step,
 exact CPU peak (MemTracker, parameters and gradients included) and FLOPs, 2-core CPU, torch 2.15.0,
-``python -m zoo.bench resnet --fake --cifar_batch 16`` (and the default batch 64):
+``python scripts/benchmark.py resnet --fake --cifar_batch 16`` (and the default batch 64):
 
 * ``"tapered"`` (recommended for the CIFAR ResNets, which have no other first choice): the three
   stages cost the same FLOPs but stage 1's maps are 2x stage 2's and 4x stage 3's, so recompute

@@ -14,7 +14,7 @@ included.
 Every module is ViT's (:class:`zoo.models.vit.VisionTransformer`: timm's names, initialisation
 and sizes), so Rev-ViT-S/B have ViT-S/B's parameter counts (22.1M / 86.6M) and FLOPs; only the
 blocks' wiring differs, so ViT weights load but do not compute the same function. Figures (one
-training step, exact CPU bytes): ``python -m zoo.bench reversible``.
+training step, exact CPU bytes): ``python scripts/benchmark.py reversible``.
 """
 from __future__ import annotations
 

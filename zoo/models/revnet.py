@@ -27,7 +27,7 @@ that its backward holds three full-resolution maps, not four), and while they ar
 the ReLUs inside the residual functions write their gradient over the one they receive.
 With it off (``efficient=False``) the model is the same network, same forward and same
 state_dict, storing its activations; both train bit for bit alike. Figures (one training step
-at batch 32, exact CPU bytes): ``python -m zoo.bench reversible``.
+at batch 32, exact CPU bytes): ``python scripts/benchmark.py reversible``.
 """
 from __future__ import annotations
 

@@ -36,18 +36,18 @@ from ..checkpoint import split_segments
 from ..memory import parse_budget
 from .batch import largest_batch
 from .errors import BudgetTooSmallError
-from .fake import collector_paused, default_loss
-from .front import Front, solve_nested
-from .measure import measure_step
-from .modes import ModeCost, profile_modes
-from .modules import ModulePlan, plan_module
-from .nested import MAX_UNITS, chain_floor, least_peak
-from .planner import (Planner, block_plan, plan_choices, profile_block_modes, solve_profile,
+from ..memory.fake import collector_paused, default_loss
+from .search.front import Front, solve_nested
+from ..memory.step import measure_step
+from .search.modes import ModeCost, profile_modes
+from .modules.plan_module import ModulePlan, plan_module
+from .search.multi_level import MAX_UNITS, chain_floor, least_peak
+from .choose import (Planner, block_plan, plan_choices, profile_block_modes, solve_profile,
                       spine_planner)
 from .plans import Plan, plan_set_aside
-from .profile import ChainProfile, profile_chain
-from .solve import predict_peak, recompute_flops, smallest_peak
-from .timing import time_profile
+from .profiling.profile import ChainProfile, profile_chain
+from .search.one_level import predict_peak, recompute_flops, smallest_peak
+from .profiling.timing import time_profile
 
 __all__ = ["plan", "Plan", "Planner", "BudgetTooSmallError", "ChainProfile", "profile_chain",
            "solve_profile", "predict_peak", "recompute_flops", "smallest_peak",
@@ -95,7 +95,7 @@ def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | flo
         modes: measure the model's own checkpoint modes too and take one where it is the
             cheapest that fits (default True).
         block_modes: also profile the chain with every block in each of those modes and save
-            sets (op-level choices: ``zoo.planner.savesets``), as per-block options at any
+            sets (op-level choices: ``zoo.planner.search.savesets``), as per-block options at any
             level of the schedule, and search those schedules (default True).
         compiled: the model will run under ``torch.compile``: plan only what AOTAutograd's
             partitioner keeps (one-level schedules of plain blocks; see :class:`Planner`).

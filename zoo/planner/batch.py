@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from ..memory import parse_bytes
-from .profile import ChainProfile, profile_chain
-from .nested import chain_floor
+from .profiling.profile import ChainProfile, profile_chain
+from .search.multi_level import chain_floor
 
 __all__ = ["extrapolate", "largest_batch", "largest_feasible"]
 

@@ -10,10 +10,10 @@ from typing import Any
 from torch import nn
 
 from ..memory import format_bytes
-from .modes import ModeCost
-from .chain_profile import ChainProfile
-from .savesets import apply_save_sets, save_sets_removed
-from .spine import apply_spine, spine_steps
+from .search.modes import ModeCost
+from .profiling.chain_profile import ChainProfile
+from .search.savesets import apply_save_sets, save_sets_removed
+from .modules.spine import apply_spine, spine_steps
 
 __all__ = ["Plan", "plan_set_aside"]
 
@@ -44,15 +44,15 @@ class Plan:
     checkpointed)`` where ``checkpointed`` is False (stored), True, or the inner plan the
     segment's recompute runs (multi-level); ``block_modes`` (one entry per block, or None) runs
     blocks in an intra-block checkpoint mode or checkpointed with a save set (a name of
-    ``zoo.planner.savesets.SAVE_SETS``: op-level choices). When ``mode`` is set, the plan is
+    ``zoo.planner.search.savesets.SAVE_SETS``: op-level choices). When ``mode`` is set, the plan is
     that hand mode of the model (``model.set_grad_checkpointing(mode)``) and ``segments`` is
     empty. Peaks are
     bytes of one training step (forward, loss, backward; parameters and gradients included) as
     ``zoo.planner.measure_step`` measures them; ``overhead`` is recompute FLOPs over a plain
     step's FLOPs; ``modes``: the hand modes that were candidates, as measured; ``spine``: for a
     module without the zoo's chain, the dotted names of the submodules it was planned over
-    (``zoo.planner.spine``), whose calls the segments cover; ``spine_out_of_place``: its
-    in-place activations run out of place (``zoo.planner.spine.SpineStep``; not so in a plan
+    (``zoo.planner.modules.spine``), whose calls the segments cover; ``spine_out_of_place``: its
+    in-place activations run out of place (``zoo.planner.modules.spine.SpineStep``; not so in a plan
     for ``torch.compile``).
     """
 

@@ -1,0 +1,96 @@
+"""Every GPU figure as one command (``gpu``), in parts of < 10 minutes each.
+
+    python scripts/benchmark.py gpu                         # all parts, one process each
+    python scripts/benchmark.py gpu --part densenet_b64     # one part
+    python scripts/benchmark.py gpu --smoke                 # tiny sizes on the CPU: checks the machinery
+
+Parts (:mod:`bench.suite`): overhead, overhead_graphs, densenet_b64, densenet_b256,
+resnet50, bert, max_batch. Each writes ``<out_dir>/gpu_<part>_<device>.json`` (machine, torch
+version, command, settings, rows, goals) and ``<out_dir>/gpu_<part>_<device>.md`` (its Markdown
+table) and prints the table. Nothing beyond torch, torchvision, timm and the zoo is needed.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import zoo
+from zoo.memory import parse_bytes
+
+from .report import comma_list, write_json
+from .suite import PARTS, device_tag, markdown, run_part
+
+__all__ = ["gpu", "run_one"]
+
+SMOKE_BUDGET = "16MB"
+
+
+def run_one(part: str, settings: dict[str, Any], out_dir: str | Path) -> Path:
+    """Run ``part``, print its Markdown, write its JSON and Markdown; the JSON's path."""
+    start = time.perf_counter()
+    payload = run_part(part, **settings)
+    payload["wall_s"] = time.perf_counter() - start
+    text = markdown(payload)
+    stem = Path(out_dir) / f"gpu_{part}_{device_tag(payload['machine'], settings['smoke'])}"
+    path = write_json(stem.with_suffix(".json"), payload)
+    stem.with_suffix(".md").write_text(text)
+    print(f"{text}\n({payload['wall_s']:.0f} s) wrote {path} and {stem.with_suffix('.md')}\n",
+          flush=True)
+    return path
+
+
+def _each_part_apart(flags: dict[str, Any]) -> list[str]:
+    """Every part in a process of its own (fresh CUDA memory and compile caches; one part's
+    crash does not stop the others); the parts that failed."""
+    args = [f"--{k}={','.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
+            for k, v in flags.items() if v is not None]
+    env = dict(os.environ)  # the children import this same zoo
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(zoo.__file__).parents[1]),
+                                                      env.get("PYTHONPATH")]))
+    return [part for part in PARTS
+            if subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmark.py"), "gpu", "--part", part, *args],
+                              env=env).returncode]
+
+
+def gpu(part: str = "all", smoke: bool = False, device: str | None = None,
+        out_dir: str = "docs/results", repeats: int | None = None, warmup: int | None = None,
+        budget: str | None = None, checkpoints: str | tuple | None = None,
+        backend: str | None = None) -> list[str]:
+    """Every GPU figure, one part at a time (--part), each part in < 10 minutes.
+
+    ``--part`` runs one part (overhead, overhead_graphs, densenet_b64, densenet_b256, resnet50,
+    bert, max_batch); ``all`` runs each in its own process. ``--smoke``: tiny models and sizes on
+    the CPU, aot_eager compile (checks the machinery; its figures mean nothing). ``--device``
+    (default cuda; cpu with --smoke), ``--repeats`` timed rounds (20; smoke 2), ``--warmup`` (3;
+    smoke 1), ``--budget`` max_batch's memory budget (11GB), ``--checkpoints`` the overhead
+    parts' subset of 'torch non-reentrant,torch reentrant,zoo.checkpoint', ``--backend`` the
+    torch.compile backend (inductor; smoke aot_eager).
+    """
+    if part != "all" and part not in PARTS:
+        raise ValueError(f"unknown part {part!r}; expected all or one of {', '.join(PARTS)}")
+    device = device or ("cpu" if smoke else "cuda")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but torch sees no CUDA device; on a machine without a "
+                         "GPU run --smoke (tiny sizes on the CPU) or --device cpu")
+    settings = {"device": device, "smoke": smoke, "repeats": repeats or (2 if smoke else 20),
+                "warmup": warmup if warmup is not None else (1 if smoke else 3),
+                "budget": parse_bytes(budget or (SMOKE_BUDGET if smoke else "11GB")),
+                "backend": backend or ("aot_eager" if smoke else "inductor"),
+                "checkpoints": tuple(comma_list(checkpoints)) if checkpoints else None}
+    if part != "all":
+        return [str(run_one(part, settings, out_dir))]
+    if smoke:  # seconds: in this process
+        return [str(run_one(p, settings, out_dir)) for p in PARTS]
+    failed = _each_part_apart({"device": device, "out_dir": out_dir, "repeats": repeats,
+                               "warmup": warmup, "budget": budget, "checkpoints": checkpoints,
+                               "backend": backend})
+    if failed:
+        print(f"error: part(s) {', '.join(failed)} failed (see above)", file=sys.stderr)
+        sys.exit(1)
+    return []

@@ -1,0 +1,57 @@
+"""Measure one training step of a model without running it: peak bytes and FLOPs.
+
+The step (forward, loss, backward) runs under ``FakeTensorMode`` with the model's parameters and
+buffers swapped for fake copies, inside :class:`~zoo.memory.tracker.StepCounter` (live bytes as
+``MemTracker`` counts them, without its module hooks, and ``FlopCounterMode``'s FLOPs). The byte
+count is identical to a real CPU step's, so this is the planner's independent check of its own
+predictions (tests, ``python scripts/benchmark.py planner``) and it costs a fraction of a second even
+for batches this machine could not hold.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .fake import FakeStep, default_loss
+from .tracker import StepCounter
+
+__all__ = ["measure_step", "peak_bytes"]
+
+
+def measure_step(model: nn.Module, example_input: torch.Tensor,
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                 fake: FakeStep | None = None) -> tuple[int, int]:
+    """(peak bytes, FLOPs) of one fake training step of ``model`` as it is configured now
+    (checkpoint mode or plan included). ``model`` itself is left untouched. ``fake``: the fake
+    state to run on (made for this step when not given)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    loss_fn = loss_fn or default_loss
+    fake = fake or FakeStep(model, example_input)
+    fake.clear()
+    counter = StepCounter()
+    counter.track(fake.tensors)
+    try:
+        with fake.mode, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
+            with counter, _reparametrize_module(model, fake.state):
+                loss_fn(model(fake.input)).backward()
+    finally:
+        fake.clear()
+    return counter.peak, counter.flops
+
+
+def peak_bytes(step: Callable[[], Any], track: Any = ()) -> int:
+    """Peak bytes while ``step()`` runs for real, counting ``track``'s tensors (modules,
+    optimizers, tensors) from the start: ``zoo.memory.cpu_peak_bytes``' figure without
+    ``MemTracker``'s module hooks, which keep a recompute's graph alive a little longer than a
+    step without them does (:mod:`.tracker`)."""
+    counter = StepCounter()
+    counter.track(*track) if isinstance(track, (list, tuple)) else counter.track(track)
+    with counter:
+        step()
+    return counter.peak

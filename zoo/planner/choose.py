@@ -1,0 +1,243 @@
+"""A zoo model's plans on one input: profiled once, then any budget answered at once.
+
+:class:`Planner` profiles the model's chain (plainly and with every block in each of the model's
+intra-block modes: :func:`profile_block_modes`), measures the model's hand modes that the chain
+cannot express, and gathers every plan worth having into one list, peak ascending and recompute
+strictly falling: the nested schedules of :mod:`.front` (past ``nested.MAX_UNITS`` units, over
+units joined a few blocks at a time) and the hand modes. A budget takes the cheapest plan
+of that list that fits; the list does not depend on the budget, so as the budget falls the
+chosen plan's peak never rises. Predicted peaks are exact (tests/planner/test_planner_exact.py
+measures them), so nothing is measured and dropped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..memory import parse_budget
+from .errors import BudgetTooSmallError
+from ..memory.fake import FakeStep, collector_paused
+from .search.front import Front
+from .search.modes import ModeCost, profile_modes
+from .search.multi_level import MAX_UNITS
+from .plans import Plan
+from .profiling.profile import ChainProfile, profile_chain
+from .search.savesets import SAVE_SETS
+from .search.one_level import predict_peak, schedules
+from .modules.spine import Spine, clear_spine, find_spine
+
+__all__ = ["Planner", "solve_profile", "profile_block_modes", "block_plan", "plan_choices",
+           "spine_planner"]
+
+
+def block_plan(p: ChainProfile, schedule: list) -> list[tuple[int, int, Any]]:
+    """A unit-level nested schedule -> the block-level plan ``set_checkpoint_plan`` takes."""
+    bounds = [a for a, _ in p.units] + [p.n_blocks]
+    return [(bounds[a], bounds[b], False if inner is None else block_plan(p, inner))
+            for a, b, inner in schedule]
+
+
+def plan_choices(profile: ChainProfile, variants: Sequence[ChainProfile] = (),
+                 modes: Sequence[ModeCost] = (), slots: int = 2000,
+                 one_level: bool = False) -> list[Plan]:
+    """Every plan worth having (budget left at ``inf``): peak ascending, recompute strictly
+    falling, and the plain chain last (after a plan as cheap as it, when regions that cost no
+    FLOPs, such as a BatchNorm-ReLU's, lower the peak for free). ``one_level``: one-level
+    schedules of plain blocks only."""
+    p = profile
+    plain = predict_peak(p, [(0, p.n_units, False)])
+    kinds = [p, *(q for q in variants if q.units == p.units and q.act == p.act)]
+    out: list[Plan] = []
+    if p.n_units <= MAX_UNITS and not one_level:
+        names = [q.block_mode for q in kinds]
+        for f in Front(kinds, slots=slots).plans:
+            block_modes = [names[f.variants[u]] for u, (a, b) in enumerate(p.units)
+                           for _ in range(a, b)]
+            out.append(Plan(block_plan(p, f.schedule), float("inf"), f.peak, plain, 0, f.cost,
+                            p.step_flops, p, None, tuple(modes),
+                            block_modes if any(block_modes) else None))
+    else:
+        for segments, peak, cost in schedules(p):
+            out.append(Plan(p.block_segments(segments), float("inf"), peak, plain, 0, cost,
+                            p.step_flops, p, None, tuple(modes)))
+    out += [Plan([], float("inf"), m.peak, plain, 0, m.recompute_flops, p.step_flops, p, m.mode,
+                 tuple(modes)) for m in modes]
+    chosen: list[Plan] = []
+    for c in sorted(out, key=lambda c: (c.predicted_peak, c.recompute_flops, c.mode or "")):
+        if not chosen or c.recompute_flops < chosen[-1].recompute_flops:
+            chosen.append(c)
+    if chosen[-1].predicted_peak < plain:  # a free region (BatchNorm-ReLU: no FLOPs) stays
+        chosen.append(Plan([(0, p.n_blocks, False)], float("inf"), plain, plain, 0, 0,
+                           p.step_flops, p, None, tuple(modes)))  # optional: plain is kept
+    least = chosen[0].predicted_peak
+    return [dataclasses.replace(c, smallest_peak=least) for c in chosen]
+
+
+def _pick(choices: Sequence[Plan], budget: float) -> Plan:
+    """The cheapest plan that fits ``budget``, the lowest peak among equals; at or above the
+    plain peak, the plain step (the last choice)."""
+    fitting = [c for c in choices if c.predicted_peak <= budget]
+    if not fitting:
+        raise BudgetTooSmallError(budget, choices[0].predicted_peak, choices[-1].plain_peak)
+    if fitting[-1] is choices[-1] and budget >= choices[-1].plain_peak:
+        return dataclasses.replace(choices[-1], budget=budget)
+    chosen = min(fitting, key=lambda c: (c.recompute_flops, c.predicted_peak))
+    return dataclasses.replace(chosen, budget=budget)
+
+
+def solve_profile(profile: ChainProfile, memory_budget: int | float | str,
+                  modes: Sequence[ModeCost] = (), block_profiles: Sequence[ChainProfile] = (),
+                  slots: int = 2000) -> Plan:
+    """The cheapest plan under ``memory_budget`` (nothing applied): over the multi-level
+    schedules of ``profile``'s chain whose blocks each run plainly or in one of the intra-block
+    modes profiled in ``block_profiles`` (:func:`profile_block_modes`), and the measured hand
+    ``modes``. Ties go to the lower peak. Chains longer than ``nested.MAX_UNITS`` units are
+    planned one level deep."""
+    return _pick(plan_choices(profile, block_profiles, modes, slots), parse_budget(memory_budget))
+
+
+def profile_block_modes(model: nn.Module, example_input: torch.Tensor,
+                        loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                        like: ChainProfile | None = None) -> list[ChainProfile]:
+    """The chain profiled with every block in each of ``model.checkpoint_modes`` and each save
+    set of ``zoo.planner.search.savesets`` (op-level choices); left out: a
+    mode that has no per-block form (a block refuses it with a ValueError, e.g. a whole-model
+    schedule) and one that checkpoints each block whole and nothing else (what a one-block
+    checkpointed segment does). ``like``: the chain's plain profile (its repeated units are
+    then profiled once)."""
+    return _block_mode_profiles(model, example_input, loss_fn, like)[0]
+
+
+def _block_mode_profiles(model: nn.Module, example_input: torch.Tensor,
+                         loss_fn: Callable[[Any], torch.Tensor] | None,
+                         like: ChainProfile | None, fake: FakeStep | None = None
+                         ) -> tuple[list[ChainProfile], set[str]]:
+    """:func:`profile_block_modes` and the modes that have a per-block form. A model's
+    ``planner_hand_modes`` (a reversible model's ``reversible``: its rebuild keeps its streams,
+    which the chain's memory model does not describe) are left to be measured whole."""
+    profiles, per_block = [], set()
+    hand_only = set(getattr(model, "planner_hand_modes", ()))
+    for mode in [*getattr(model, "checkpoint_modes", ()), *SAVE_SETS]:
+        if mode in hand_only:
+            continue
+        try:
+            found = profile_chain(model, example_input, loss_fn, mode, like=like, whole=False,
+                                  fake=fake, max_units=MAX_UNITS)
+        except ValueError:
+            continue
+        per_block.add(mode)
+        if found is not None:
+            profiles.append(found)
+    return profiles, per_block
+
+
+def _unique_modes(model: nn.Module, per_block: set[str]) -> list[str]:
+    """The hand modes the chain cannot express, to be measured: those without a per-block
+    form (a schedule of the whole model), and every mode when a chain block that takes a mode
+    is not one of the model's own modules (DenseNet's links concatenate where its hand modes
+    keep lists: another computation)."""
+    modes = list(getattr(model, "checkpoint_modes", ()))
+    own = {id(m) for m in model.modules()}
+    for block in model.checkpoint_chain():
+        fn = block.func if isinstance(block, partial) else block
+        owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
+        target = owner.forward if isinstance(fn, nn.Module) else fn
+        if "mode" in inspect.signature(target).parameters and id(owner) not in own:
+            return modes
+    return [m for m in modes if m not in per_block]
+
+
+class Planner:
+    """A zoo model's plans on ``example_input`` (module docstring): ``plan(budget)`` for each
+    budget, ``choices`` for all of them, ``least_peak`` and ``plain_peak``.
+
+    ``modes``: measure the model's own hand modes as candidates (those the chain with its
+    per-block modes cannot express: :func:`_unique_modes`); ``block_modes``: profile the chain
+    with every block in each of them, as per-block options at any level of a schedule;
+    ``slots``: the memory grid of the nested search. A chain of more than ``MAX_UNITS`` units
+    (ResNet-1202's 602) is searched nested over joined units (``repeats.joined``: runs of
+    identical blocks taken a few at a time, each profiled whole, so the memory model stays
+    exact; a per-block mode then runs in every block of a joined unit). ``compiled``: plans
+    for a model that will run under ``torch.compile``: one-level schedules of plain blocks
+    only, which AOTAutograd's partitioner keeps (it recomputes each tagged op once, so a
+    nested schedule's recompute within a recompute, and a block's own checkpoints inside a
+    stored block, are not kept: their compiled step holds more than planned;
+    tests/planner/test_planner_compile.py). Python's cyclic garbage collector is paused while
+    it profiles and searches (``fake.collector_paused``: no figure depends on it)."""
+
+    def __init__(self, model: nn.Module, example_input: torch.Tensor,
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None, *, modes: bool = True,
+                 block_modes: bool = True, slots: int = 2000,
+                 profile: ChainProfile | None = None, compiled: bool = False) -> None:
+        if compiled:
+            modes = block_modes = False
+        with collector_paused():
+            fake = FakeStep(model, example_input)
+            self.profile = profile or profile_chain(model, example_input, loss_fn, fake=fake,
+                                                    max_units=MAX_UNITS)
+            self.variants, per_block = _block_mode_profiles(model, example_input, loss_fn,
+                                                            self.profile, fake) \
+                if block_modes and profile is None else ([], set())
+            self.modes = profile_modes(model, example_input, self.profile.step_flops, loss_fn,
+                                       _unique_modes(model, per_block), fake) if modes else []
+            self.choices = plan_choices(self.profile, self.variants, self.modes, slots,
+                                        one_level=compiled)
+
+    @property
+    def least_peak(self) -> int:
+        return self.choices[0].predicted_peak
+
+    @property
+    def plain_peak(self) -> int:
+        return self.choices[-1].plain_peak
+
+    def plan(self, memory_budget: int | float | str) -> Plan:
+        """The cheapest plan that fits ``memory_budget`` (bytes or ``"10GB"``); raises
+        :class:`BudgetTooSmallError` below :attr:`least_peak`."""
+        return _pick(self.choices, parse_budget(memory_budget))
+
+
+def spine_planner(model: nn.Module, example_input: Any,
+                  loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                  slots: int = 2000, compiled: bool = False) -> Planner | None:
+    """A :class:`Planner` over ``model``'s spine (``zoo.planner.modules.spine``: every submodule call
+    of it a candidate region, the stem too), or None when the spine leaves out some of the
+    repeated blocks ``zoo.blocks.find_blocks`` names (a Hugging Face encoder's layers, looped
+    with keyword arguments): those are planned by ``zoo.planner.modules.plan_module``. The model is profiled
+    as it runs without checkpoints; it is left as it was."""
+    from ..blocks import NoBlocksError, checkpoint_module, find_blocks, is_checkpointed
+    from .modules.nesting import clear_nested, restore_nested
+
+    segmented = clear_nested(model, [])
+    wrapped = {m: dict(m._zoo_checkpoint_options) for m in model.modules() if is_checkpointed(m)}
+    for m in wrapped:
+        checkpoint_module(m, False)
+    spine = {m: m.__dict__["forward"] for m in model.modules() if "_zoo_spine" in m.__dict__}
+    clear_spine(model)
+    try:
+        names = find_spine(model, example_input)
+        try:
+            blocks = [n for n, _ in find_blocks(model)]
+        except NoBlocksError:
+            blocks = []
+        covered = all(any(b == n or b.startswith(n + ".") for n in names) for b in blocks)
+        if len(names) < 2 or not covered:
+            return None
+        planner = Planner(Spine(model, names, out_of_place=not compiled), example_input,
+                          loss_fn, modes=False, slots=slots, compiled=compiled)
+        planner.choices = [dataclasses.replace(c, spine=list(names),
+                                               spine_out_of_place=not compiled)
+                           for c in planner.choices]
+        return planner
+    finally:
+        for m, options in wrapped.items():
+            checkpoint_module(m, True, **options)
+        restore_nested(segmented)
+        for m, forward in spine.items():
+            m.forward, m._zoo_spine = forward, True

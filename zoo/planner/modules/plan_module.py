@@ -1,0 +1,215 @@
+"""``zoo.plan`` for any ``nn.Module`` : which of its blocks to checkpoint.
+
+A model without the zoo's chain (torchvision, timm, Hugging Face, a user's) is planned over its
+repeated blocks as ``zoo.set_grad_checkpointing`` finds them (``zoo.blocks.find_blocks``) and
+checkpointed with the same wrapper (``zoo.blocks.checkpoint_module``). One fake training step
+(``FakeTensorMode``: nothing runs, so a GPU-sized model plans on a CPU) records per block the
+bytes autograd saves inside it and its forward FLOPs. Checkpointing a block frees roughly its
+saved bytes for one recompute of its forward, so blocks are taken greedily by bytes freed per
+FLOP (the knapsack's greedy order, as in torch's ``activation_memory_budget`` greedy solver),
+and the fewest of them whose step fits is found by bisection on measured fake steps: the budget
+is met as measured, never only as predicted. Below "every block checkpointed", containers of
+blocks are checkpointed around them too (``zoo.planner.modules.nesting``: a stage keeps one input
+through the forward), added greedily by measured peak down to the nested floor.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...blocks import checkpoint_module, find_blocks, is_checkpointed
+from ...memory import format_bytes
+from ..errors import BudgetTooSmallError
+from ...memory.fake import default_loss, fake_state
+from ...memory.fake_mode import PlannerFakeMode
+from ...memory.step import measure_step
+from .nesting import clear_nested, nest, outer_candidates, restore_nested, set_nested
+
+__all__ = ["ModulePlan", "plan_module", "block_costs"]
+
+
+@dataclass
+class ModulePlan:
+    """Which blocks of a module to checkpoint, with the step's measured peak and recompute.
+
+    ``nested`` are the outer regions checkpointed around the blocks (``"layer1"``, or
+    ``"blocks[0:4]"`` for a slice of a plain ``nn.Sequential``); ``every_block_peak`` is the
+    peak with every block checkpointed and no outer region; ``smallest_peak`` the least peak
+    this planning measured (the nested floor when the budget needed nesting to the end)."""
+
+    blocks: list[str]
+    checkpointed: list[str]
+    budget: int | float
+    predicted_peak: int
+    plain_peak: int
+    smallest_peak: int
+    recompute_flops: int
+    step_flops: int
+    saved: dict[str, int] = field(default_factory=dict)
+    nested: list[str] = field(default_factory=list)
+    every_block_peak: int | None = None
+
+    @property
+    def overhead(self) -> float:
+        return self.recompute_flops / self.step_flops if self.step_flops else 0.0
+
+    def apply(self, model: nn.Module) -> None:
+        """Checkpoint exactly ``checkpointed`` among ``blocks`` (the others run plainly) and,
+        around them, exactly the outer regions ``nested``."""
+        clear_nested(model, self.blocks)
+        modules = dict(model.named_modules())
+        for name in self.blocks:
+            checkpoint_module(modules[name], name in self.checkpointed)
+        set_nested(model, self.nested)
+
+    def __str__(self) -> str:
+        lines = ["| block | saves in a plain step | checkpointed |", "|---|---:|---|"]
+        lines += [f"| {n} | {format_bytes(self.saved.get(n, 0))} | "
+                  f"{'yes' if n in self.checkpointed else ''} |" for n in self.blocks]
+        budget = "inf (no limit)" if self.budget == float("inf") else format_bytes(self.budget)
+        every = self.smallest_peak if self.every_block_peak is None else self.every_block_peak
+        lines += ["", f"budget {budget}: measured peak {format_bytes(self.predicted_peak)} "
+                  f"(plain {format_bytes(self.plain_peak)}, every block checkpointed "
+                  f"{format_bytes(every)}, least reached {format_bytes(self.smallest_peak)})",
+                  f"{len(self.checkpointed)} of {len(self.blocks)} blocks checkpointed: "
+                  f"+{100 * self.overhead:.1f}% FLOPs recomputed"]
+        if self.nested:
+            lines.append(f"nested: {', '.join(self.nested)} checkpointed around their blocks")
+        return "\n".join(lines)
+
+
+def block_costs(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_input: Any,
+                loss_fn: Callable[[Any], torch.Tensor] | None = None
+                ) -> tuple[dict[str, int], dict[str, int]]:
+    """(bytes autograd saves inside each block, forward FLOPs of each block) in one plain fake
+    training step; parameters are not counted (checkpointing does not free them)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.nn.utils.stateless import _reparametrize_module
+    from torch.utils.flop_counter import FlopCounterMode
+
+    fake = PlannerFakeMode()
+    state = fake_state(model, fake)
+    params = {StorageWeakRef(t.untyped_storage()).cdata for t in state.values()}
+    x = fake.from_tensor(example_input.detach()) if isinstance(example_input, torch.Tensor) \
+        else example_input
+    current: list[str] = []
+    saved: dict[str, dict[int, int]] = {name: {} for name, _ in blocks}
+    flops: dict[str, int] = dict.fromkeys(saved, 0)
+    counter = FlopCounterMode(display=False)
+    start: dict[str, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = StorageWeakRef(t.untyped_storage()).cdata
+        if current and key not in params:
+            saved[current[-1]][key] = t.untyped_storage().nbytes()
+        return t
+
+    def enter(name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            current.append(name)
+            start[name] = int(counter.get_total_flops())
+        return hook
+
+    def leave(name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            current.pop()
+            flops[name] += int(counter.get_total_flops()) - start[name]
+        return hook
+
+    handles = [h for name, m in blocks for h in (m.register_forward_pre_hook(enter(name)),
+                                                 m.register_forward_hook(leave(name)))]
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(fake)
+            stack.enter_context(warnings.catch_warnings())
+            warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
+            stack.enter_context(counter)
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+            stack.enter_context(_reparametrize_module(model, state))
+            (loss_fn or default_loss)(model(x)).backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: sum(v.values()) for n, v in saved.items()}, flops
+
+
+def plan_module(model: nn.Module, example_input: Any, budget: int | float,
+                loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                modules: Any = None) -> ModulePlan:
+    """The fewest of ``model``'s blocks (``find_blocks(model, modules)``), taken in order of
+    bytes saved per forward FLOP, whose checkpointing makes a fake step fit ``budget``; when
+    even every block does not fit, outer regions around them (``zoo.planner.modules.nesting``) added
+    greedily. Raises ``BudgetTooSmallError`` (from the package) naming the least peak reached
+    (the nested floor) when nothing fits. The model is left as it was; call
+    :meth:`ModulePlan.apply`."""
+    segmented = clear_nested(model, [])  # plan from the plain model (wrapping changes types)
+    wrapped = {m: dict(m._zoo_checkpoint_options) for m in model.modules() if is_checkpointed(m)}
+    for m in wrapped:
+        checkpoint_module(m, False)
+    try:
+        return _plan_plain(model, example_input, budget, loss_fn, modules)
+    finally:
+        for m, options in wrapped.items():
+            checkpoint_module(m, True, **options)
+        restore_nested(segmented)
+
+
+Step = Callable[..., tuple[int, int]]
+
+
+def _fewest(step: Step, n: int, measured: dict[int, tuple[int, int]], budget: int | float
+            ) -> int:
+    """The fewest blocks (in the planner's order) whose step fits, by bisection: step(0) does
+    not fit and step(n) does."""
+    lo, hi = 0, n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        measured[mid] = step(mid)
+        lo, hi = (lo, mid) if measured[mid][0] <= budget else (mid, hi)
+    return hi
+
+
+def _plan_plain(model: nn.Module, example_input: Any, budget: int | float,
+                loss_fn: Callable[[Any], torch.Tensor] | None, modules: Any) -> ModulePlan:
+    blocks = find_blocks(model, modules)
+    names = [n for n, _ in blocks]
+    saved, flops = block_costs(model, blocks, example_input, loss_fn)
+    order = sorted(names, key=lambda n: (-saved[n] / max(flops[n], 1), names.index(n)))
+
+    def step(k: int, regions: list[str] | None = None) -> tuple[int, int]:
+        chosen = set(order[:k])
+        clear_nested(model, names)
+        for n, m in blocks:
+            checkpoint_module(m, n in chosen)
+        set_nested(model, regions or [])
+        return measure_step(model, example_input, loss_fn)
+
+    k, nested = len(order), []
+    try:
+        measured = {0: step(0), k: step(k)}
+        plain_peak, plain_flops = measured[0]
+        every = measured[k][0]
+        if budget >= plain_peak:
+            k = 0
+        elif every <= budget:
+            k = _fewest(step, k, measured, budget)
+        else:
+            nested, measured[k] = nest(outer_candidates(model, names),
+                                       lambda regions: step(k, regions), measured[k], budget)
+            if measured[k][0] > budget:
+                raise BudgetTooSmallError(budget, measured[k][0], plain_peak)
+        smallest = min(peak for peak, _ in measured.values())
+    finally:
+        clear_nested(model, names)
+        for _, m in blocks:
+            checkpoint_module(m, False)
+    peak, step_flops = measured[k]
+    return ModulePlan(names, [n for n in names if n in set(order[:k])], budget, peak,
+                      plain_peak, smallest, step_flops - plain_flops, plain_flops, saved,
+                      nested, every)

@@ -1,0 +1,232 @@
+"""One instrumented fake training step of a model's chain, phase by phase: what the profiler reads.
+
+The step (forward, loss, backward) runs under ``FakeTensorMode`` (no kernel runs, so a model or
+batch too large for the machine costs next to nothing) inside a :class:`~.tracker.StepCounter`
+(live bytes after every op, as ``MemTracker`` counts them, and FLOPs). The chain's blocks run in
+an ``order`` (the whole chain, or a subset of it whose skipped blocks keep the shape), grouped by
+``segments`` of positions in that order, stored or checkpointed with ``zoo.checkpoint`` as a
+plan would run them. Hooks mark where each block's forward starts (``("F", i)``), where it ends
+(``("G", i)``), where its output's gradient is ready (``("B", i)``), where a checkpointed
+segment's recompute ends and its backward goes on (``("BR", i)``, ``i``: the segment's last
+position), the head (``("head",)``) and what follows the chain's backward (``("tail",)``); a
+saved-tensor hook records what each block saves for backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...checkpoint import checkpoint, is_recomputing, region
+from ...memory.fake import FakeStep
+from ...memory.tracker import StepCounter, storage_bytes
+
+__all__ = ["Trace", "traced_step", "grad_bytes"]
+
+
+def grad_bytes(t: torch.Tensor) -> int:
+    """Bytes of a gradient of ``t`` (none for integer tensors)."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return 0
+    n = t.numel() * t.element_size()
+    return -(-n // 512) * 512 if t.device.type == "cuda" else n
+
+
+class Trace:
+    """Memory level, FLOPs and saved tensors of one step, by phase (module docstring).
+
+    Per phase: ``mark`` (level when it began), ``peak``, ``flops``, ``rflops`` (FLOPs run while
+    recomputing), ``grads`` (parameter gradients created). Per position ``i``: ``saved[i]``
+    (storage -> bytes autograd saved in its forward, parameters excluded), ``at_last_pack[i]``
+    (the forward's peak when it saved its last tensor), its input's and output's storage and
+    bytes, ``out_dgrad[i]`` (bytes of its output's gradient) and ``alias[i]`` (its output is its
+    input's storage: an in-place block)."""
+
+    def __init__(self, counter: StepCounter, param_keys: set[int]) -> None:
+        self.counter, self.param_keys = counter, param_keys
+        self.phase: tuple = ("pre",)
+        self.peak: dict[tuple, int] = {}
+        self.flops: dict[tuple, int] = {}
+        self.rflops: dict[tuple, int] = {}
+        self.grads: dict[tuple, int] = {}
+        self.mark: dict[tuple, int] = {}
+        self.saved: dict[int, dict[int, int]] = {}
+        self.at_last_pack: dict[int, int] = {}
+        self.in_key: dict[int, int] = {}
+        self.out_key: dict[int, int] = {}
+        self.in_bytes: dict[int, int] = {}
+        self.out_bytes: dict[int, int] = {}
+        self.out_dgrad: dict[int, int] = {}
+        self.alias: dict[int, bool] = {}
+        self.meta: dict[int, tuple] = {}  # position -> (input's, output's shape and dtype)
+        self.regions: dict[int, list[set[int]]] = {}  # position -> its own regions' inputs
+        self.length = 0
+        self.stopped = False  # the step ended after its forward
+        self._last_flops = 0
+
+    def op_done(self) -> None:
+        mem, flops = self.counter.current, self.counter.flops
+        delta, self._last_flops = flops - self._last_flops, flops
+        ph = self.phase
+        if mem > self.peak.get(ph, -1):
+            self.peak[ph] = mem
+        self.flops[ph] = self.flops.get(ph, 0) + delta
+        if delta and is_recomputing():
+            self.rflops[ph] = self.rflops.get(ph, 0) + delta
+
+    def enter(self, phase: tuple, quiet: bool = False) -> None:
+        """Start ``phase`` at the current level (``quiet``: its peak counts only its own ops)."""
+        mem = self.counter.current
+        self.mark[phase] = mem
+        if not quiet:
+            self.peak[phase] = max(self.peak.get(phase, mem), mem)
+        self.phase = phase
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.phase[0] == "F" and not is_recomputing():
+            i = self.phase[1]
+            self.at_last_pack[i] = self.peak.get(self.phase, self.counter.current)
+            key = self.counter.key(t)
+            if key not in self.param_keys:
+                self.saved.setdefault(i, {})[key] = storage_bytes(t)
+        return t
+
+    def region_inputs(self, args: tuple, kwargs: dict) -> None:
+        """A block's own checkpoint keeps its inputs itself, out of autograd's sight: count them
+        as saved by the block, as ``pack`` counts saved tensors (and note which they are)."""
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            self.pack(t)
+        if self.phase[0] == "F" and not is_recomputing():
+            self.regions.setdefault(self.phase[1], []).append(
+                {self.counter.key(t) for t in tensors if t.requires_grad})
+
+    def note_grad(self, g: torch.Tensor) -> None:
+        self.grads[self.phase] = self.grads.get(self.phase, 0) + grad_bytes(g)
+
+    def call_block(self, i: int, block: Callable, x: torch.Tensor) -> torch.Tensor:
+        if is_recomputing():  # a recompute runs inside the segment's backward phase
+            return block(x)
+        self.in_key[i], self.in_bytes[i] = self.counter.key(x), storage_bytes(x)
+        if i == 0 and x.requires_grad:
+            x.register_hook(lambda g: self.enter(("tail",)))
+        self.enter(("F", i))
+        y = block(x)
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"chain block {i} returned {type(y).__name__}; the planner needs "
+                            "blocks that take and return one tensor")
+        self.out_key[i], self.out_bytes[i] = self.counter.key(y), storage_bytes(y)
+        self.out_dgrad[i] = grad_bytes(y) if y.requires_grad else 0
+        self.meta[i] = ((tuple(x.shape), x.dtype), (tuple(y.shape), y.dtype))
+        self.alias[i] = self.out_key[i] == self.in_key[i]
+        if y.requires_grad:
+            y.register_hook(lambda g, i=i: self.enter(("B", i)))
+        self.enter(("head",) if i == self.length - 1 else ("G", i))
+        return y
+
+
+Segments = Sequence[tuple[int, int, Any]]  # (start, stop, False | True | inner segments)
+
+
+def traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torch.Tensor],
+                segments: Segments, block_mode: str | None = None,
+                order: Sequence[int] | None = None, fake: FakeStep | None = None,
+                stop: Callable[[Trace], bool] | None = None, saves: bool = True
+                ) -> tuple[Trace, int, int]:
+    """One fake training step of ``model`` whose chain runs the blocks ``order`` (default: all)
+    by ``segments`` (positions in ``order``; a segment is stored, checkpointed, or checkpointed
+    with an inner plan its recompute runs), each block in ``block_mode``: (trace, peak bytes,
+    FLOPs). Nothing in ``model`` is changed. ``fake``: the fake state to run on (made for
+    this step when not given). ``stop``: asked after the forward; when it says the forward's
+    trace is all that is needed, the step ends there (``trace.stopped``: no backward ran).
+    ``saves=False``: no saved-tensor hook (``trace.saved`` and ``at_last_pack`` stay empty; a
+    block's own regions are still seen): autograd then passes each saved tensor as it is,
+    where a hook makes it detach every one that is not an op's output first (a dispatched op,
+    a tenth of a fake step's time), for a step whose marks, peaks and FLOPs are all it needs."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    fake = fake or FakeStep(model, x)
+    tensors, fx = fake.tensors, fake.input
+    fake.clear()
+    counter = StepCounter()
+    counter.track(tensors)
+    trace = Trace(counter, {counter.key(t) for t in tensors})
+    counter.on_op = trace.op_done
+    handles = [p.register_hook(trace.note_grad) for p in tensors
+               if p.requires_grad and p.is_leaf]
+
+    def run_blocks(blocks: Sequence[Callable], a: int, b: int, h: torch.Tensor) -> torch.Tensor:
+        for i in range(a, b):
+            block = blocks[i] if block_mode is None else partial(
+                model.run_chain_block, blocks[i], mode=block_mode)
+            h = trace.call_block(i, block, h)
+        return h
+
+    def segment(blocks: Sequence[Callable], a: int, b: int, inner: Any) -> Callable:
+        """A checkpointed segment's body; its second call is the region's recompute (a region is
+        made afresh each time the code around it runs), after which its backward goes on."""
+        calls = [0]
+
+        def body(h: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            try:
+                return run(blocks, inner, h) if isinstance(inner, list) else \
+                    run_blocks(blocks, a, b, h)
+            finally:
+                if calls[0] == 2:
+                    trace.enter(("BR", b - 1), quiet=True)
+        return body
+
+    def run(blocks: Sequence[Callable], plan: Sequence, h: torch.Tensor) -> torch.Tensor:
+        for a, b, ck in plan:
+            h = checkpoint(segment(blocks, a, b, ck), h) if ck is not False else \
+                run_blocks(blocks, a, b, h)
+        return h
+
+    def run_chain(blocks: Sequence[Callable], h: torch.Tensor) -> torch.Tensor:
+        blocks = list(blocks) if order is None else [blocks[j] for j in order]
+        trace.length = len(blocks)
+        return run(blocks, segments, h)
+
+    previous = model.checkpoint_plan
+    n = len(model.checkpoint_chain())
+    model.set_checkpoint_plan([(0, n, False)])
+    model.run_chain = run_chain  # instance attribute: shadows ZooModel.run_chain for this step
+    region.observers.append(trace.region_inputs)
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(fake.mode)
+            stack.enter_context(counter)
+            if saves:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(trace.pack, _same))
+            stack.enter_context(warnings.catch_warnings())
+            warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
+            warnings.filterwarnings("ignore", message=".*saved_tensors_hooks.*selective",
+                                    category=FutureWarning)
+            # the fake tensors stand in for the parameters until backward has recomputed too
+            stack.enter_context(_reparametrize_module(model, fake.state))
+            loss = loss_fn(model(fx))
+            trace.stopped = stop is not None and stop(trace)
+            if not trace.stopped:
+                loss.backward()
+            del loss
+    finally:
+        region.observers.remove(trace.region_inputs)
+        del model.run_chain
+        model.set_checkpoint_plan(previous)
+        for h in handles:
+            h.remove()
+        fake.clear()
+    if trace.length == 0:
+        raise ValueError(f"{type(model).__name__}.forward never called run_chain with a plan "
+                         "set: the planner cannot see its chain of blocks")
+    return trace, counter.peak, counter.flops
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
