@@ -1,0 +1,141 @@
+"""A training step's time on a named CUDA card, predicted from the ops a fake step dispatches.
+
+Per op (:class:`~zoo.memory.cuda_peak.OpRecord`), the device time is the larger of its FLOPs
+over the card's peak for the op's arithmetic and its bytes read and written over the card's
+memory bandwidth (a roofline, no efficiency factor):
+
+* matmuls (``mm``, ``addmm``, ``bmm``, ``baddbmm``) and attention: float32 on the CUDA cores
+  (``torch.backends.cuda.matmul.allow_tf32`` is off by default), half precision on the tensor
+  cores;
+* convolutions: float32 as TF32 on the tensor cores (``torch.backends.cudnn.allow_tf32`` is on
+  by default), half precision on the tensor cores;
+* views (no kernel) take nothing.
+
+The host issues every op and runs each checkpointed region's Python: ``ops x per_op +
+regions x per_region`` (:class:`HostCost`), two constants calibrated once, by least squares,
+on the host-cost rows a machine recorded (:func:`fit_host`). The step takes the larger of the
+device's sum and the host's: whichever runs behind sets the pace.
+
+Cards (:data:`CARDS`) carry their published dense peaks and bandwidth; a user's own card is a
+:class:`Card` of its own numbers.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .cuda_peak import HOPPER_WORKSPACE, OLDER_WORKSPACE, OpRecord
+
+__all__ = ["Card", "CARDS", "card", "HostCost", "H100_HOST", "StepTime", "op_seconds",
+           "device_seconds", "step_time", "fit_host"]
+
+_aten = torch.ops.aten
+_MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm}
+_CONVS = {_aten.convolution, _aten.convolution_backward, _aten.cudnn_convolution}
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Card:
+    """A CUDA card's published numbers: dense peak FLOP/s on the CUDA cores in float32
+    (``fp32``) and on the tensor cores in TF32 and bfloat16/float16, memory bandwidth in
+    bytes/s, memory in bytes, compute capability."""
+
+    name: str
+    fp32: float
+    tf32: float
+    bf16: float
+    bandwidth: float
+    memory: int
+    capability: tuple[int, int]
+
+    @property
+    def workspace(self) -> int:
+        """Bytes of one cuBLAS workspace torch allocates on this card by default."""
+        return HOPPER_WORKSPACE if self.capability[0] >= 9 else OLDER_WORKSPACE
+
+
+# NVIDIA's data sheets: H100 SXM5 (2022), A100 SXM4 80GB (2021), L4 (2023), and the Ada
+# Lovelace architecture whitepaper for the RTX 4090; dense tensor peaks (not "with sparsity").
+CARDS: dict[str, Card] = {
+    "h100": Card("NVIDIA H100 SXM5 80GB", 66.9e12, 494.7e12, 989.4e12, 3.35e12, 80 * 10**9,
+                 (9, 0)),
+    "a100": Card("NVIDIA A100 SXM4 80GB", 19.5e12, 156e12, 312e12, 2.039e12, 80 * 10**9,
+                 (8, 0)),
+    "l4": Card("NVIDIA L4", 30.3e12, 60e12, 121e12, 300e9, 24 * 10**9, (8, 9)),
+    "rtx4090": Card("NVIDIA GeForce RTX 4090", 82.6e12, 82.6e12, 165.2e12, 1008e9, 24 * 10**9,
+                    (8, 9)),
+}
+
+
+def card(name: str | Card) -> Card:
+    """The card named ``name`` (a key of :data:`CARDS`, any case), or ``name`` if a Card."""
+    if isinstance(name, Card):
+        return name
+    found = CARDS.get(str(name).lower().replace(" ", "").replace("-", ""))
+    if found is None:
+        raise ValueError(f"unknown card {name!r}; expected one of {', '.join(CARDS)} or a "
+                         f"zoo.memory.cards.Card of your card's own numbers")
+    return found
+
+
+@dataclass(frozen=True)
+class HostCost:
+    """Seconds the host spends per dispatched op and per checkpointed region of a step."""
+
+    per_op: float
+    per_region: float
+    source: str = ""
+
+
+# fit_host over docs/results/host_cost_cuda.json (NVIDIA H100 80GB HBM3, torch 2.11.0+cu130,
+# 18 rows: DenseNet-BC-100 b64, ResNet-110 b8, ResNet-50 b8, plain and checkpointed), ops and
+# regions counted here by `python scripts/benchmark.py prediction`.
+H100_HOST = HostCost(16.6e-6, 311e-6, "host_cost_cuda.json, NVIDIA H100 80GB HBM3 machine")
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A predicted step: the device's sum, the host's, and the step (the larger)."""
+
+    device: float
+    host: float
+
+    @property
+    def step(self) -> float:
+        return max(self.device, self.host)
+
+
+def op_seconds(record: OpRecord, on: Card) -> float:
+    """The roofline time of one op on card ``on`` (module docstring)."""
+    if not record.bytes and not record.flops:
+        return 0.0
+    half = record.dtype in _HALF
+    if record.op in _CONVS:
+        peak = on.bf16 if half else on.tf32
+    else:
+        peak = on.bf16 if half else on.fp32
+    return max(record.flops / peak, record.bytes / on.bandwidth)
+
+
+def device_seconds(records: Iterable[OpRecord], on: Card) -> float:
+    return sum(op_seconds(r, on) for r in records)
+
+
+def step_time(records: Sequence[OpRecord], regions: int, on: str | Card,
+              host: HostCost = H100_HOST) -> StepTime:
+    """The predicted time of a step that dispatched ``records`` and ran ``regions``
+    checkpointed regions, on card ``on`` with ``host``'s costs."""
+    return StepTime(device_seconds(records, card(on)),
+                    len(records) * host.per_op + regions * host.per_region)
+
+
+def fit_host(rows: Iterable[tuple[int, int, float]], source: str = "") -> HostCost:
+    """Least-squares ``seconds = ops x per_op + regions x per_region`` over ``rows`` of
+    (ops, regions, seconds) measured where the host sets the pace."""
+    a = torch.tensor([[float(o), float(r)] for o, r, _ in rows], dtype=torch.float64)
+    b = torch.tensor([[s] for *_, s in rows], dtype=torch.float64)
+    per_op, per_region = torch.linalg.lstsq(a, b).solution.flatten().tolist()
+    return HostCost(per_op, max(per_region, 0.0), source)
