@@ -36,6 +36,8 @@ HOPPER_WORKSPACE = 32 << 20  # cuBLAS workspace, compute capability 9.x and newe
 OLDER_WORKSPACE = (4096 << 10) * 2 + (16 << 10) * 8  # ":4096:2:16:8" before
 _aten = torch.ops.aten
 _DEVICE = torch.ops.prim.device.default
+_BELOW_AUTOGRAD = torch._C.DispatchKey.ADInplaceOrView
+_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 _MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm}
 # fused attention: the RNG seed and offset it returns live on the host (64-bit, 1 or 2)
 _HOST_RNG = {_aten._scaled_dot_product_efficient_attention,
@@ -47,13 +49,16 @@ _HOST_RNG = {_aten._scaled_dot_product_efficient_attention,
 class OpRecord:
     """One dispatched op of a step: its overload packet, FLOPs (``flop_counter``'s formulas),
     bytes of its tensor arguments and outputs (0 for a view: no kernel), dtype of its first
-    tensor, and whether it ran in the backward."""
+    tensor, whether it ran in the backward, and whether it is a shallow copy autograd makes
+    of a saved tensor (routed through the dispatcher only while a mode watches: no host cost
+    on the card, as ``zoo.memory.host.OpCounter`` tells them apart)."""
 
     op: Any
     flops: int
     bytes: int
     dtype: torch.dtype | None
     backward: bool
+    copy: bool = False
 
 
 class CudaCounter(StepCounter):
@@ -86,6 +91,7 @@ class CudaCounter(StepCounter):
             self.current = self.allocator.allocated
             self.peak = max(self.peak, self.allocator.peak)
         flops = self.flops
+        copy = func is _aten.detach.default and not _excluded(_BELOW_AUTOGRAD)
         self._host_rng = packet in _HOST_RNG
         try:
             out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -96,7 +102,7 @@ class CudaCounter(StepCounter):
         moved = 0 if getattr(func, "is_view", False) else \
             sum(t.numel() * t.element_size() for t in tensors)
         self.records.append(OpRecord(packet, self.flops - flops, moved,
-                                     tensors[0].dtype if tensors else None, backward))
+                                     tensors[0].dtype if tensors else None, backward, copy))
         return out
 
     def _add(self, t: torch.Tensor) -> None:
