@@ -216,3 +216,18 @@ def test_recorded_bert_b64_peaks_and_time_ratios():
     plain_p, plain_m = steps["plain"]
     for p, m in steps.values():
         assert abs(p / plain_p - m / plain_m) <= 0.10
+
+
+def test_predict_step_on_cards_leaves_the_model_alone():
+    """A small MLP: the peak holds the parameters, gradients and workspaces on every card, a
+    slower card takes longer, and the model's own tensors are untouched."""
+    from zoo.memory import predict_step
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 10))
+    before = [p.clone() for p in model.parameters()]
+    x = torch.randn(64, 256)
+    h100, l4 = predict_step(model, x, "h100"), predict_step(model, x, "l4")
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert h100.peak >= 2 * params + 2 * HOPPER_WORKSPACE
+    assert l4.peak < h100.peak  # 8 MiB workspaces before compute capability 9
+    assert l4.time.device > h100.time.device
+    assert all(p.grad is None and torch.equal(p, b) for p, b in zip(model.parameters(), before))
