@@ -210,7 +210,7 @@ def _memory_table(rows: list[Recorded], predict: _Predictor) -> tuple[str, list[
 
 def _host_fit(rows: list[Recorded], predict: _Predictor) -> HostCost:
     host_rows = [r for r in rows if r.source == "host_cost_cuda.json"]
-    fit = [(host_ops(predict(r).records), predict(r).regions, r.seconds) for r in host_rows]
+    fit = [(*host_ops(predict(r).records), predict(r).regions, r.seconds) for r in host_rows]
     return fit_host(fit, f"{len(fit)} host-cost rows") if fit else H100_HOST
 
 
@@ -247,7 +247,8 @@ def _time_table(rows: list[Recorded], predict: _Predictor, on: Card, host: HostC
         ratio_p = t.step / base if base else None
         ratio_cells = (f"{ratio_m:.2f} | {ratio_p:.2f} | {ratio_p - ratio_m:+.2f}"
                        if ratio_m and ratio_p else "- | - | -")
-        lines.append(f"| {r.source} | {r.model} | {r.batch} | {r.variant} | {host_ops(c.records)} | "
+        lines.append(f"| {r.source} | {r.model} | {r.batch} | {r.variant} | "
+                     f"{'/'.join(map(str, host_ops(c.records)))} | "
                      f"{c.regions} | {r.seconds * 1e3:.1f} ms | {pure * 1e3:.1f} ms | "
                      f"{_pct(pure, r.seconds)} | {t.device * 1e3:.1f} ms | "
                      f"{t.host * 1e3:.1f} ms | {t.step * 1e3:.1f} ms | "
@@ -304,8 +305,10 @@ def prediction(card_name: str = "h100", models: str = "", memory: bool = True,
         pure = [t["roofline_error"] for t in payload["time"]]
         ratios = [t["ratio_predicted"] - t["ratio_measured"] for t in payload["time"]
                   if t["ratio_predicted"] and t["ratio_measured"] and t["variant"] != "plain"]
-        text += ["", f"**Step time**. Host: {host.per_op * 1e6:.2f} us per op + "
-                 f"{host.per_region * 1e6:.0f} us per region (fitted on {host.source}). "
+        text += ["", f"**Step time**. Host: {host.per_op * 1e6:.2f} us per op issued from "
+                 f"Python (ops: the first figure) + {host.per_engine_op * 1e6:.2f} us per op the "
+                 f"autograd engine issues (the second) + {host.per_region * 1e6:.0f} us per "
+                 f"region (fitted on {host.source}). "
                  f"`roofline`: the data sheet's peaks. `device`: the peaks times the achieved "
                  f"fractions matmul {achieved.matmul:.3f}, conv {achieved.conv:.3f}, memory "
                  f"{achieved.memory:.3f} (fitted on {achieved.source}).", "",

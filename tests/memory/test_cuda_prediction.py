@@ -155,9 +155,13 @@ def test_roofline_picks_the_bound():
 
 def test_step_is_the_slower_of_device_and_host():
     from zoo.memory.cards import HostCost
-    records = [OpRecord(torch.ops.aten.relu_, 0, int(3.35e9), torch.float32, False)] * 10
-    t = step_time(records, 2, "h100", HostCost(1e-3, 1e-2))
-    assert math.isclose(t.device, 1e-2) and math.isclose(t.host, 3e-2) and t.step == t.host
+    records = [OpRecord(torch.ops.aten.relu_, 0, int(3.35e9), torch.float32, False)] * 10 + \
+        [OpRecord(torch.ops.aten.threshold_backward, 0, 0, torch.float32, True)] * 4 + \
+        [OpRecord(torch.ops.aten.relu, 0, 0, torch.float32, True, recompute=True)] * 2 + \
+        [OpRecord(torch.ops.aten.detach, 0, 0, torch.float32, True, copy=True)] * 3
+    t = step_time(records, 2, "h100", HostCost(1e-3, 1e-4, 1e-2))
+    assert math.isclose(t.device, 1e-2)  # the relu_ records at 3.35 GB each
+    assert math.isclose(t.host, 12 * 1e-3 + 4 * 1e-4 + 2 * 1e-2) and t.step == t.host
 
 
 def test_unknown_card_is_one_line():
@@ -169,10 +173,12 @@ def test_unknown_card_is_one_line():
 
 
 def test_fit_host_recovers_its_constants():
-    rows = [(ops, regions, ops * 15e-6 + regions * 200e-6)
-            for ops, regions in ((2000, 0), (2500, 48), (1400, 0), (1800, 30))]
+    rows = [(ops, engine, regions, ops * 30e-6 + engine * 12e-6 + regions * 200e-6)
+            for ops, engine, regions in ((600, 1400, 0), (900, 1400, 48), (300, 350, 0),
+                                         (800, 700, 30))]
     fit = fit_host(rows)
-    assert math.isclose(fit.per_op, 15e-6, rel_tol=1e-6)
+    assert math.isclose(fit.per_op, 30e-6, rel_tol=1e-6)
+    assert math.isclose(fit.per_engine_op, 12e-6, rel_tol=1e-6)
     assert math.isclose(fit.per_region, 200e-6, rel_tol=1e-6)
 
 
@@ -231,3 +237,26 @@ def test_predict_step_on_cards_leaves_the_model_alone():
     assert l4.peak < h100.peak  # 8 MiB workspaces before compute capability 9
     assert l4.time.device > h100.time.device
     assert all(p.grad is None and torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_regions_and_recompute_ops_are_counted():
+    """Three blocks, two under torch's non-reentrant checkpoint: two regions, and the
+    recompute's ops flagged as issued from Python (a linear and a ReLU each: the recompute
+    stops at the last tensor the backward needs, the ReLU's output)."""
+    from torch.utils.checkpoint import checkpoint
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+                           for _ in range(3))
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def step():
+        h = x
+        for i, block in enumerate(blocks):
+            h = checkpoint(block, h, use_reentrant=False) if i else block(h)
+        h.sum().backward()
+
+    counter = run_counted(step, (blocks, x), workspace=0)
+    assert counter.regions == 2
+    recomputed = [r.op for r in counter.records if r.recompute]
+    assert recomputed.count(torch.ops.aten.addmm) == 2
+    assert recomputed.count(torch.ops.aten.relu) == 2
+    assert not any(r.recompute for r in counter.records if not r.backward)

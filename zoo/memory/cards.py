@@ -84,9 +84,12 @@ def card(name: str | Card) -> Card:
 
 @dataclass(frozen=True)
 class HostCost:
-    """Seconds the host spends per dispatched op and per checkpointed region of a step."""
+    """Seconds the host spends per op issued from Python (the forward and a region's
+    recompute), per op the autograd engine issues (the backward's own), and per checkpointed
+    region of a step."""
 
     per_op: float
+    per_engine_op: float
     per_region: float
     source: str = ""
 
@@ -94,7 +97,7 @@ class HostCost:
 # fit_host over docs/results/host_cost_cuda.json (NVIDIA H100 80GB HBM3, torch 2.11.0+cu130,
 # 18 rows: DenseNet-BC-100 b64, ResNet-110 b8, ResNet-50 b8, plain and checkpointed), ops and
 # regions counted here by `python scripts/benchmark.py prediction`.
-H100_HOST = HostCost(16.6e-6, 311e-6, "host_cost_cuda.json, NVIDIA H100 80GB HBM3 machine")
+H100_HOST = HostCost(21.1e-6, 21.1e-6, 207e-6, "placeholder")
 
 
 @dataclass(frozen=True)
@@ -163,13 +166,23 @@ def step_time(records: Sequence[OpRecord], regions: int, on: str | Card,
     """The predicted time of a step that dispatched ``records`` and ran ``regions``
     checkpointed regions, on card ``on`` with ``host``'s costs and the ``achieved``
     fractions of the card's peaks (default: the plain roofline)."""
+    python, engine = host_ops(records)
     return StepTime(device_seconds(records, card(on), achieved),
-                    host_ops(records) * host.per_op + regions * host.per_region)
+                    python * host.per_op + engine * host.per_engine_op
+                    + regions * host.per_region)
 
 
-def host_ops(records: Iterable[OpRecord]) -> int:
-    """The ops the host dispatches on the card: every record but autograd's shallow copies."""
-    return sum(not r.copy for r in records)
+def host_ops(records: Iterable[OpRecord]) -> tuple[int, int]:
+    """The ops the host dispatches on the card (autograd's shallow copies left out): those
+    issued from Python (forward, recompute) and those the autograd engine issues."""
+    python = engine = 0
+    for r in records:
+        if not r.copy:
+            if r.backward and not r.recompute:
+                engine += 1
+            else:
+                python += 1
+    return python, engine
 
 
 def fit_achieved(rows: Iterable[tuple[dict[str, float], float]], source: str = "") -> Achieved:
@@ -197,10 +210,12 @@ def fit_achieved(rows: Iterable[tuple[dict[str, float], float]], source: str = "
 H100_ACHIEVED = Achieved(1.0, 1.0, 1.0, "placeholder")
 
 
-def fit_host(rows: Iterable[tuple[int, int, float]], source: str = "") -> HostCost:
-    """Least-squares ``seconds = ops x per_op + regions x per_region`` over ``rows`` of
-    (ops, regions, seconds) measured where the host sets the pace."""
-    a = torch.tensor([[float(o), float(r)] for o, r, _ in rows], dtype=torch.float64)
-    b = torch.tensor([[s] for *_, s in rows], dtype=torch.float64)
-    per_op, per_region = torch.linalg.lstsq(a, b).solution.flatten().tolist()
-    return HostCost(per_op, max(per_region, 0.0), source)
+def fit_host(rows: Iterable[tuple[int, int, int, float]], source: str = "") -> HostCost:
+    """Least-squares ``seconds = python x per_op + engine x per_engine_op + regions x
+    per_region`` over ``rows`` of (python ops, engine ops, regions, seconds) measured where
+    the host sets the pace."""
+    rows = list(rows)
+    a = torch.tensor([[float(x) for x in row[:3]] for row in rows], dtype=torch.float64)
+    b = torch.tensor([[row[3]] for row in rows], dtype=torch.float64)
+    fitted = torch.linalg.lstsq(a, b).solution.flatten().clamp(min=0.0).tolist()
+    return HostCost(*fitted, source)

@@ -59,6 +59,7 @@ class OpRecord:
     dtype: torch.dtype | None
     backward: bool
     copy: bool = False
+    recompute: bool = False  # run in the backward by a saved tensor's unpack hook
 
 
 class CudaCounter(StepCounter):
@@ -77,6 +78,7 @@ class CudaCounter(StepCounter):
         self.workspace = workspace
         self.records: list[OpRecord] = []
         self.regions = 0  # saved-tensor hooks entered in the forward: checkpointed regions
+        self.unpacking = 0  # unpack hooks running now (a recompute runs inside one)
         self._blocks: dict[int, Any] = {}
         self._workspaces: dict[bool, Any] = {}
         self._host_rng = False
@@ -102,7 +104,8 @@ class CudaCounter(StepCounter):
         moved = 0 if getattr(func, "is_view", False) else \
             sum(t.numel() * t.element_size() for t in tensors)
         self.records.append(OpRecord(packet, self.flops - flops, moved,
-                                     tensors[0].dtype if tensors else None, backward, copy))
+                                     tensors[0].dtype if tensors else None, backward, copy,
+                                     backward and self.unpacking > 0))
         return out
 
     def _add(self, t: torch.Tensor) -> None:
@@ -159,13 +162,25 @@ def run_counted(step: Callable[[], Any], track: Any = (), limit: int | None = No
 def _regions_counted(counter: CudaCounter) -> Iterator[None]:
     """Counts into ``counter.regions`` every ``saved_tensors_hooks`` entered in a forward:
     each checkpointed region enters one (the zoo's and ``torch.utils.checkpoint``'s
-    non-reentrant one alike); its recompute enters more, in the backward, not counted."""
+    non-reentrant one alike); its recompute enters more, in the backward, not counted. Keeps
+    ``counter.unpacking`` above 0 while an unpack hook runs: what runs then is a recompute."""
     hooks = torch.autograd.graph.saved_tensors_hooks
     enter = hooks.__enter__
 
     def counted(self: Any) -> Any:
         if torch._C._current_graph_task_id() == -1:
             counter.regions += 1
+        if not getattr(self, "_zoo_watched", False):
+            unpack = self.unpack_hook
+
+            def unpacking(packed: Any) -> Any:
+                counter.unpacking += 1
+                try:
+                    return unpack(packed)
+                finally:
+                    counter.unpacking -= 1
+
+            self.unpack_hook, self._zoo_watched = unpacking, True
         return enter(self)
 
     hooks.__enter__ = counted
