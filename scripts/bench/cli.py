@@ -21,7 +21,7 @@ from typing import Any
 from . import (chain, families, gpu, model_commands, outside, overhead, planner_levels,
                planner_modes, planner_time, planner_vs_compile, planner_vs_uniform, plots,
                primitive, reversible)
-from . import host_report
+from . import host_report, prediction
 
 __all__ = ["SUBCOMMANDS", "usage", "main"]
 
@@ -45,6 +45,7 @@ SUBCOMMANDS: dict[str, Callable[..., Any]] = {
     "gpu": gpu.gpu,
     "host-cost": host_report.run_host_cost,
     "reversible": reversible.reversible,
+    "prediction": prediction.prediction,
 }
 
 

@@ -189,3 +189,10 @@ def median_seconds(step: Callable[[], Any], repeats: int = 5, warmup: int = 2,
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times), times
+
+
+# A step on a named CUDA card, predicted without one (zoo.memory.cards: the cards' numbers)
+from .card_step import CardStep, predict_step  # noqa: E402
+from .cards import CARDS, Card, card  # noqa: E402
+
+__all__ += ["CardStep", "predict_step", "CARDS", "Card", "card"]

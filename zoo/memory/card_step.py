@@ -1,0 +1,68 @@
+"""One training step of a model on a named CUDA card, predicted here: its peak and its time.
+
+What a caller with a model and an input asks (the planner choosing by time on a card, a batch
+search sizing for a card): the step (forward, loss, backward) runs once on fake copies of the
+model's state (:class:`~zoo.memory.fake.FakeStep`, nothing allocated or computed) under
+:func:`~zoo.memory.cuda_peak.run_counted` (the card's kernels and allocator), and its ops are
+timed by :mod:`.cards`. ``model`` is left untouched.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .cards import H100_ACHIEVED, H100_HOST, Achieved, Card, HostCost, StepTime, card, step_time
+from .cuda_peak import run_counted
+from .fake import FakeStep, default_loss
+
+__all__ = ["CardStep", "predict_step"]
+
+
+@dataclass(frozen=True)
+class CardStep:
+    """A step predicted on ``card``: ``peak`` (``max_memory_allocated``, bytes), ``time``."""
+
+    card: Card
+    peak: int
+    time: StepTime
+
+    @property
+    def samples_per_second(self) -> Callable[[int], float]:
+        return lambda batch: batch / self.time.step
+
+
+def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                 host: HostCost = H100_HOST, achieved: Achieved = H100_ACHIEVED,
+                 limit: int | None = None) -> CardStep:
+    """Peak and time of one training step of ``model`` (as configured: checkpoint mode or
+    plan) on ``example_input``, on card ``on`` (a name of ``zoo.memory.cards.CARDS`` or a
+    :class:`~zoo.memory.cards.Card`). ``host`` and ``achieved``: the host's costs and the
+    fractions of the card's peaks its kernels reach (both calibrated on an H100 machine);
+    ``limit``: a cap on reserved bytes, as ``set_per_process_memory_fraction`` sets."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    target = card(on)
+    loss_fn = loss_fn or default_loss
+    fake = FakeStep(model, example_input)
+
+    def step() -> None:
+        fake.clear()
+        with _reparametrize_module(model, fake.state):
+            loss_fn(model(fake.input)).backward()
+
+    try:
+        with fake.mode, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
+            counter = run_counted(step, fake.tensors + [fake.input]
+                                  if isinstance(fake.input, torch.Tensor) else fake.tensors,
+                                  limit, workspace=target.workspace)
+    finally:
+        fake.clear()
+    return CardStep(target, counter.peak,
+                    step_time(counter.records, counter.regions, target, host, achieved))

@@ -1,0 +1,116 @@
+"""The ops a CUDA build would run, on a step whose (fake) tensors live on the CPU.
+
+A fake step can only run backward on the CPU (the autograd engine asks the CUDA driver about
+a ``cuda`` device: "hasPrimaryContext expects a valid device index" without a GPU), and there
+two functions take different paths than on CUDA, with different saved tensors:
+
+* ``F.scaled_dot_product_attention``: on a CUDA card, torch's selection (sdp_utils.cpp) runs
+  the flash kernel for float16/bfloat16 with no mask and a head size of at most 256 that is a
+  multiple of 8, else the memory-efficient kernel (float32 too, masks too, head size a
+  multiple of 4 in float32 or 8 in half precision), else the math path. The fused kernels save
+  q, k, v, the output, a float32 log-sum-exp (B x H x L; rounded up to a multiple of 32 for the
+  memory-efficient kernel) and the RNG seed and offset, never the B x H x L x L probabilities
+  or dropout mask the CPU's math path keeps.
+* ``F.dropout``: CUDA runs the fused ``native_dropout``, which keeps a one-byte mask; the CPU
+  multiplies by a noise tensor of the input's dtype and keeps that (four bytes in float32).
+
+:class:`CudaKernels` calls those CUDA ops in their place. Every op
+runs on fake tensors through its meta function, so shapes and saved tensors are the CUDA
+kernels' exactly. BatchNorm needs nothing: cuDNN's ``cudnn_batch_norm`` keeps the same mean and
+inverse standard deviation as the CPU's and a reserve space of zero bytes for BatchNorm alone
+(CUDNN_BATCHNORM_OPS_BN). Convolution's output is the same; its workspace is not modelled.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["FLASH", "EFFICIENT", "MATH", "sdpa_backend", "CudaKernels"]
+
+FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
+_HALF = (torch.float16, torch.bfloat16)
+_aten = torch.ops.aten
+
+
+def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 attn_mask: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                 enable_gqa: bool = False) -> str:
+    """The kernel a CUDA build (sm80 or newer) picks for SDPA on tensors of these shapes in
+    ``dtype`` (the tensors' own if None): ``"flash"``, ``"efficient"`` or ``"math"``."""
+    dtype = dtype or q.dtype
+    head, head_v = q.shape[-1], v.shape[-1]
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or enable_gqa:
+        return MATH
+    if dtype in _HALF and attn_mask is None and head == head_v and head <= 256 \
+            and head % 8 == 0 and torch.backends.cuda.flash_sdp_enabled():
+        return FLASH
+    align = 8 if dtype in _HALF else 4
+    if dtype in (*_HALF, torch.float32) and head % align == 0 and head_v % align == 0 \
+            and torch.backends.cuda.mem_efficient_sdp_enabled():
+        return EFFICIENT
+    return MATH
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+          is_causal: bool = False, scale: float | None = None,
+          enable_gqa: bool = False) -> torch.Tensor | None:
+    """SDPA through the CUDA kernel :func:`sdpa_backend` picks; None for the math path."""
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
+    backend = sdpa_backend(q, k, v, attn_mask, dtype, enable_gqa)
+    if backend == MATH:
+        return None
+    if dtype != q.dtype:  # autocast casts SDPA's inputs to the lower precision
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    with torch.autocast("cpu", enabled=False):
+        if backend == FLASH:
+            return _aten._scaled_dot_product_flash_attention(
+                q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # the kernel takes a bias
+            attn_mask = torch.zeros_like(attn_mask, dtype=q.dtype).masked_fill_(
+                attn_mask.logical_not(), float("-inf"))
+        if attn_mask is not None:
+            attn_mask = attn_mask.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2],
+                                                     k.shape[2])
+        need_lse = q.requires_grad or k.requires_grad or v.requires_grad
+        return _aten._scaled_dot_product_efficient_attention(
+            q, k, v, attn_mask, need_lse and torch.is_grad_enabled(), dropout_p, is_causal,
+            scale=scale)[0]
+
+
+class CudaKernels:
+    """While active (a context manager), ``F.scaled_dot_product_attention`` and ``F.dropout``
+    run the ops CUDA would run (module docstring), on whatever device the tensors are: a fake
+    CPU step then saves what a CUDA step saves. The two functions are replaced in
+    ``torch.nn.functional`` for the duration (process-wide; a ``TorchFunctionMode`` would not
+    do: the autograd engine runs backward, and so a checkpoint's recompute, without the
+    modes of the forward)."""
+
+    def __enter__(self) -> CudaKernels:
+        self._saved = F.scaled_dot_product_attention, F.dropout
+        sdpa, dropout = self._saved
+
+        def cuda_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+            out = _sdpa(*args, **kwargs)
+            return sdpa(*args, **kwargs) if out is None else out
+
+        def cuda_dropout(*args: Any, **kwargs: Any) -> torch.Tensor:
+            out = _dropout(*args, **kwargs)
+            return dropout(*args, **kwargs) if out is None else out
+
+        F.scaled_dot_product_attention, F.dropout = cuda_sdpa, cuda_dropout
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        F.scaled_dot_product_attention, F.dropout = self._saved
+
+
+def _dropout(input: torch.Tensor, p: float = 0.5, training: bool = True,
+             inplace: bool = False) -> torch.Tensor | None:
+    """``native_dropout`` as CUDA's fused kernel runs it; None where dropout is the identity
+    or ``F.dropout`` raises (left to it)."""
+    if not training or not 0 < p < 1 or not input.numel() or inplace:
+        return None
+    return _aten.native_dropout(input, p, True)[0]
