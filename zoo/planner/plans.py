@@ -15,7 +15,7 @@ from .profiling.chain_profile import ChainProfile
 from .search.savesets import apply_save_sets, save_sets_removed
 from .modules.spine import apply_spine, spine_steps
 
-__all__ = ["Plan", "plan_set_aside"]
+__all__ = ["Plan", "plan_set_aside", "clear_plan"]
 
 
 @contextlib.contextmanager
@@ -48,7 +48,7 @@ class Plan:
     that hand mode of the model (``model.set_grad_checkpointing(mode)``) and ``segments`` is
     empty. Peaks are
     bytes of one training step (forward, loss, backward; parameters and gradients included) as
-    ``zoo.planner.measure_step`` measures them; ``overhead`` is recompute FLOPs over a plain
+    ``zoo.memory.step.measure_step`` measures them; ``overhead`` is recompute FLOPs over a plain
     step's FLOPs; ``modes``: the hand modes that were candidates, as measured; ``spine``: for a
     module without the zoo's chain, the dotted names of the submodules it was planned over
     (``zoo.planner.modules.spine``), whose calls the segments cover; ``spine_out_of_place``: its
@@ -148,6 +148,20 @@ class Plan:
             f"a plain step's {self._amount(self.step_flops)}",
         ]
         return "\n".join(lines)
+
+
+def clear_plan(model: nn.Module, plan: Plan) -> None:
+    """Undo ``plan.apply(model)`` (any plan of the same planning): the model checkpoints nothing,
+    no segments, block modes, save sets or hand mode."""
+    if plan.spine is not None:
+        apply_spine(model, plan.spine, None, plan.spine_out_of_place)
+        apply_save_sets(model, spine_steps(model, plan.spine, plan.spine_out_of_place), None)
+        return
+    model.set_checkpoint_plan(None)
+    apply_save_sets(model, model.checkpoint_chain(), None)
+    if hasattr(model, "set_checkpoint_block_modes"):
+        model.set_checkpoint_block_modes(None)
+    model.set_grad_checkpointing(False)
 
 
 def _depth(segments: list) -> int:
