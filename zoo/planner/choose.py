@@ -195,8 +195,9 @@ class Planner:
                 if block_modes and profile is None else ([], set())
             self.modes = profile_modes(model, example_input, self.profile.step_flops, loss_fn,
                                        _unique_modes(model, per_block), fake) if modes else []
-            self.choices = plan_choices(self.profile, self.variants, self.modes, slots,
-                                        one_level=compiled)
+            self.choices = [dataclasses.replace(c, compiled=compiled)
+                            for c in plan_choices(self.profile, self.variants, self.modes, slots,
+                                                  one_level=compiled)]
 
     @property
     def least_peak(self) -> int:

@@ -3,10 +3,13 @@ one of its own hand modes) with what it is predicted to cost, printable as a tab
 from __future__ import annotations
 
 import contextlib
+import warnings
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..memory import format_bytes
@@ -70,10 +73,12 @@ class Plan:
     cost: str = "flops"
     spine: list[str] | None = None
     spine_out_of_place: bool = True
+    compiled: bool = False
 
     def apply(self, model: nn.Module) -> None:
         """Make ``model`` run this plan (its chain's segments with their block modes, or its
         hand mode; a module planned over its spine runs the segments there)."""
+        _watch_compile(model, None if self.compile_safe else self._compile_warning())
         if self.spine is not None:
             apply_spine(model, self.spine, self.segments, self.spine_out_of_place)
             apply_save_sets(model, spine_steps(model, self.spine, self.spine_out_of_place),
@@ -92,6 +97,28 @@ class Plan:
             if with_modes:
                 model.set_checkpoint_block_modes(None)
             model.set_grad_checkpointing(self.mode)
+
+    @property
+    def compile_safe(self) -> bool:
+        """Whether ``torch.compile`` keeps this plan's peak: planned with ``compiled=True``, or
+        checkpointing nothing, or one-level segments of plain blocks of a zoo model (what
+        AOTAutograd's partitioner keeps: it recomputes each tagged op once, so a nested
+        schedule, a block's own checkpoints, a save set and a hand mode are not kept, and a
+        spine planned for eager runs its activations out of place)."""
+        if self.compiled or (self.mode is None and not any(self.block_modes or ())
+                             and all(ck is False for *_, ck in self.segments)):
+            return True
+        return self.spine is None and self.mode is None and self.levels <= 1 \
+            and not any(self.block_modes or ())
+
+    def _compile_warning(self) -> str:
+        what = f"the hand mode {self.mode!r}" if self.mode is not None else \
+            "checkpoints nested in a recompute" if self.levels > 1 else \
+            "per-block modes" if any(self.block_modes or ()) else "an eager spine"
+        return (f"zoo.plan: this model runs a plan made for eager steps ({what}), which "
+                f"torch.compile's partitioner does not keep: compiled, the step can peak above "
+                f"the predicted {format_bytes(self.predicted_peak)}; plan with "
+                f"zoo.plan(model, x, budget, compiled=True) before compiling")
 
     @property
     def overhead(self) -> float:
@@ -150,9 +177,32 @@ class Plan:
         return "\n".join(lines)
 
 
+_WATCHED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def _watch_compile(model: nn.Module, message: str | None) -> None:
+    """Warn ``message`` once, at ``model``'s first call under ``torch.compile`` (a forward
+    pre-hook that reads ``torch.compiler.is_compiling()``: Dynamo traces it and keeps the
+    warning, without a graph break); None: no warning (an earlier one is taken off)."""
+    old = _WATCHED.pop(model, None)
+    if old is not None:
+        old.remove()
+    if message is None:
+        return
+    said: list[bool] = []
+
+    def check(module: nn.Module, args: Any) -> None:
+        if not said and torch.compiler.is_compiling():
+            said.append(True)
+            warnings.warn(message, UserWarning, stacklevel=2)
+
+    _WATCHED[model] = model.register_forward_pre_hook(check)
+
+
 def clear_plan(model: nn.Module, plan: Plan) -> None:
     """Undo ``plan.apply(model)`` (any plan of the same planning): the model checkpoints nothing,
     no segments, block modes, save sets or hand mode."""
+    _watch_compile(model, None)
     if plan.spine is not None:
         apply_spine(model, plan.spine, None, plan.spine_out_of_place)
         apply_save_sets(model, spine_steps(model, plan.spine, plan.spine_out_of_place), None)
