@@ -181,22 +181,34 @@ _WATCHED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary(
 
 
 def _watch_compile(model: nn.Module, message: str | None) -> None:
-    """Warn ``message`` once, at ``model``'s first call under ``torch.compile`` (a forward
-    pre-hook that reads ``torch.compiler.is_compiling()``: Dynamo traces it and keeps the
-    warning, without a graph break); None: no warning (an earlier one is taken off)."""
+    """Warn ``message`` at ``model``'s first call under ``torch.compile``: a forward pre-hook
+    that reads ``torch.compiler.is_compiling()`` and calls :func:`_say`, which Dynamo runs after
+    the compiled graph (a reorderable logging function: no graph break, ``fullgraph=True``
+    keeps working) and which says each message once. None: no warning (an earlier one is
+    taken off)."""
     old = _WATCHED.pop(model, None)
     if old is not None:
         old.remove()
     if message is None:
         return
-    said: list[bool] = []
+    reorderable = getattr(torch._dynamo.config, "reorderable_logging_functions", None)
+    if reorderable is not None:
+        reorderable.add(_say)
 
     def check(module: nn.Module, args: Any) -> None:
-        if not said and torch.compiler.is_compiling():
-            said.append(True)
-            warnings.warn(message, UserWarning, stacklevel=2)
+        if torch.compiler.is_compiling():
+            _say(message)
 
     _WATCHED[model] = model.register_forward_pre_hook(check)
+
+
+_SAID: set[str] = set()
+
+
+def _say(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        warnings.warn(message, UserWarning, stacklevel=2)
 
 
 def clear_plan(model: nn.Module, plan: Plan) -> None:
