@@ -115,21 +115,23 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def planner_promise(models: Any = MODELS, steps: int = 10, compiled: Any = "resnet56,vit_cifar",
-                    compiled_fractions: Any = "0.3,0.5",
+                    compiled_fractions: Any = "0.3,0.5", batch: int | None = None,
                     out: str = "docs/results/bench_planner_promise_cpu.json") -> dict[str, Any]:
-    """Every plan predicted against measured, eager and compiled, budgets plain to least."""
+    """Every plan predicted against measured, eager and compiled, budgets plain to least.
+
+    ``batch``: for every model (default: :data:`BATCHES`, else 32)."""
     fractions = tuple(float(f) for f in comma_list(compiled_fractions)) if compiled else ()
     to_compile = set(comma_list(compiled)) if compiled else set()
     results: dict[str, Any] = {"command": command_line(),
                                "machine": machine_info(torch.device("cpu")), "models": {}}
     for name in comma_list(models):
-        batch = BATCHES.get(name, 32)
-        make, x = build(name, batch)
+        size = batch or BATCHES.get(name, 32)
+        make, x = build(name, size)
         m = sweep_model(make, x, steps)
         planner = m.pop("planner")
         if name in to_compile:
             m["compiled"] = compiled_rows(make, x, planner, fractions)
-        m["batch"] = batch
+        m["batch"] = size
         results["models"][name] = m
         worst = max(abs(r["measured"] - r["predicted"]) / r["predicted"] for r in m["rows"])
         print(f"{name}: {len(m['rows'])} budgets, worst |measured - predicted| "
