@@ -195,11 +195,18 @@ def _watch_compile(model: nn.Module, message: str | None) -> None:
     if reorderable is not None:
         reorderable.add(_say)
 
-    def check(module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():
-            _say(message)
+    _WATCHED[model] = model.register_forward_pre_hook(_CompileCheck(message))
 
-    _WATCHED[model] = model.register_forward_pre_hook(check)
+
+class _CompileCheck:
+    """The forward pre-hook of :func:`_watch_compile` (a class, so a pickled model keeps it)."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            _say(self.message)
 
 
 _SAID: set[str] = set()
