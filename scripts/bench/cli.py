@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import (chain, families, gpu, model_commands, outside, overhead, planner_levels,
-               planner_modes, planner_time, planner_vs_compile, planner_vs_uniform, plots,
+               planner_modes, planner_promise, planner_time, planner_vs_compile, planner_vs_uniform, plots,
                primitive, reversible)
 from . import host_report, prediction
 
@@ -42,6 +42,7 @@ SUBCOMMANDS: dict[str, Callable[..., Any]] = {
     "planner-levels": planner_levels.planner_levels,
     "planner-time": planner_time.planner_time,
     "planner-vs-compile": planner_vs_compile.planner_vs_compile,
+    "planner-promise": planner_promise.planner_promise,
     "gpu": gpu.gpu,
     "host-cost": host_report.run_host_cost,
     "reversible": reversible.reversible,

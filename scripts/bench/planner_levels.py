@@ -7,8 +7,7 @@ Per model: the plain peak; the least peak of one-level schedules (whole segments
 nested schedules, over plain blocks and with per-block modes; at each ``--budgets`` fraction of
 the plain peak (and at Chen's sqrt(n) uniform segmentation's peak) the plan one level deep and
 the multi-level plan, each applied and measured (peak and recompute FLOPs); with block modes as
-``zoo.plan`` does it (``solve_measured``: a plan measured over budget falls back to plain
-blocks). Prints Markdown and writes docs/results/bench_planner_levels_cpu.json.
+``zoo.plan`` does it (predicted exactly, so nothing is measured and dropped). Prints Markdown and writes docs/results/bench_planner_levels_cpu.json.
 """
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ import torch
 
 import zoo
 from zoo.planner import (BudgetTooSmallError, least_peak, measure_step, predict_peak,
-                         profile_block_modes, profile_chain, smallest_peak, solve_measured,
-                         solve_profile)
+                         profile_block_modes, profile_chain, smallest_peak, solve_profile)
 from zoo.planner.search.one_level import solve
 
 from .planner_vs_uniform import SEQUENCE_LENGTHS
@@ -48,9 +46,8 @@ def _row(model: Any, x: torch.Tensor, p: Any, inner: list, budget: int, plain: t
         peak, flops = _measure(model, x, p.block_segments(found[0]), None)
         row["one_level"] = {"peak": peak, "recompute": flops - plain[1]}
     for key, profiles in (("nested", []), ("nested_modes", inner)):
-        try:  # with block modes, as zoo.plan does it: measured, dropped if over
-            plan = solve_profile(p, budget) if not profiles else \
-                solve_measured(model, x, None, p, budget, [], profiles)
+        try:  # with block modes, as zoo.plan does it
+            plan = solve_profile(p, budget, block_profiles=profiles)
         except BudgetTooSmallError:
             continue
         peak, flops = _measure(model, x, plan.segments, plan.block_modes)

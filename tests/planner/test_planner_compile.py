@@ -4,7 +4,8 @@ on the CPU by replaying AOTAutograd's partitioned graphs, ``zoo.memory.compiled`
 higher than the eager plan's measured peak, and it recomputes no more FLOPs (BatchNorm's
 running statistics written in place, as inductor writes them: no slack). A nested plan
 (recompute within a recompute) is flattened by the partitioner, which recomputes each tagged
-op once: compiled, it holds more than planned, which is why ``compiled=True`` leaves it out.
+op once: compiled, it holds more than planned, which is why ``compiled=True`` leaves it out,
+and why a model running such a plan made without it says so at its first compiled call.
 """
 from __future__ import annotations
 
@@ -119,3 +120,37 @@ def test_an_outside_model_planned_for_compile_keeps_its_plan_compiled():
 
     x = torch.randn(8, 3, 64, 64)
     check_compiled(make, x, spine_planner(make(), x, compiled=True), (0.0, 0.3, 0.7))
+
+
+def zoo_plan_warnings(model: torch.nn.Module, x: torch.Tensor) -> list[str]:
+    """The ``zoo.plan`` warnings of one eager call of ``model``, then two compiled calls."""
+    import warnings
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)  # no graph break
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(x)
+        compiled(x)
+        compiled(x)
+    return [str(w.message) for w in caught if str(w.message).startswith("zoo.plan")]
+
+
+@pytest.mark.slow
+def test_a_plan_compile_does_not_keep_says_so_once_at_the_first_compiled_call():
+    """A nested plan made for eager steps, then compiled: one line at the first compiled call
+    (none eagerly, none after), naming the fix; the plan ``compiled=True`` gives, and a plan
+    that checkpoints nothing, say nothing."""
+    torch.manual_seed(0)
+    model = zoo.create_model("resnet20")
+    x = model.example_input(2)
+    eager = Planner(model, x, modes=False, block_modes=False)
+    nested = next(c for c in eager.choices if c.levels >= 2)
+    assert not nested.compile_safe
+    nested.apply(model)
+    said = zoo_plan_warnings(model, x)
+    assert len(said) == 1 and "\n" not in said[0] and "compiled=True" in said[0]
+    for plan in (Planner(model, x, compiled=True).choices[0], eager.choices[-1]):
+        assert plan.compile_safe
+        plan.apply(model)
+        assert zoo_plan_warnings(model, x) == []

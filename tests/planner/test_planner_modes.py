@@ -18,7 +18,7 @@ from zoo.models.densenet import DenseNet
 from zoo.models.gpt2 import GPT2
 from zoo.models.vit import VisionTransformer
 from zoo.planner import (BudgetTooSmallError, measure_step, predict_peak, profile_block_modes,
-                         profile_chain, smallest_peak, solve_measured, least_peak)
+                         profile_chain, smallest_peak, solve_profile, least_peak)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -103,10 +103,9 @@ def resnet20_profiles():
 
 def test_multi_level_plans_with_block_modes_are_measured_within_the_budget(resnet20_profiles):
     """Schedules nest (a checkpointed segment's recompute checkpoints again) and each block runs
-    plainly or in one of the model's intra-block modes. ``solve_measured`` measures the plan
-    before returning it: at every budget from the lowest the search predicts to the plain peak,
-    the plan's step is measured within the budget, its reported peak is the measured one, and
-    its recompute FLOPs are exact. The lowest budgets need more than one level."""
+    plainly or in one of the model's intra-block modes. At every budget from the lowest the
+    search predicts to the plain peak, the plan's step is measured within the budget, its
+    predicted peak is the measured one, and its recompute FLOPs are exact. The lowest budgets need more than one level."""
     model, x, p, inner = resnet20_profiles
     plain_peak, plain_flops = measure_step(model, x)
     assert predict_peak(p, [(0, p.n_units, False)]) == plain_peak
@@ -115,7 +114,7 @@ def test_multi_level_plans_with_block_modes_are_measured_within_the_budget(resne
     levels = []
     for f in (0.0, 0.1, 0.3, 0.6, 0.9):
         budget = int(lowest + f * (plain_peak - lowest))
-        result = solve_measured(model, x, None, p, budget, [], inner)
+        result = solve_profile(p, budget, block_profiles=inner)
         result.apply(model)
         peak, flops = measure_step(model, x)
         model.set_checkpoint_plan(None)

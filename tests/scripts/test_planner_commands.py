@@ -1,5 +1,5 @@
 """The planner's subcommands (``planner``, ``planner-modes``, ``planner-levels``,
-``planner-time``, ``planner-vs-compile``) end to end on the CPU, on the zoo's CIFAR CNN and
+``planner-time``, ``planner-vs-compile``, ``planner-promise``) end to end on the CPU, on the zoo's CIFAR CNN and
 ResNet-20 at tiny batches: each writes its JSON with the machine and the command, and its
 figures say what the planner promises (within the budget, never dearer than what it is
 compared with). Not timed tests: times are only checked to be there."""
@@ -118,3 +118,18 @@ def test_planner_vs_compile_fake_gives_the_cpu_figures(tmp_path: Path) -> None:
     assert runs[True] == runs[False]
     assert runs[True]["rows"][1]["torch_recompute_flops"] > 0
     assert runs[True]["zoo_least"]["zoo_compiled_peak_bytes"] is not None  # compiled, on meta
+
+
+def test_planner_promise_measures_what_each_plan_predicts(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "promise.json"
+    bench("planner-promise", "--models", "cifar_cnn", "--batch", 2, "--compiled", "cifar_cnn",
+          "--compiled_fractions", "1.0", "--out", out)
+    data = json.loads(out.read_text())
+    assert data["command"].startswith("python ") and data["machine"]["torch"]
+    m = data["models"]["cifar_cnn"]
+    assert len(m["rows"]) >= 2 and m["rows"][0]["predicted"] == m["plain_peak_bytes"]
+    assert all(r["measured"] == r["predicted"] <= r["budget"] for r in m["rows"])
+    (c,) = m["compiled"]
+    assert c["plan"] == "0/2 blocks, 0 levels" and not c["warns"]
+    assert c["compiled"] <= c["predicted"] == m["plain_peak_bytes"]
+    assert "| cifar_cnn | 2 | 1.000 |" in capsys.readouterr().out

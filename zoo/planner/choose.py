@@ -1,13 +1,18 @@
-"""A zoo model's plans on one input: profiled once, then any budget answered at once.
+"""Where a plan is chosen: :func:`plan` (``zoo.plan``), and the :class:`Planner` it asks.
+
+:func:`plan` takes three routes: a zoo model (one with ``checkpoint_chain``) is planned over its
+chain by a :class:`Planner`; any other module over its spine (:func:`spine_planner`: every
+submodule call a candidate region), or, where the spine leaves out its repeated blocks, over
+those blocks (``modules.plan_module``); ``cost="time"`` plans the chain for least recompute time.
 
 :class:`Planner` profiles the model's chain (plainly and with every block in each of the model's
 intra-block modes: :func:`profile_block_modes`), measures the model's hand modes that the chain
 cannot express, and gathers every plan worth having into one list, peak ascending and recompute
-strictly falling: the nested schedules of :mod:`.front` (past ``nested.MAX_UNITS`` units, over
-units joined a few blocks at a time) and the hand modes. A budget takes the cheapest plan
-of that list that fits; the list does not depend on the budget, so as the budget falls the
+strictly falling: the nested schedules of ``search.front`` (past ``search.multi_level.MAX_UNITS``
+units, over units joined a few blocks at a time) and the hand modes. A budget takes the cheapest
+plan of that list that fits; the list does not depend on the budget, so as the budget falls the
 chosen plan's peak never rises. Predicted peaks are exact (tests/planner/test_planner_exact.py
-measures them), so nothing is measured and dropped.
+and test_planner_promise.py measure them), so nothing is measured and dropped.
 """
 from __future__ import annotations
 
@@ -21,18 +26,20 @@ import torch
 from torch import nn
 
 from ..memory import parse_budget
-from .errors import BudgetTooSmallError
 from ..memory.fake import FakeStep, collector_paused
+from .errors import BudgetTooSmallError
+from .modules.plan_module import ModulePlan, plan_module
+from .modules.spine import Spine, clear_spine, find_spine
+from .plans import Plan, plan_set_aside
+from .profiling.profile import ChainProfile, profile_chain
+from .profiling.timing import time_profile
 from .search.front import Front
 from .search.modes import ModeCost, profile_modes
-from .search.multi_level import MAX_UNITS
-from .plans import Plan
-from .profiling.profile import ChainProfile, profile_chain
-from .search.savesets import SAVE_SETS
+from .search.multi_level import MAX_UNITS, chain_floor
 from .search.one_level import predict_peak, schedules
-from .modules.spine import Spine, clear_spine, find_spine
+from .search.savesets import SAVE_SETS
 
-__all__ = ["Planner", "solve_profile", "profile_block_modes", "block_plan", "plan_choices",
+__all__ = ["plan", "Planner", "solve_profile", "profile_block_modes", "block_plan", "plan_choices",
            "spine_planner"]
 
 
@@ -53,28 +60,30 @@ def plan_choices(profile: ChainProfile, variants: Sequence[ChainProfile] = (),
     p = profile
     plain = predict_peak(p, [(0, p.n_units, False)])
     kinds = [p, *(q for q in variants if q.units == p.units and q.act == p.act)]
+    common = dict(budget=float("inf"), plain_peak=plain, smallest_peak=0,
+                  step_flops=p.step_flops, profile=p, modes=tuple(modes))
     out: list[Plan] = []
     if p.n_units <= MAX_UNITS and not one_level:
         names = [q.block_mode for q in kinds]
         for f in Front(kinds, slots=slots).plans:
             block_modes = [names[f.variants[u]] for u, (a, b) in enumerate(p.units)
                            for _ in range(a, b)]
-            out.append(Plan(block_plan(p, f.schedule), float("inf"), f.peak, plain, 0, f.cost,
-                            p.step_flops, p, None, tuple(modes),
-                            block_modes if any(block_modes) else None))
+            out.append(Plan(segments=block_plan(p, f.schedule), predicted_peak=f.peak,
+                            recompute_flops=f.cost,
+                            block_modes=block_modes if any(block_modes) else None, **common))
     else:
         for segments, peak, cost in schedules(p):
-            out.append(Plan(p.block_segments(segments), float("inf"), peak, plain, 0, cost,
-                            p.step_flops, p, None, tuple(modes)))
-    out += [Plan([], float("inf"), m.peak, plain, 0, m.recompute_flops, p.step_flops, p, m.mode,
-                 tuple(modes)) for m in modes]
+            out.append(Plan(segments=p.block_segments(segments), predicted_peak=peak,
+                            recompute_flops=cost, **common))
+    out += [Plan(segments=[], predicted_peak=m.peak, recompute_flops=m.recompute_flops,
+                 mode=m.mode, **common) for m in modes]
     chosen: list[Plan] = []
     for c in sorted(out, key=lambda c: (c.predicted_peak, c.recompute_flops, c.mode or "")):
         if not chosen or c.recompute_flops < chosen[-1].recompute_flops:
             chosen.append(c)
     if chosen[-1].predicted_peak < plain:  # a free region (BatchNorm-ReLU: no FLOPs) stays
-        chosen.append(Plan([(0, p.n_blocks, False)], float("inf"), plain, plain, 0, 0,
-                           p.step_flops, p, None, tuple(modes)))  # optional: plain is kept
+        chosen.append(Plan(segments=[(0, p.n_blocks, False)], predicted_peak=plain,
+                           recompute_flops=0, **common))  # optional: plain is kept
     least = chosen[0].predicted_peak
     return [dataclasses.replace(c, smallest_peak=least) for c in chosen]
 
@@ -186,8 +195,9 @@ class Planner:
                 if block_modes and profile is None else ([], set())
             self.modes = profile_modes(model, example_input, self.profile.step_flops, loss_fn,
                                        _unique_modes(model, per_block), fake) if modes else []
-            self.choices = plan_choices(self.profile, self.variants, self.modes, slots,
-                                        one_level=compiled)
+            self.choices = [dataclasses.replace(c, compiled=compiled)
+                            for c in plan_choices(self.profile, self.variants, self.modes, slots,
+                                                  one_level=compiled)]
 
     @property
     def least_peak(self) -> int:
@@ -206,11 +216,11 @@ class Planner:
 def spine_planner(model: nn.Module, example_input: Any,
                   loss_fn: Callable[[Any], torch.Tensor] | None = None,
                   slots: int = 2000, compiled: bool = False) -> Planner | None:
-    """A :class:`Planner` over ``model``'s spine (``zoo.planner.modules.spine``: every submodule call
-    of it a candidate region, the stem too), or None when the spine leaves out some of the
-    repeated blocks ``zoo.blocks.find_blocks`` names (a Hugging Face encoder's layers, looped
-    with keyword arguments): those are planned by ``zoo.planner.modules.plan_module``. The model is profiled
-    as it runs without checkpoints; it is left as it was."""
+    """A :class:`Planner` over ``model``'s spine (``modules.spine``: every submodule call of it a
+    candidate region, the stem too), or None when the spine leaves out some of the repeated
+    blocks ``zoo.blocks.find_blocks`` names (a Hugging Face encoder's layers, looped with keyword
+    arguments): those are planned by ``modules.plan_module``. The model is profiled as it runs
+    without checkpoints; it is left as it was."""
     from ..blocks import NoBlocksError, checkpoint_module, find_blocks, is_checkpointed
     from .modules.nesting import clear_nested, restore_nested
 
@@ -241,3 +251,87 @@ def spine_planner(model: nn.Module, example_input: Any,
         restore_nested(segmented)
         for m, forward in spine.items():
             m.forward, m._zoo_spine = forward, True
+
+
+def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | float | str, *,
+         loss_fn: Callable[[Any], torch.Tensor] | None = None, apply: bool = True,
+         modes: bool = True, block_modes: bool = True,
+         modules: Any = None, cost: str = "flops", compiled: bool = False) -> Plan | ModulePlan:
+    """Checkpoint ``model`` so one training step fits ``memory_budget`` with the least
+    recompute, and return the :class:`Plan` (``print`` it for a table).
+
+    Args:
+        model: any ``nn.Module``. A zoo model is planned over its chain of blocks, its hand
+            modes and multi-level schedules with per-block modes; any other module (torchvision,
+            timm, Hugging Face, yours) over its repeated blocks (``zoo.blocks.find_blocks``: the
+            ones ``zoo.set_grad_checkpointing`` takes; ``modules`` overrides them), nested in
+            containers where every block alone does not fit, returning a :class:`ModulePlan`
+            whose peak is measured (:func:`plan_module`).
+        example_input: one batch as training will see it (shape, dtype and device decide the
+            figures; its values do not matter). Nothing is computed on it: the model is
+            profiled under ``FakeTensorMode``.
+        memory_budget: bytes, or a string like ``"10GB"`` / ``"12GiB"`` / ``"1500MB"``, for one
+            training step: parameters, gradients and activations (not optimizer state: leave
+            room for it). ``inf`` (or ``"inf"``) checkpoints nothing; for an input on a GPU, a
+            fraction of its memory (``0.8`` or ``"80%"``).
+        loss_fn: output -> scalar loss of the step (default: mean of squares; its memory is part
+            of the prediction, usually negligible).
+        apply: make the model run the result (default True).
+        cost: ``"flops"`` (default, exact) or ``"time"``: each block's forward timed on the
+            input's device, and the chain planned for least recompute time (the plan's
+            ``recompute_flops`` and ``step_flops`` are then nanoseconds, ``plan.cost ==
+            "time"``; hand modes and per-block modes are left out of that search).
+        modes: measure the model's own checkpoint modes too and take one where it is the
+            cheapest that fits (default True).
+        block_modes: also profile the chain with every block in each of those modes and save
+            sets (op-level choices: ``zoo.planner.search.savesets``), as per-block options at any
+            level of the schedule, and search those schedules (default True).
+        compiled: the model will run under ``torch.compile``: plan only what AOTAutograd's
+            partitioner keeps (one-level schedules of plain blocks; see :class:`Planner`).
+
+    A budget at or above the plain model's peak checkpoints nothing. A budget below the lowest
+    peak any schedule reaches raises :class:`BudgetTooSmallError` naming that peak; nan,
+    negative or unreadable budgets raise a one-line ValueError.
+    """
+    device = example_input.device if isinstance(example_input, torch.Tensor) else None
+    budget = parse_budget(memory_budget, device)
+    if cost not in ("flops", "time"):
+        raise ValueError(f"cost must be 'flops' or 'time', got {cost!r}")
+    with collector_paused():
+        if hasattr(model, "checkpoint_chain") and modules is None:
+            with plan_set_aside(model):  # a plan applied before is not the plain step's
+                result = _plan_zoo_model(model, example_input, budget, loss_fn, cost, modes,
+                                         block_modes, compiled)
+        else:
+            spine = spine_planner(model, example_input, loss_fn, compiled=compiled) \
+                if modules is None else None
+            result = spine.plan(budget) if spine is not None else \
+                plan_module(model, example_input, budget, loss_fn, modules)
+    if apply:
+        result.apply(model)
+    return result
+
+
+def _plan_zoo_model(model: nn.Module, example_input: torch.Tensor, budget: float,
+                    loss_fn: Callable[[Any], torch.Tensor] | None, cost: str, modes: Any,
+                    block_modes: Any, compiled: bool) -> Plan:
+    """:func:`plan` for a model with the zoo's chain, with no plan applied to it."""
+    if budget == float("inf"):
+        return _no_limit(model, example_input, loss_fn)
+    if cost == "time":
+        profile = time_profile(model, example_input, profile_chain(model, example_input, loss_fn),
+                               loss_fn)
+        return dataclasses.replace(solve_profile(profile, budget), cost="time")
+    return Planner(model, example_input, loss_fn, modes=modes, block_modes=block_modes,
+                   compiled=compiled).plan(budget)
+
+
+def _no_limit(model: nn.Module, example_input: torch.Tensor,
+              loss_fn: Callable[[Any], torch.Tensor] | None) -> Plan:
+    """The plan for an infinite budget: nothing checkpointed (the chain is profiled once so the
+    plan still reports the plain peak)."""
+    p = profile_chain(model, example_input, loss_fn, max_units=MAX_UNITS)
+    plain = predict_peak(p, [(0, p.n_units, False)])
+    return Plan(segments=[(0, p.n_blocks, False)], budget=float("inf"), predicted_peak=plain,
+                plain_peak=plain, smallest_peak=chain_floor(p), recompute_flops=0,
+                step_flops=p.step_flops, profile=p)

@@ -3,10 +3,13 @@ one of its own hand modes) with what it is predicted to cost, printable as a tab
 from __future__ import annotations
 
 import contextlib
+import warnings
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..memory import format_bytes
@@ -15,7 +18,7 @@ from .profiling.chain_profile import ChainProfile
 from .search.savesets import apply_save_sets, save_sets_removed
 from .modules.spine import apply_spine, spine_steps
 
-__all__ = ["Plan", "plan_set_aside"]
+__all__ = ["Plan", "plan_set_aside", "clear_plan"]
 
 
 @contextlib.contextmanager
@@ -48,7 +51,7 @@ class Plan:
     that hand mode of the model (``model.set_grad_checkpointing(mode)``) and ``segments`` is
     empty. Peaks are
     bytes of one training step (forward, loss, backward; parameters and gradients included) as
-    ``zoo.planner.measure_step`` measures them; ``overhead`` is recompute FLOPs over a plain
+    ``zoo.memory.step.measure_step`` measures them; ``overhead`` is recompute FLOPs over a plain
     step's FLOPs; ``modes``: the hand modes that were candidates, as measured; ``spine``: for a
     module without the zoo's chain, the dotted names of the submodules it was planned over
     (``zoo.planner.modules.spine``), whose calls the segments cover; ``spine_out_of_place``: its
@@ -70,10 +73,12 @@ class Plan:
     cost: str = "flops"
     spine: list[str] | None = None
     spine_out_of_place: bool = True
+    compiled: bool = False
 
     def apply(self, model: nn.Module) -> None:
         """Make ``model`` run this plan (its chain's segments with their block modes, or its
         hand mode; a module planned over its spine runs the segments there)."""
+        _watch_compile(model, None if self.compile_safe else self._compile_warning())
         if self.spine is not None:
             apply_spine(model, self.spine, self.segments, self.spine_out_of_place)
             apply_save_sets(model, spine_steps(model, self.spine, self.spine_out_of_place),
@@ -92,6 +97,28 @@ class Plan:
             if with_modes:
                 model.set_checkpoint_block_modes(None)
             model.set_grad_checkpointing(self.mode)
+
+    @property
+    def compile_safe(self) -> bool:
+        """Whether ``torch.compile`` keeps this plan's peak: planned with ``compiled=True``, or
+        checkpointing nothing, or one-level segments of plain blocks of a zoo model (what
+        AOTAutograd's partitioner keeps: it recomputes each tagged op once, so a nested
+        schedule, a block's own checkpoints, a save set and a hand mode are not kept, and a
+        spine planned for eager runs its activations out of place)."""
+        if self.compiled or (self.mode is None and not any(self.block_modes or ())
+                             and all(ck is False for *_, ck in self.segments)):
+            return True
+        return self.spine is None and self.mode is None and self.levels <= 1 \
+            and not any(self.block_modes or ())
+
+    def _compile_warning(self) -> str:
+        what = f"the hand mode {self.mode!r}" if self.mode is not None else \
+            "checkpoints nested in a recompute" if self.levels > 1 else \
+            "per-block modes" if any(self.block_modes or ()) else "an eager spine"
+        return (f"zoo.plan: this model runs a plan made for eager steps ({what}), which "
+                f"torch.compile's partitioner does not keep: compiled, the step can peak above "
+                f"the predicted {format_bytes(self.predicted_peak)}; plan with "
+                f"zoo.plan(model, x, budget, compiled=True) before compiling")
 
     @property
     def overhead(self) -> float:
@@ -148,6 +175,62 @@ class Plan:
             f"a plain step's {self._amount(self.step_flops)}",
         ]
         return "\n".join(lines)
+
+
+_WATCHED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def _watch_compile(model: nn.Module, message: str | None) -> None:
+    """Warn ``message`` at ``model``'s first call under ``torch.compile``: a forward pre-hook
+    that reads ``torch.compiler.is_compiling()`` and calls :func:`_say`, which Dynamo runs after
+    the compiled graph (a reorderable logging function: no graph break, ``fullgraph=True``
+    keeps working) and which says each message once. None: no warning (an earlier one is
+    taken off)."""
+    old = _WATCHED.pop(model, None)
+    if old is not None:
+        old.remove()
+    if message is None:
+        return
+    reorderable = getattr(torch._dynamo.config, "reorderable_logging_functions", None)
+    if reorderable is not None:
+        reorderable.add(_say)
+
+    _WATCHED[model] = model.register_forward_pre_hook(_CompileCheck(message))
+
+
+class _CompileCheck:
+    """The forward pre-hook of :func:`_watch_compile` (a class, so a pickled model keeps it)."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            _say(self.message)
+
+
+_SAID: set[str] = set()
+
+
+def _say(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        warnings.warn(message, UserWarning, stacklevel=2)
+
+
+def clear_plan(model: nn.Module, plan: Plan) -> None:
+    """Undo ``plan.apply(model)`` (any plan of the same planning): the model checkpoints nothing,
+    no segments, block modes, save sets or hand mode."""
+    _watch_compile(model, None)
+    if plan.spine is not None:
+        apply_spine(model, plan.spine, None, plan.spine_out_of_place)
+        apply_save_sets(model, spine_steps(model, plan.spine, plan.spine_out_of_place), None)
+        return
+    model.set_checkpoint_plan(None)
+    apply_save_sets(model, model.checkpoint_chain(), None)
+    if hasattr(model, "set_checkpoint_block_modes"):
+        model.set_checkpoint_block_modes(None)
+    model.set_grad_checkpointing(False)
 
 
 def _depth(segments: list) -> int:

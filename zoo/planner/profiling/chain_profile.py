@@ -1,5 +1,6 @@
 """The figures the planner knows about a model's chain on one input (:class:`ChainProfile`),
-as :mod:`.profile` measures them and :mod:`.solve`, :mod:`.nested` and :mod:`.front` read them.
+as ``profiling.profile`` measures them and ``search.one_level``, ``search.multi_level`` and
+``search.front`` read them.
 """
 from __future__ import annotations
 

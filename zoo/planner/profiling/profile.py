@@ -31,8 +31,8 @@ cuts between them (cutting there saves nothing: both are the same memory).
 
 The memory model is rotor's (Beaumont et al. 2019, "Optimal checkpointing for heterogeneous
 chains: how to train deep neural networks with limited memory", arXiv:1911.13214): these per-unit
-figures are what :mod:`.solve` (one level) and :mod:`.nested` (checkpoints inside recomputes,
-as ``ZooModel.set_checkpoint_plan`` runs them) need. A block running its own checkpoints
+figures are what ``search.one_level`` (one level) and ``search.multi_level`` (checkpoints inside
+recomputes, as ``ZooModel.set_checkpoint_plan`` runs them) need. A block running its own checkpoints
 (``block_mode``) keeps their inputs in the regions, not as autograd saved tensors; the profiler
 counts them too (``zoo.checkpoint.region.observers``).
 """

@@ -1,7 +1,7 @@
 """Every plan a chain's profiles offer, as one front of (predicted peak, recompute): solved once,
 read at any budget.
 
-The dynamic programme of :mod:`.nested` runs once over a fixed memory grid from nothing to the
+The dynamic programme of :mod:`.multi_level` runs once over a fixed memory grid from nothing to the
 plain step's need (rotor discretises memory the same way): ``R[e][a][s]`` is an array over the
 grid of the least recompute of units ``a..e`` run as the recompute of a segment ending at ``e``,
 ``T[a][s]`` the same for the top level, ``s`` how unit ``a``'s input is held (``nested.STATES``).

@@ -11,7 +11,7 @@ schedule, when backward reaches it. Every stored unit also picks a *variant*: th
 (variant 0) or the block in one of the model's intra-block checkpoint modes (DenseNet's
 ``bottleneck``, ResNet's ``halves``, ...), each profiled as a whole chain (``profiles[v]``).
 
-The memory model is the one-level model of :mod:`.solve` (whose event-by-event
+The memory model is the one-level model of :mod:`.one_level` (whose event-by-event
 ``predict_peak`` it reproduces on one-level schedules; tests/planner/test_planner_nested.py checks
 it) applied recursively: the peak of a schedule is ``base + need`` where a segment contributes
 ``need = max(local, hold + need of the segments after it)`` (``hold``: what it keeps until its

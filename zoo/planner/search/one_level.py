@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ...checkpoint import split_segments
 from ..profiling.chain_profile import ChainProfile
 
-__all__ = ["predict_peak", "recompute_flops", "solve", "normalise", "Segments", "schedules"]
+__all__ = ["predict_peak", "recompute_flops", "solve", "normalise", "Segments", "schedules",
+           "uniform_segments"]
 
 Segments = list[tuple[int, int, bool]]
 
@@ -283,3 +285,9 @@ def smallest_peak(p: ChainProfile, front: list[list[list[Option]]] | None = None
     """The lowest peak any schedule reaches."""
     least = front[0][False][0][0] if front else _least_need(p)
     return max(p.pre_peak, p.tail_peak, p.base + least)
+
+
+def uniform_segments(profile: ChainProfile, segments: int) -> Segments:
+    """``checkpoint_sequential``'s schedule at unit level: ``segments`` balanced checkpointed
+    segments covering the chain (the last one too, as ``zoo.checkpoint_sequential`` does)."""
+    return [(r.start, r.stop, True) for r in split_segments(profile.n_units, segments)]
