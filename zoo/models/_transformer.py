@@ -66,7 +66,7 @@ from ._base import ZooModel
 from ._qkv_attention import qkv_attention
 
 __all__ = ["Attention", "Block", "EmbeddedBlock", "TransformerModel", "Step",
-           "SELECTIVE_SAVE_OPS", "run_blocks", "init_linear_and_embedding"]
+           "SELECTIVE_SAVE_OPS", "run_blocks_in_mode", "init_linear_and_embedding"]
 
 # The matmuls of a block: nn.Linear dispatches to addmm (with bias) or mm (without). The attention
 # core's matmuls are bmm (SDPA's math path) or a fused SDPA kernel: neither is kept.
@@ -187,8 +187,8 @@ class Block(nn.Module):
         return self.mlp_sublayer(self.attention_sublayer(x, attn_mask))
 
 
-def run_blocks(blocks: Sequence[Block], x: torch.Tensor, mode: str | None,
-               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+def run_blocks_in_mode(blocks: Sequence[Block], x: torch.Tensor, mode: str | None,
+                       attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Run ``blocks`` in order under checkpoint ``mode`` (see the module docstring): ``None``
     (plain), ``"block"``, ``"sublayer"``, ``"selective"``, ``"selective_sublayer"``,
     ``"selective_mlp"`` or ``"selective_stream"``.
@@ -313,10 +313,10 @@ class EmbeddedBlock(nn.Module):
         return self.block(self.embed(x))
 
     def run(self, x: torch.Tensor, mode: str | None) -> torch.Tensor:
-        """The embedding, then the block in ``mode`` (as :func:`run_blocks`); ``"block"`` and
-        ``"selective"`` checkpoint both as one region, ``"selective_stream"`` puts the
-        embedding inside the block's first region (nothing but the model's input kept for
-        it)."""
+        """The embedding, then the block in ``mode`` (as :func:`run_blocks_in_mode`);
+        ``"block"`` and ``"selective"`` checkpoint both as one region, ``"selective_stream"``
+        puts the embedding inside the block's first region (nothing but the model's input kept
+        for it)."""
         if mode is None:
             return self(x)
         if mode == "block":
@@ -325,7 +325,7 @@ class EmbeddedBlock(nn.Module):
             return checkpoint(self, x, save_ops=SELECTIVE_SAVE_OPS)
         if mode == "selective_stream":
             return _selective_stream(self.block, x, None, self.embed)
-        return run_blocks([self.block], self.embed(x), mode)
+        return run_blocks_in_mode([self.block], self.embed(x), mode)
 
     def extra_repr(self) -> str:
         return self.name
@@ -351,7 +351,7 @@ class TransformerModel(ZooModel):
     def forward_blocks(self, x: torch.Tensor,
                        attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Every block on ``x`` (B, T, dim), checkpointed as ``self.grad_checkpointing`` says."""
-        return run_blocks(self.blocks, x, self.grad_checkpointing, attn_mask)
+        return run_blocks_in_mode(self.blocks, x, self.grad_checkpointing, attn_mask)
 
     def run_chain_block(self, block: Callable[..., Any], x: torch.Tensor,
                         mode: str | None = None) -> torch.Tensor:
@@ -365,7 +365,7 @@ class TransformerModel(ZooModel):
             return block(x)
         if mode == "block":
             return checkpoint(fn, x, kw.get("attn_mask"))
-        return run_blocks([fn], x, mode, kw.get("attn_mask"))
+        return run_blocks_in_mode([fn], x, mode, kw.get("attn_mask"))
 
 
 def init_linear_and_embedding(module: nn.Module, std: float = 0.02) -> None:
