@@ -11,8 +11,9 @@ reentrant and non-reentrant ``torch.utils.checkpoint`` (and everything built on 
 batch twice (pytorch/pytorch#96136). Under the zoo's checkpoint they cost the same as plain
 BatchNorm (one in-place kernel per layer and recompute; see docs/benchmarks/checkpoint.md).
 
-The idea and the name come from the multi-GPU checkpoint of seed 003 (``cp_BatchNorm2d``); the
-state_dict is exactly ``nn.BatchNorm2d``'s, so checkpoints load either way.
+The idea and the name come from the multi-GPU checkpoint csrhddlam/pytorch-checkpoint on GitHub
+(``cp_BatchNorm2d``); the state_dict is exactly ``nn.BatchNorm2d``'s, so checkpoints load either
+way.
 
 :func:`convert_batchnorm` gives every BatchNorm flavour in a model such a twin, timm's
 ``BatchNormAct2d`` and any other ``_BatchNorm`` subclass included (:func:`recompute_safe_class`).

@@ -1,6 +1,8 @@
-"""The CIFAR-10 CNN of seed 004, checkpointed with its dropout and BatchNorm left where they belong.
+"""The CIFAR-10 CNN of Spell's checkpointing post, checkpointed with its dropout and BatchNorm
+left where they belong.
 
-Seed 004 (a blog post on ``torch.utils.checkpoint``) trains a small CIFAR-10 CNN: two blocks of
+Spell's blog post "Training larger-than-memory PyTorch models using gradient checkpointing"
+trains a small CIFAR-10 CNN with ``torch.utils.checkpoint``: two blocks of
 conv3x3-ReLU-conv3x3-ReLU-max-pool (32 and 64, then 64 and 64 channels) each followed by dropout
 0.25, then flatten, Linear(4096, 512)-ReLU, dropout 0.5 and Linear(512, 10). To checkpoint it the
 post had to (1) move dropout, and BatchNorm "another example", *out* of the checkpointed blocks,
@@ -12,7 +14,7 @@ With ``zoo.checkpoint`` neither workaround is needed: the recompute replays the 
 numbers, BatchNorm statistics update once, and parameters get their gradients whatever the inputs.
 So here each block is conv-BN-ReLU-conv-BN-ReLU-max-pool-dropout, *with* its dropout and
 BatchNorm inside, and every block (the first one too) is checkpointed. ``batch_norm=False`` gives
-the seed's exact layers (biased convolutions, no BatchNorm).
+the post's exact layers (biased convolutions, no BatchNorm).
 
 Checkpoint modes (all give exactly the plain model's outputs, gradients and BatchNorm statistics
 in train mode, dropout active, and the same state_dict). Batch 64, one training step, exact CPU
@@ -50,7 +52,7 @@ __all__ = ["ConvBlock", "CifarCNN"]
 
 
 class ConvBlock(nn.Module):
-    """conv3x3-BN-ReLU-conv3x3-BN-ReLU-max-pool(2)-dropout: one of the seed's two conv blocks."""
+    """conv3x3-BN-ReLU-conv3x3-BN-ReLU-max-pool(2)-dropout: one of the post's two conv blocks."""
 
     def __init__(self, in_channels: int, mid_channels: int, out_channels: int,
                  drop_rate: float = 0.25, batch_norm: bool = True) -> None:
@@ -98,17 +100,18 @@ class ConvBlock(nn.Module):
 
 
 class CifarCNN(FeatureStages, ZooModel):
-    """Seed 004's CIFAR-10 CNN: two conv blocks (3->32->64, 64->64->64, each halving the image),
-    then Linear(64 * (size/4)^2, 512)-ReLU, dropout 0.5 and a linear classifier.
+    """The CIFAR-10 CNN of Spell's checkpointing post: two conv blocks (3->32->64, 64->64->64,
+    each halving the image), then Linear(64 * (size/4)^2, 512)-ReLU, dropout 0.5 and a linear
+    classifier.
 
-    The submodules keep the seed's names (``cnn_block_1``, ``cnn_block_2``, ``linearize``,
+    The submodules keep the post's names (``cnn_block_1``, ``cnn_block_2``, ``linearize``,
     ``dropout_3``, ``out``); ``num_features`` is 512, the width of the classifier's input.
 
     Args:
         num_classes: classifier outputs.
         image_size: side of the square input images (32 for CIFAR); fixes the first Linear's size.
-        drop_rate: dropout after each conv block (the seed's 0.25); the head's is twice that.
-        batch_norm: BatchNorm after each convolution (default); ``False`` is the seed's model.
+        drop_rate: dropout after each conv block (the post's 0.25); the head's is twice that.
+        batch_norm: BatchNorm after each convolution (default); ``False`` is the post's model.
         efficient: checkpointing: ``False``, ``True`` (``"halves"``) or a mode name.
         in_chans: input channels (3 for RGB).
     """
@@ -179,5 +182,6 @@ class CifarCNN(FeatureStages, ZooModel):
 
 @register_model
 def cifar_cnn(efficient: bool | str = False, **kwargs) -> CifarCNN:
-    """Seed 004's CIFAR-10 CNN with BatchNorm, dropout kept inside the checkpointed blocks."""
+    """The CIFAR-10 CNN of Spell's checkpointing post with BatchNorm, dropout kept inside the
+    checkpointed blocks."""
     return CifarCNN(efficient=efficient, **kwargs)
