@@ -13,24 +13,24 @@ flash / memory-efficient kernel that never stores the (T x T) attention matrix. 
 attention dropout active, SDPA falls back to its math path, which does store it.
 
 Checkpoint modes (``TransformerModel.checkpoint_modes``; all give the plain model's outputs and
-gradients exactly, dropout included, because ``zoo.checkpoint`` replays the random numbers; CPU
-figures from ``python scripts/benchmark.py transformers``, one training step):
+gradients exactly, dropout included, because ``zoo.checkpoint`` replays the random numbers; each
+mode's peak and FLOPs beside timm's, with the machine and the command: docs/benchmarks/models.md):
 
 * ``"block"`` (recommended): every block but the last is one checkpoint; only its input is
   kept and it runs again in backward (zoo.checkpoint, like torch's non-reentrant one, stops once
   backward has what it needs, so without dropout ``mlp.fc2`` never reruns). The last block runs
-  plainly: backward needs it first. ViT-S/16 batch 8: 0.388x the plain peak at +20.2% FLOPs
-  (timm's set_grad_checkpointing: 0.388x at +22.0%); BERT-base batch 64 x 128: 0.193x, +30.6%.
+  plainly: backward needs it first, so recomputing it would cost FLOPs and save no peak (timm's
+  ``set_grad_checkpointing`` reruns it: the same peak for more FLOPs).
 * ``"sublayer"``: the attention and MLP halves of every block are checkpointed on their own:
   twice the kept inputs, half the recompute transient, and without dropout neither ``attn.proj``
-  nor ``mlp.fc2`` reruns. Lighter than ``"block"`` while the gradients dominate the peak (ViT-S
-  batch 8: 0.367x, +19.3%), heavier at large batches (ViT-S batch 64: 790 vs 679 MiB).
+  nor ``mlp.fc2`` reruns. Lighter than ``"block"`` while the gradients dominate the peak (small
+  batches), heavier at large batches, where the twice as many kept inputs dominate it.
 * ``"selective"``: Megatron-style selective recompute (Korthikanti et al. 2022, "Reducing
   Activation Recomputation in Large Transformer Models", arXiv:2205.05198): every block is one
   checkpoint that *keeps the outputs of its matmuls* (``aten.mm`` / ``aten.addmm``: the qkv,
   output-projection and MLP linears) and recomputes only the attention core (softmax(QK^T)V and
   its dropout) and the pointwise ops (LayerNorm, GELU, dropout, residual adds): no matmul runs
-  twice. BERT-base batch 64 x 128: 0.506x the plain peak at +0.9% FLOPs.
+  twice: about half the plain peak for about 1% more FLOPs.
 * ``"selective_sublayer"``: each sublayer is selective on its own, keeping the outputs of its
   matmuls (``aten.mm`` / ``aten.addmm``) but, pre-norm, not its last linear's (``attn.proj``,
   ``mlp.fc2``: they only feed the residual sums, and the recompute stops before them), so no

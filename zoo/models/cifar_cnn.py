@@ -17,24 +17,22 @@ BatchNorm inside, and every block (the first one too) is checkpointed. ``batch_n
 the post's exact layers (biased convolutions, no BatchNorm).
 
 Checkpoint modes (all give exactly the plain model's outputs, gradients and BatchNorm statistics
-in train mode, dropout active, and the same state_dict). Batch 64, one training step, exact CPU
-peak (parameters and gradients included) and FLOPs (``python scripts/benchmark.py resnet``); plain
-104.4 MiB.
+in train mode, dropout active, and the same state_dict; each mode's peak and FLOPs, with the
+machine and the command: docs/benchmarks/models.md).
 
 * ``"halves"`` (recommended): each block is checkpointed in two halves meeting at conv2's output
   (as the ResNets' mode of that name): conv1-BN-ReLU is rerun, conv2 is not (the recompute stops
-  before it), then BN-ReLU-max-pool-dropout is rerun. 80.7 MiB (0.77x) at +8.5% FLOPs.
+  before it), then BN-ReLU-max-pool-dropout is rerun.
 * ``"block"``: each block is checkpointed whole; only block inputs are kept, both convolutions run
-  again: 96.7 MiB (0.93x) at +32%: with two blocks, rebuilding a whole block at once costs
-  almost what it saved.
+  again: with two blocks, rebuilding a whole block at once costs almost what it saved.
 * ``"bn_relu"``: every convolution's output is kept and none runs again; BN-ReLU, max-pool and
-  dropout are recomputed: 88.7 MiB (0.85x) at +0% FLOPs.
+  dropout are recomputed: no extra FLOPs.
 * ``"nested"`` (the lowest peak): conv1-BN-ReLU-conv2-BN is one region, with conv1-BN-ReLU-conv2
   a region inside it, and only the ReLU's output after it is kept (the max pool saves it
   anyway). The block's backward runs the pool's and the ReLU's backward first, then makes
   conv2's output again for BatchNorm (conv1 and conv2 rerun), then conv1's path for conv2 (conv1
-  runs a third time): three full-size maps are alive at once where the other modes hold four.
-  64.7 MiB (0.62x) at +40.4%.
+  runs a third time): three full-size maps are alive at once where the other modes hold four,
+  for the most extra FLOPs.
 """
 from __future__ import annotations
 
