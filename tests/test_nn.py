@@ -246,3 +246,14 @@ def test_converted_timm_model_pickles_deepcopies_and_restores():
     zoo.nn.restore_batchnorm(model)
     assert {type(m).__name__ for m in _bn_layers(model)} == {"BatchNormAct2d"}
     torch.testing.assert_close(model(x), out)
+
+
+def test_in_recompute_is_a_deprecated_alias_outside_the_api():
+    """zoo.is_recomputing is the one public name; the old zoo.nn.in_recompute still answers (it
+    was in zoo.nn's API), with a DeprecationWarning, and is no longer listed in ``__all__``."""
+    with pytest.warns(DeprecationWarning, match="zoo.is_recomputing"):
+        old = zoo.nn.in_recompute
+    assert old is zoo.nn._recomputing_under_any_checkpoint and not old()
+    assert "in_recompute" not in zoo.nn.__all__
+    with pytest.raises(AttributeError):
+        zoo.nn.no_such_name  # noqa: B018

@@ -11,8 +11,9 @@ reentrant and non-reentrant ``torch.utils.checkpoint`` (and everything built on 
 batch twice (pytorch/pytorch#96136). Under the zoo's checkpoint they cost the same as plain
 BatchNorm (one in-place kernel per layer and recompute; see docs/benchmarks/checkpoint.md).
 
-The idea and the name come from the multi-GPU checkpoint of seed 003 (``cp_BatchNorm2d``); the
-state_dict is exactly ``nn.BatchNorm2d``'s, so checkpoints load either way.
+The idea and the name come from the multi-GPU checkpoint csrhddlam/pytorch-checkpoint on GitHub
+(``cp_BatchNorm2d``); the state_dict is exactly ``nn.BatchNorm2d``'s, so checkpoints load either
+way.
 
 :func:`convert_batchnorm` gives every BatchNorm flavour in a model such a twin, timm's
 ``BatchNormAct2d`` and any other ``_BatchNorm`` subclass included (:func:`recompute_safe_class`).
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import copyreg
 import functools
+import warnings
 from typing import Any
 
 import torch
@@ -29,11 +31,12 @@ from torch import nn
 from .checkpoint import is_recomputing, state_bookkeeping
 
 __all__ = ["cp_BatchNorm1d", "cp_BatchNorm2d", "cp_BatchNorm3d", "cp_SyncBatchNorm",
-           "convert_batchnorm", "restore_batchnorm", "recompute_safe_class", "in_recompute"]
+           "convert_batchnorm", "restore_batchnorm", "recompute_safe_class"]
 
 
-def in_recompute() -> bool:
-    """True while a checkpointed region is being recomputed, by the zoo's checkpoint or torch's.
+def _recomputing_under_any_checkpoint() -> bool:
+    """``zoo.is_recomputing()`` widened to anyone's checkpoint: True while a checkpointed region
+    is being recomputed, by the zoo's checkpoint or torch's.
 
     A train-mode forward that runs inside an autograd backward pass is a recompute: that is where
     ``torch.utils.checkpoint`` (reentrant and not) replays the region. While ``torch.compile``
@@ -59,7 +62,7 @@ class _RecomputeSafeNorm:
     recompute_safe = True  # tells zoo.checkpoint's guard that this layer needs no snapshot
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not (self.training and self.track_running_stats and in_recompute()):
+        if not (self.training and self.track_running_stats and _recomputing_under_any_checkpoint()):
             return super().forward(input)
         self._check_input_dim(input)  # fail before touching any state
         momentum, count = self.momentum, self._buffers.get("num_batches_tracked")
@@ -122,7 +125,7 @@ class _SnapshotNorm:
     recompute_safe = True  # tells zoo.checkpoint's guard that this layer needs no snapshot
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not (self.training and in_recompute()):
+        if not (self.training and _recomputing_under_any_checkpoint()):
             return super().forward(*args, **kwargs)
         with torch.no_grad(), state_bookkeeping():
             saved = [b.clone() for b in self.buffers(recurse=False)]
@@ -230,3 +233,13 @@ def restore_batchnorm(module: nn.Module, recurse: bool = True) -> nn.Module:
         if original is not None:
             m.__class__ = original
     return module
+
+
+def __getattr__(name: str) -> Any:
+    # ``in_recompute`` was listed in this module's API; it is kept, deprecated, for code that
+    # imported it. The one public question is ``zoo.is_recomputing()``.
+    if name == "in_recompute":
+        warnings.warn("zoo.nn.in_recompute is deprecated: use zoo.is_recomputing() (the zoo's "
+                      "checkpoint only); it will be removed", DeprecationWarning, stacklevel=2)
+        return _recomputing_under_any_checkpoint
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

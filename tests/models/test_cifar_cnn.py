@@ -1,5 +1,6 @@
-"""Seed 004's CIFAR-10 CNN: its architecture, and proof that its dropout and BatchNorm can stay
-*inside* the checkpointed blocks (the seed moved them out, and left the first block unchecked).
+"""The CIFAR-10 CNN of Spell's checkpointing post: its architecture, and proof that its dropout
+and BatchNorm can stay *inside* the checkpointed blocks (the post moved them out, and left the
+first block unchecked).
 
 With dropout active in train mode, every checkpoint mode gives the plain model's outputs and
 gradients (same seed before each forward) and BatchNorm buffers, although dropout and BatchNorm
@@ -21,21 +22,21 @@ from zoo.models.cifar_cnn import CifarCNN
 MODES = CifarCNN.checkpoint_modes
 
 
-def test_layers_are_the_seeds():
+def test_layers_are_the_posts():
     """conv 3->32->64, pool, dropout 0.25; conv 64->64->64, pool, dropout 0.25; Linear(4096, 512),
-    ReLU, dropout 0.5, Linear(512, 10). The seed's model (no BatchNorm, biased convolutions) has
+    ReLU, dropout 0.5, Linear(512, 10). The post's model (no BatchNorm, biased convolutions) has
     896 + 18,496 + 36,928 + 36,928 + 2,097,664 + 5,130 = 2,196,042 parameters; with BatchNorm the
     four conv biases (224) give way to BatchNorm's 2 x 224."""
-    seed = zoo.create_model("cifar_cnn", batch_norm=False)
-    convs = [m for m in seed.modules() if isinstance(m, nn.Conv2d)]
+    post = zoo.create_model("cifar_cnn", batch_norm=False)
+    convs = [m for m in post.modules() if isinstance(m, nn.Conv2d)]
     assert [(c.in_channels, c.out_channels, c.kernel_size, c.padding) for c in convs] == [
         (3, 32, (3, 3), (1, 1)), (32, 64, (3, 3), (1, 1)), (64, 64, (3, 3), (1, 1)),
         (64, 64, (3, 3), (1, 1))]
-    assert [m.p for m in seed.modules() if isinstance(m, nn.Dropout)] == [0.25, 0.25, 0.5]
-    assert [(m.in_features, m.out_features) for m in seed.modules() if isinstance(m, nn.Linear)] \
+    assert [m.p for m in post.modules() if isinstance(m, nn.Dropout)] == [0.25, 0.25, 0.5]
+    assert [(m.in_features, m.out_features) for m in post.modules() if isinstance(m, nn.Linear)] \
         == [(4096, 512), (512, 10)]
-    assert not any(isinstance(m, nn.BatchNorm2d) for m in seed.modules())
-    assert sum(p.numel() for p in seed.parameters()) == 2_196_042
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in post.modules())
+    assert sum(p.numel() for p in post.parameters()) == 2_196_042
     model = zoo.create_model("cifar_cnn")
     assert sum(isinstance(m, zoo.cp_BatchNorm2d) for m in model.modules()) == 4
     assert sum(p.numel() for p in model.parameters()) == 2_196_042 - 224 + 2 * 224
@@ -72,7 +73,7 @@ def test_dropout_is_active_so_the_equality_above_means_something():
 def test_dropout_and_batchnorm_run_again_inside_the_checkpoint_yet_count_once(mode):
     """The recompute really replays the blocks' dropout and BatchNorm (they are inside the
     checkpointed regions), and still the first block gets its gradients although the images do
-    not require grad (seed 004's "frozen first block"), and each BatchNorm counts one batch."""
+    not require grad (the post's "frozen first block"), and each BatchNorm counts one batch."""
     torch.manual_seed(0)
     model = zoo.create_model("cifar_cnn", efficient=mode).train()
     calls: Counter = Counter()

@@ -18,7 +18,7 @@ from timm.models.vision_transformer import VisionTransformer as TimmViT
 import zoo
 from helpers import assert_same_training, train_step_peak
 from zoo.memory import count_flops
-from zoo.models._transformer import TransformerModel, run_blocks
+from zoo.models._transformer import TransformerModel, run_blocks_in_mode
 from zoo.models.bert import Bert
 from zoo.models.gpt2 import GPT2
 from zoo.models.vit import VisionTransformer
@@ -342,4 +342,4 @@ def test_a_post_norm_block_refuses_the_pre_norm_modes(mode):
         tiny("bert").set_grad_checkpointing(mode)
     block = tiny("bert").blocks[0]
     with pytest.raises(ValueError, match="pre-norm"):
-        run_blocks([block], torch.randn(2, 4, 64), mode)
+        run_blocks_in_mode([block], torch.randn(2, 4, 64), mode)

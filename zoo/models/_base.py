@@ -11,9 +11,10 @@ from torch import nn
 
 from ..checkpoint import run_plan
 
-# (start, stop, checkpointed) segments covering the chain; ``checkpointed`` may be a nested plan of
-# the segment's own blocks: the segment is one checkpoint region whose recompute runs that plan
-Plan = Sequence[tuple[int, int, Any]]
+# A checkpoint plan of a model's chain: (start, stop, checkpointed) segments covering it in order;
+# ``checkpointed`` may be segments of the segment's own blocks: the segment is one checkpoint region
+# whose recompute runs them (the planner's ``Plan`` is the search's result that yields these)
+Segments = Sequence[tuple[int, int, Any]]
 
 __all__ = ["ZooModel", "chain_of", "classifier", "take_indices"]
 
@@ -80,7 +81,7 @@ class ZooModel(nn.Module):
     num_features: int
     checkpoint_modes: ClassVar[tuple[str, ...]] = ()
     grad_checkpointing: str | None = None
-    checkpoint_plan: Plan | None = None
+    checkpoint_plan: Segments | None = None
     checkpoint_block_modes: Sequence[str | None] | None = None
 
     # -- timm's model interface ------------------------------------------------------------------
@@ -172,7 +173,7 @@ class ZooModel(nn.Module):
         input is the previous block's output), for the memory planner (``zoo.plan``)."""
         raise NotImplementedError(f"{type(self).__name__} does not expose a chain of blocks")
 
-    def set_checkpoint_plan(self, plan: Plan | None) -> None:
+    def set_checkpoint_plan(self, plan: Segments | None) -> None:
         """Checkpoint the chain by segments: ``[(start, stop, checkpointed), ...]`` covering
         ``range(len(self.checkpoint_chain()))`` in order. ``checkpointed`` is a bool, or a plan of
         the same form covering ``start..stop`` (block indices of the whole chain): the segment is
@@ -222,7 +223,7 @@ class ZooModel(nn.Module):
         raise NotImplementedError
 
 
-def _checked_plan(plan: Plan, start: int, stop: int, top: bool = False) -> list:
+def _checked_plan(plan: Segments, start: int, stop: int, top: bool = False) -> list:
     """``plan`` as lists of ``(int, int, bool | inner plan)``, or a one-line ValueError: its
     segments must cover ``start..stop`` in order, an inner plan its own segment."""
     out, pos = [], start

@@ -13,24 +13,24 @@ flash / memory-efficient kernel that never stores the (T x T) attention matrix. 
 attention dropout active, SDPA falls back to its math path, which does store it.
 
 Checkpoint modes (``TransformerModel.checkpoint_modes``; all give the plain model's outputs and
-gradients exactly, dropout included, because ``zoo.checkpoint`` replays the random numbers; CPU
-figures from ``python scripts/benchmark.py transformers``, one training step):
+gradients exactly, dropout included, because ``zoo.checkpoint`` replays the random numbers; each
+mode's peak and FLOPs beside timm's, with the machine and the command: docs/benchmarks/models.md):
 
 * ``"block"`` (recommended): every block but the last is one checkpoint; only its input is
   kept and it runs again in backward (zoo.checkpoint, like torch's non-reentrant one, stops once
   backward has what it needs, so without dropout ``mlp.fc2`` never reruns). The last block runs
-  plainly: backward needs it first. ViT-S/16 batch 8: 0.388x the plain peak at +20.2% FLOPs
-  (timm's set_grad_checkpointing: 0.388x at +22.0%); BERT-base batch 64 x 128: 0.193x, +30.6%.
+  plainly: backward needs it first, so recomputing it would cost FLOPs and save no peak (timm's
+  ``set_grad_checkpointing`` reruns it: the same peak for more FLOPs).
 * ``"sublayer"``: the attention and MLP halves of every block are checkpointed on their own:
   twice the kept inputs, half the recompute transient, and without dropout neither ``attn.proj``
-  nor ``mlp.fc2`` reruns. Lighter than ``"block"`` while the gradients dominate the peak (ViT-S
-  batch 8: 0.367x, +19.3%), heavier at large batches (ViT-S batch 64: 790 vs 679 MiB).
+  nor ``mlp.fc2`` reruns. Lighter than ``"block"`` while the gradients dominate the peak (small
+  batches), heavier at large batches, where the twice as many kept inputs dominate it.
 * ``"selective"``: Megatron-style selective recompute (Korthikanti et al. 2022, "Reducing
   Activation Recomputation in Large Transformer Models", arXiv:2205.05198): every block is one
   checkpoint that *keeps the outputs of its matmuls* (``aten.mm`` / ``aten.addmm``: the qkv,
   output-projection and MLP linears) and recomputes only the attention core (softmax(QK^T)V and
   its dropout) and the pointwise ops (LayerNorm, GELU, dropout, residual adds): no matmul runs
-  twice. BERT-base batch 64 x 128: 0.506x the plain peak at +0.9% FLOPs.
+  twice: about half the plain peak for about 1% more FLOPs.
 * ``"selective_sublayer"``: each sublayer is selective on its own, keeping the outputs of its
   matmuls (``aten.mm`` / ``aten.addmm``) but, pre-norm, not its last linear's (``attn.proj``,
   ``mlp.fc2``: they only feed the residual sums, and the recompute stops before them), so no
@@ -66,7 +66,7 @@ from ._base import ZooModel
 from ._qkv_attention import qkv_attention
 
 __all__ = ["Attention", "Block", "EmbeddedBlock", "TransformerModel", "Step",
-           "SELECTIVE_SAVE_OPS", "run_blocks", "init_linear_and_embedding"]
+           "SELECTIVE_SAVE_OPS", "run_blocks_in_mode", "init_linear_and_embedding"]
 
 # The matmuls of a block: nn.Linear dispatches to addmm (with bias) or mm (without). The attention
 # core's matmuls are bmm (SDPA's math path) or a fused SDPA kernel: neither is kept.
@@ -187,8 +187,8 @@ class Block(nn.Module):
         return self.mlp_sublayer(self.attention_sublayer(x, attn_mask))
 
 
-def run_blocks(blocks: Sequence[Block], x: torch.Tensor, mode: str | None,
-               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+def run_blocks_in_mode(blocks: Sequence[Block], x: torch.Tensor, mode: str | None,
+                       attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Run ``blocks`` in order under checkpoint ``mode`` (see the module docstring): ``None``
     (plain), ``"block"``, ``"sublayer"``, ``"selective"``, ``"selective_sublayer"``,
     ``"selective_mlp"`` or ``"selective_stream"``.
@@ -313,10 +313,10 @@ class EmbeddedBlock(nn.Module):
         return self.block(self.embed(x))
 
     def run(self, x: torch.Tensor, mode: str | None) -> torch.Tensor:
-        """The embedding, then the block in ``mode`` (as :func:`run_blocks`); ``"block"`` and
-        ``"selective"`` checkpoint both as one region, ``"selective_stream"`` puts the
-        embedding inside the block's first region (nothing but the model's input kept for
-        it)."""
+        """The embedding, then the block in ``mode`` (as :func:`run_blocks_in_mode`);
+        ``"block"`` and ``"selective"`` checkpoint both as one region, ``"selective_stream"``
+        puts the embedding inside the block's first region (nothing but the model's input kept
+        for it)."""
         if mode is None:
             return self(x)
         if mode == "block":
@@ -325,7 +325,7 @@ class EmbeddedBlock(nn.Module):
             return checkpoint(self, x, save_ops=SELECTIVE_SAVE_OPS)
         if mode == "selective_stream":
             return _selective_stream(self.block, x, None, self.embed)
-        return run_blocks([self.block], self.embed(x), mode)
+        return run_blocks_in_mode([self.block], self.embed(x), mode)
 
     def extra_repr(self) -> str:
         return self.name
@@ -351,7 +351,7 @@ class TransformerModel(ZooModel):
     def forward_blocks(self, x: torch.Tensor,
                        attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Every block on ``x`` (B, T, dim), checkpointed as ``self.grad_checkpointing`` says."""
-        return run_blocks(self.blocks, x, self.grad_checkpointing, attn_mask)
+        return run_blocks_in_mode(self.blocks, x, self.grad_checkpointing, attn_mask)
 
     def run_chain_block(self, block: Callable[..., Any], x: torch.Tensor,
                         mode: str | None = None) -> torch.Tensor:
@@ -365,7 +365,7 @@ class TransformerModel(ZooModel):
             return block(x)
         if mode == "block":
             return checkpoint(fn, x, kw.get("attn_mask"))
-        return run_blocks([fn], x, mode, kw.get("attn_mask"))
+        return run_blocks_in_mode([fn], x, mode, kw.get("attn_mask"))
 
 
 def init_linear_and_embedding(module: nn.Module, std: float = 0.02) -> None:

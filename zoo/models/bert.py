@@ -7,12 +7,14 @@ runs on them, and the first token's state goes through the pooler (linear + tanh
 classifier. Dropout 0.1 on the embeddings, on the attention probabilities, after every
 sublayer and before the classifier, as in the paper; ``zoo.checkpoint`` replays it exactly.
 
-Checkpointing is what made BERT-base fit at batch 64 in seed 004 (-60% memory for +25% time).
-Here (``python scripts/benchmark.py transformers``, batch 64, sequence 128, CPU): ``"block"`` and
-``"sublayer"`` recompute whole blocks / sublayers; ``"selective"`` (Megatron-style, Korthikanti
-et al. 2022) keeps the matmul outputs and recomputes only the attention core and pointwise ops,
-for a large saving at almost no extra FLOPs (on the CPU, attention with dropout stores the
-T x T attention matrix, which is exactly what it stops storing).
+Checkpointing is what made BERT-base fit at batch 64 in Spell's blog post "Training
+larger-than-memory PyTorch models using gradient checkpointing" (-60% memory for +25% time).
+Here ``"block"`` and ``"sublayer"`` recompute whole blocks / sublayers; ``"selective"``
+(Megatron-style, Korthikanti et al. 2022) keeps the matmul outputs and recomputes only the
+attention core and pointwise ops, for a large saving at almost no extra FLOPs (on the CPU,
+attention with dropout stores the T x T attention matrix, which is exactly what it stops
+storing). Figures beside that anchor, with the machine and the command:
+docs/benchmarks/models.md.
 
 Submodules: ``embeddings.{word,position,token_type}_embeddings``, ``embeddings.norm``,
 ``blocks.N.{attn.qkv, attn.proj, norm1, mlp.fc1, mlp.fc2, norm2}``, ``pooler``, ``head``: the

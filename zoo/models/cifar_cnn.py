@@ -1,6 +1,8 @@
-"""The CIFAR-10 CNN of seed 004, checkpointed with its dropout and BatchNorm left where they belong.
+"""The CIFAR-10 CNN of Spell's checkpointing post, checkpointed with its dropout and BatchNorm
+left where they belong.
 
-Seed 004 (a blog post on ``torch.utils.checkpoint``) trains a small CIFAR-10 CNN: two blocks of
+Spell's blog post "Training larger-than-memory PyTorch models using gradient checkpointing"
+trains a small CIFAR-10 CNN with ``torch.utils.checkpoint``: two blocks of
 conv3x3-ReLU-conv3x3-ReLU-max-pool (32 and 64, then 64 and 64 channels) each followed by dropout
 0.25, then flatten, Linear(4096, 512)-ReLU, dropout 0.5 and Linear(512, 10). To checkpoint it the
 post had to (1) move dropout, and BatchNorm "another example", *out* of the checkpointed blocks,
@@ -12,27 +14,25 @@ With ``zoo.checkpoint`` neither workaround is needed: the recompute replays the 
 numbers, BatchNorm statistics update once, and parameters get their gradients whatever the inputs.
 So here each block is conv-BN-ReLU-conv-BN-ReLU-max-pool-dropout, *with* its dropout and
 BatchNorm inside, and every block (the first one too) is checkpointed. ``batch_norm=False`` gives
-the seed's exact layers (biased convolutions, no BatchNorm).
+the post's exact layers (biased convolutions, no BatchNorm).
 
 Checkpoint modes (all give exactly the plain model's outputs, gradients and BatchNorm statistics
-in train mode, dropout active, and the same state_dict). Batch 64, one training step, exact CPU
-peak (parameters and gradients included) and FLOPs (``python scripts/benchmark.py resnet``); plain
-104.4 MiB.
+in train mode, dropout active, and the same state_dict; each mode's peak and FLOPs, with the
+machine and the command: docs/benchmarks/models.md).
 
 * ``"halves"`` (recommended): each block is checkpointed in two halves meeting at conv2's output
   (as the ResNets' mode of that name): conv1-BN-ReLU is rerun, conv2 is not (the recompute stops
-  before it), then BN-ReLU-max-pool-dropout is rerun. 80.7 MiB (0.77x) at +8.5% FLOPs.
+  before it), then BN-ReLU-max-pool-dropout is rerun.
 * ``"block"``: each block is checkpointed whole; only block inputs are kept, both convolutions run
-  again: 96.7 MiB (0.93x) at +32%: with two blocks, rebuilding a whole block at once costs
-  almost what it saved.
+  again: with two blocks, rebuilding a whole block at once costs almost what it saved.
 * ``"bn_relu"``: every convolution's output is kept and none runs again; BN-ReLU, max-pool and
-  dropout are recomputed: 88.7 MiB (0.85x) at +0% FLOPs.
+  dropout are recomputed: no extra FLOPs.
 * ``"nested"`` (the lowest peak): conv1-BN-ReLU-conv2-BN is one region, with conv1-BN-ReLU-conv2
   a region inside it, and only the ReLU's output after it is kept (the max pool saves it
   anyway). The block's backward runs the pool's and the ReLU's backward first, then makes
   conv2's output again for BatchNorm (conv1 and conv2 rerun), then conv1's path for conv2 (conv1
-  runs a third time): three full-size maps are alive at once where the other modes hold four.
-  64.7 MiB (0.62x) at +40.4%.
+  runs a third time): three full-size maps are alive at once where the other modes hold four,
+  for the most extra FLOPs.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ __all__ = ["ConvBlock", "CifarCNN"]
 
 
 class ConvBlock(nn.Module):
-    """conv3x3-BN-ReLU-conv3x3-BN-ReLU-max-pool(2)-dropout: one of the seed's two conv blocks."""
+    """conv3x3-BN-ReLU-conv3x3-BN-ReLU-max-pool(2)-dropout: one of the post's two conv blocks."""
 
     def __init__(self, in_channels: int, mid_channels: int, out_channels: int,
                  drop_rate: float = 0.25, batch_norm: bool = True) -> None:
@@ -98,17 +98,18 @@ class ConvBlock(nn.Module):
 
 
 class CifarCNN(FeatureStages, ZooModel):
-    """Seed 004's CIFAR-10 CNN: two conv blocks (3->32->64, 64->64->64, each halving the image),
-    then Linear(64 * (size/4)^2, 512)-ReLU, dropout 0.5 and a linear classifier.
+    """The CIFAR-10 CNN of Spell's checkpointing post: two conv blocks (3->32->64, 64->64->64,
+    each halving the image), then Linear(64 * (size/4)^2, 512)-ReLU, dropout 0.5 and a linear
+    classifier.
 
-    The submodules keep the seed's names (``cnn_block_1``, ``cnn_block_2``, ``linearize``,
+    The submodules keep the post's names (``cnn_block_1``, ``cnn_block_2``, ``linearize``,
     ``dropout_3``, ``out``); ``num_features`` is 512, the width of the classifier's input.
 
     Args:
         num_classes: classifier outputs.
         image_size: side of the square input images (32 for CIFAR); fixes the first Linear's size.
-        drop_rate: dropout after each conv block (the seed's 0.25); the head's is twice that.
-        batch_norm: BatchNorm after each convolution (default); ``False`` is the seed's model.
+        drop_rate: dropout after each conv block (the post's 0.25); the head's is twice that.
+        batch_norm: BatchNorm after each convolution (default); ``False`` is the post's model.
         efficient: checkpointing: ``False``, ``True`` (``"halves"``) or a mode name.
         in_chans: input channels (3 for RGB).
     """
@@ -179,5 +180,6 @@ class CifarCNN(FeatureStages, ZooModel):
 
 @register_model
 def cifar_cnn(efficient: bool | str = False, **kwargs) -> CifarCNN:
-    """Seed 004's CIFAR-10 CNN with BatchNorm, dropout kept inside the checkpointed blocks."""
+    """The CIFAR-10 CNN of Spell's checkpointing post with BatchNorm, dropout kept inside the
+    checkpointed blocks."""
     return CifarCNN(efficient=efficient, **kwargs)

@@ -8,7 +8,8 @@ output for backward, so activation memory grows quadratically with depth. Pleiss
 feature maps and recompute the cheap concat-BN-ReLU during backward: memory linear in depth.
 
 Checkpoint modes (``DenseNet.checkpoint_modes``; all give exactly the plain model's outputs,
-gradients and BatchNorm statistics, and the same state_dict):
+gradients and BatchNorm statistics, and the same state_dict; each mode's peak and FLOPs beside
+timm's, with the machine and the command: docs/benchmarks/models.md):
 
 * ``"bottleneck"`` (recommended): each half of a dense layer (concat-BN-ReLU-conv1x1 and
   BN-ReLU-conv3x3) is checkpointed on its own. Backward recomputes the concatenation, BatchNorms
@@ -16,9 +17,9 @@ gradients and BatchNorm statistics, and the same state_dict):
   stops as soon as it has rebuilt every tensor backward needs, and a convolution saves its input
   before it runs), so no convolution runs twice: +0% FLOPs. Kept per layer: the bottleneck's
   output and the new maps; the concatenation and the BN-ReLU outputs are never stored.
-  DenseNet-BC-100, batch 32: 0.245x the plain model's peak (``python scripts/benchmark.py densenet``).
 * ``"layer"``: each dense layer is checkpointed whole; its 1x1 bottleneck convolution runs again
-  in backward, and only the layers' new maps are kept: 0.166x the peak for +16% FLOPs.
+  in backward, and only the layers' new maps are kept: a lower peak for about a sixth more
+  FLOPs.
 
 In both modes the transitions (concat-BN-ReLU-conv1x1), the ImageNet stem's BN-ReLU-max-pool and
 the final concat-BN-ReLU are checkpointed too, again without recomputing a convolution, so a

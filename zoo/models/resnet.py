@@ -6,34 +6,30 @@ Bottleneck (1x1, 3x3, 1x1). Plain training keeps, per block, the input of every 
 every BatchNorm; most of it is cheap to rebuild.
 
 Checkpoint modes (``checkpoint_modes``, the recommended first; all give exactly the plain model's
-outputs, gradients and BatchNorm statistics, and the same state_dict). Figures: one training step,
-exact CPU peak (MemTracker, parameters and gradients included) and FLOPs, 2-core CPU, torch 2.15.0,
-``python scripts/benchmark.py resnet --fake --cifar_batch 16`` (and the default batch 64):
+outputs, gradients and BatchNorm statistics, and the same state_dict). Each mode's peak and FLOPs
+beside timm's checkpointing, with the machine and the command: docs/benchmarks/models.md.
 
 * ``"tapered"`` (recommended for the CIFAR ResNets, which have no other first choice): the three
   stages cost the same FLOPs but stage 1's maps are 2x stage 2's and 4x stage 3's, so recompute
   is spent where the bytes are: stage 1 is checkpointed in regions of two whole blocks (only
   every other block's input kept), stage 2 in ``bn_relu`` (no convolution reruns), stage 3 runs
-  plainly. ResNet-110, batch 16: 0.460x the plain peak at +11.3% FLOPs, where ``halves`` keeps
-  0.529x at +16.5%; batch 64: 0.439x at +11.3%; ResNet-20, batch 16: 0.491x at +12.0%. (The
-  planner, ``zoo.plan``, finds similar points for a given budget: 0.456x at +11.7%.)
+  plainly. It keeps less than ``halves`` for fewer extra FLOPs.
 * ``"halves"`` (recommended for the ImageNet ResNets): each block is checkpointed in two halves
   that meet at conv2's output, so per block only its input and conv2's output are kept. Backward
   reruns conv1 (and, in a Bottleneck, conv3 and the downsample convolution) but never conv2, the
   3x3 convolution that holds most of a Bottleneck's FLOPs: zoo.checkpoint (like torch's
   non-reentrant one) stops once it has rebuilt every tensor backward needs, and a convolution
-  saves its input before it runs. ResNet-50, batch 8 at 224 px: 797 -> 386 MiB at +18% FLOPs,
-  where timm's ``set_grad_checkpointing(True)`` gives 433 MiB at +33%. A BasicBlock has two
-  equal 3x3 convolutions, so there it keeps about half the activations for +16.5%: ResNet-110,
-  batch 64: 0.51x; batch 16: 0.529x (parameters and gradients weigh more): hence ``tapered``.
+  saves its input before it runs. A BasicBlock has two equal 3x3 convolutions, so there it keeps
+  about half the activations for a sixth more FLOPs, and parameters and gradients weigh more at
+  a small batch: hence ``tapered`` for the CIFAR nets.
 * ``"block"``: each block's residual branch and shortcut are checkpointed whole (timm's
-  granularity): only block inputs are kept and the whole forward runs again in backward (+33%).
-  ResNet-50: 365 MiB; ResNet-110: 0.27x. ``checkpoint_every=n`` checkpoints ``n`` consecutive
-  blocks as one region, so only every n-th block's output is kept (Chen et al. 2016's segments;
-  timm's ``checkpoint_seq(every=n)``): ResNet-110 with n=2: 0.165x, the lowest peak for the
-  CIFAR nets; ResNet-50 with n=2: 397 MiB (two blocks rebuilt at once outweigh the savings).
+  granularity): only block inputs are kept and the whole forward runs again in backward (about
+  +33% FLOPs). ``checkpoint_every=n`` checkpoints ``n`` consecutive blocks as one region, so only
+  every n-th block's output is kept (Chen et al. 2016's segments; timm's
+  ``checkpoint_seq(every=n)``): with n=2 the lowest peak for the CIFAR nets; on ResNet-50 two
+  blocks rebuilt at once outweigh what they save.
 * ``"bn_relu"``: only BatchNorms, ReLUs and shortcuts are recomputed; every convolution's output
-  is kept and none runs again: +0% FLOPs for 0.84x (ResNet-50) or 0.76x (ResNet-110).
+  is kept and none runs again: no extra FLOPs, the least saving.
 
 The stem's BN-ReLU(-max-pool) is checkpointed too: with its convolution in ``halves`` and
 ``block`` (3 input channels: ~1% of the FLOPs, and its 112x112 output is not kept), without it

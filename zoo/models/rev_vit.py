@@ -13,8 +13,8 @@ included.
 
 Every module is ViT's (:class:`zoo.models.vit.VisionTransformer`: timm's names, initialisation
 and sizes), so Rev-ViT-S/B have ViT-S/B's parameter counts (22.1M / 86.6M) and FLOPs; only the
-blocks' wiring differs, so ViT weights load but do not compute the same function. Figures (one
-training step, exact CPU bytes): ``python scripts/benchmark.py reversible``.
+blocks' wiring differs, so ViT weights load but do not compute the same function. Its peak
+beside the stored network and zoo.plan on ViT, machine and command: docs/benchmarks/reversible.md.
 """
 from __future__ import annotations
 

@@ -26,8 +26,8 @@ before, the stem and the final BN-ReLU are checkpointed (the stem as two nested 
 that its backward holds three full-resolution maps, not four), and while they are recomputed
 the ReLUs inside the residual functions write their gradient over the one they receive.
 With it off (``efficient=False``) the model is the same network, same forward and same
-state_dict, storing its activations; both train bit for bit alike. Figures (one training step
-at batch 32, exact CPU bytes): ``python scripts/benchmark.py reversible``.
+state_dict, storing its activations; both train bit for bit alike. Its peak beside the stored
+network and zoo.plan on ResNet-110, machine and command: docs/benchmarks/reversible.md.
 """
 from __future__ import annotations
 

@@ -8,10 +8,9 @@ LayerNorm'd, feeds a linear classifier.
 
 Checkpoint modes (see ``_transformer``): ``"block"`` (recommended) recomputes each block in
 backward, keeping only its input; ``"sublayer"`` checkpoints the attention and MLP halves apart;
-``"selective"`` keeps the blocks' matmul outputs and recomputes attention and pointwise ops. For
-ViT-S/16 at batch 8, 224 px, ``"block"`` peaks at exactly timm's ``set_grad_checkpointing(True)``
-(210.8 MiB, 0.388x plain) for fewer FLOPs (+20.2% against timm's +22.0%), because its last block
-is not recomputed (``python scripts/benchmark.py transformers``).
+``"selective"`` keeps the blocks' matmul outputs and recomputes attention and pointwise ops.
+``"block"`` peaks at exactly timm's ``set_grad_checkpointing(True)`` for fewer FLOPs, because its
+last block is not recomputed (figures, machine and command: docs/benchmarks/models.md).
 
 ViT uses dropout where BERT and GPT-2 do (after each sublayer, on attention probabilities, after
 the position embedding, before the head), not after the MLP's GELU as timm also does; with the

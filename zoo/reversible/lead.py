@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..checkpoint.recompute import _ForwardContext, _RecomputeContext
 from .remake import (_EDGE_OUTPUTS, _accumulate, _aliased, _anchor, _parts, _recorded,
                      _RemakeView, _root, _StreamView)
+from .run import _Run
 from .sources import source_of
-
-if TYPE_CHECKING:
-    from .rebuild import _Run
 
 
 def _lead_forward(run: _Run, x1: torch.Tensor, x2: torch.Tensor, devices: list[int]

@@ -7,45 +7,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..checkpoint.recompute import _cuda_devices, _ForwardContext
 from .coupling import LeadBlock, ReversibleBlock
 from .grid import Grid, _add, _checked, _enter, from_fixed
 from .lead import _lead_forward, _undo_lead
 from .remake import _EDGE_OUTPUTS, _accumulate, _aliased, _parts, _recorded
+from .run import _Run
 from .sources import Source, remember
-
-
-class _Run:
-    """What the rebuilding Function needs besides tensors: the blocks, the extra arguments, each
-    block's trainable parameters (indices into the Function's parameter inputs), and the RNG /
-    autocast state each ``f`` and ``g`` ran under in the forward."""
-
-    def __init__(self, blocks: Sequence[ReversibleBlock], args: tuple, grid: Grid,
-                 preserve_rng: bool, lead: LeadBlock | None = None):
-        self.blocks, self.args, self.grid = list(blocks), args, grid
-        self.preserve_rng, self.lead = preserve_rng, lead
-        index: dict[int, int] = {}
-        self.params: list[nn.Parameter] = []
-        self.block_params: list[dict[int, list[str]]] = []  # parameter index -> its names
-        for block in ([] if lead is None else [lead]) + self.blocks:
-            names: dict[int, list[str]] = {}
-            for name, p in block.named_parameters(remove_duplicate=False):
-                if p.requires_grad:
-                    if id(p) not in index:
-                        index[id(p)] = len(self.params)
-                        self.params.append(p)
-                    names.setdefault(index[id(p)], []).append(name)
-            self.block_params.append(names)
-        self.lead_params = self.block_params.pop(0) if lead is not None else {}
-        self.lead_contexts: tuple[_ForwardContext, _ForwardContext] | None = None
-        self.contexts: list[tuple[_ForwardContext, _ForwardContext]] = []
-        # what the lead's backward needs: its first output, and its inputs' sources (of the
-        # sequence before it) or the inputs themselves; let go as soon as used
-        self.lead_kept: list[Any] = []
-        self.out: tuple[Source, Source] | None = None  # the outputs' sources, for _rebuilt
-        self.streams: list[torch.Tensor] | None = None  # the last block's, forward to backward
 
 
 class _Rebuild(torch.autograd.Function):
