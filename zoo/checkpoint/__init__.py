@@ -64,6 +64,7 @@ import torch
 from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
+from .. import _torch
 from . import keywords
 from .policies import AllBut
 
@@ -94,7 +95,7 @@ def _traced_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict[str, An
     recompute only.
 
     When Dynamo cannot trace the region as one subgraph (a graph break inside it: an unsupported
-    call, ``torch._dynamo.graph_break()``, a ``momentum=None`` BatchNorm), it runs this call of
+    call, Dynamo's ``graph_break()``, a ``momentum=None`` BatchNorm), it runs this call of
     torch's checkpoint eagerly instead, whose recompute would update BatchNorm a second time
     (pytorch/pytorch#96136). So the region's body is :func:`_compiled_body`, which is traced as
     ``fn`` itself, and which Dynamo's eager fallback runs as the zoo's eager region would: ``fn``
@@ -102,6 +103,7 @@ def _traced_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict[str, An
     and normalisation guard.
     """
     global _tracing_region
+    _torch.compiled_checkpoint_policy()  # torch < 2.5: one line, naming the torch it needs
     if _tracing_region:  # nested: the outer region's recompute rebuilds this one's outputs
         return _tagged_region(fn, args, kwargs, save_ops, context_fn)
     _tracing_region = True
@@ -129,7 +131,7 @@ def _kept_outputs(out: Any) -> Any:
     An output that is itself a view, or one output of several (a layer norm's), is kept through
     the op it comes from (:func:`_keep_bases`, this region's policy).
     """
-    return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.view_as(t), out)
+    return _torch.tree_map_only(torch.Tensor, lambda t: t.view_as(t), out)
 
 
 def _keep_bases(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -145,19 +147,16 @@ def _keep_bases(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     where torch calls the policy after the op (2.15 does); otherwise (eager, a torch that calls
     it before) nothing is tagged and the boundary rule acts alone.
     """
-    policy = torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
-    try:
-        from torch._functorch.partitioners import get_default_op_list
-        from torch.fx.experimental.proxy_tensor import get_proxy_mode
-    except ImportError:
+    policy = _torch.CheckpointPolicy.PREFER_RECOMPUTE
+    views = _torch.default_view_ops()
+    if views is None:
         return policy
-    mode = get_proxy_mode()
+    mode = _torch.proxy_mode()
     graph = getattr(getattr(mode, "tracer", None), "graph", None)
     # reversed(graph.nodes) is an iterable, not an iterator, in torch 2.11: iter() serves both
     node = next(iter(reversed(graph.nodes)), None) if graph is not None else None
     if node is None or node.target is not op:
         return policy
-    views = get_default_op_list().view_ops
     for arg in node.args:
         if isinstance(arg, torch.fx.Node):
             _keep_base(arg, views)
@@ -182,7 +181,7 @@ def _keep_base(node: torch.fx.Node, views: Collection[Any]) -> None:
     getitems = [u for u in node.users if u.target is operator.getitem]
     if getitems and getattr(node.target, "overloadpacket", None) is not _LAYER_NORM:
         return
-    policy = torch_checkpoint.CheckpointPolicy
+    policy = _torch.CheckpointPolicy
     recompute = (policy.PREFER_RECOMPUTE, policy.MUST_RECOMPUTE)
     for kept in (node, *getitems):
         if kept.meta.get("recompute") in recompute:
@@ -190,7 +189,8 @@ def _keep_base(node: torch.fx.Node, views: Collection[Any]) -> None:
 
 
 _LAYER_NORM = torch.ops.aten.native_layer_norm
-_KEEP_BASES = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts, _keep_bases)
+_KEEP_BASES = None if _torch.create_selective_checkpoint_contexts is None else \
+    functools.partial(_torch.create_selective_checkpoint_contexts, _keep_bases)
 
 
 def _tagged_region(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
@@ -211,7 +211,7 @@ def _tagged_region(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
         raise ValueError("zoo.checkpoint: under torch.compile, save_ops must be a collection of "
                          "ATen ops (or an AllBut), not a function; pass the ops instead")
     if save_ops:
-        policy = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts,
+        policy = functools.partial(_torch.create_selective_checkpoint_contexts,
                                    list(save_ops))
         return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=policy,
                                            **kwargs)
@@ -230,7 +230,7 @@ def _compiled_body(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """
     if torch.compiler.is_compiling():
         return fn(*args, **kwargs)
-    if torch._C._current_graph_task_id() == -1:
+    if _torch.current_graph_task_id() == -1:
         return _without_dynamo(fn, *args, **kwargs)
     now = _ForwardContext([], preserve_rng=False).__enter__()  # the autocast torch restored
     with _RecomputeContext(now):
@@ -241,16 +241,8 @@ def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
-def _skip_frame(code: Any) -> None:
-    """Dynamo compiles no frame of ``code`` (it still inlines it while tracing its caller)."""
-    skip = getattr(torch._dynamo.eval_frame, "skip_code", None)
-    if skip is None:
-        skip = torch._C._dynamo.eval_frame.skip_code  # torch < 2.5
-    skip(code)
-
-
-_without_dynamo = torch._dynamo.disable(_call)
-_skip_frame(_compiled_body.__code__)
+_without_dynamo = _torch.dynamo().disable(_call)
+_torch.skip_code(_compiled_body.__code__)
 
 
 def checkpoint(fn: Callable[..., Any], *args: Any,

@@ -27,7 +27,8 @@ from collections.abc import Callable
 from typing import Any
 
 from torch.utils import checkpoint as torch_checkpoint
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from .._torch import TorchDispatchMode
 
 DETERMINISM_CHECKS = ("default", "none")
 

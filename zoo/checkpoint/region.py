@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .. import _torch
 from . import keywords
 
 from .recompute import _ForwardContext, _local, _RecomputeContext
@@ -40,19 +41,19 @@ from .recompute import _ForwardContext, _local, _RecomputeContext
 # note) with more bookkeeping per region (per-task handle maps, metadata, device probing);
 # python scripts/benchmark.py checkpoint --small measures the difference.
 # --------------------------------------------------------------------------------------------
-_engine = torch.autograd.Variable._execution_engine
+_engine = _torch.execution_engine
 _Parameter = torch.nn.Parameter
 _Tensor = torch.Tensor  # an activation's class: never a Parameter (saves the metaclass check)
-_exec_group = getattr(torch._C, "_get_graph_exec_group", None)  # torch >= 2.9
-_current_task = torch._C._current_graph_task_id
+_exec_group = _torch.get_graph_exec_group  # torch >= 2.9
+_current_task = _torch.current_graph_task_id
 # What the engine says about the backward call running now; without any of them (older torch) a
 # region keeps its inputs until its last node has run.
-_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-_node_now = getattr(torch._C, "_current_autograd_node", None)
-_will_run = getattr(torch._C, "_will_engine_execute_node", None)
-_next_node = getattr(torch._C._autograd, "_get_sequence_nr", lambda: 0)
-_CAN_LET_GO = None not in (_keep_graph, _node_now, _will_run) and \
-    hasattr(torch._C._autograd, "_get_sequence_nr")
+_keep_graph = _torch.get_current_graph_task_keep_graph
+_node_now = _torch.current_autograd_node
+_will_run = _torch.will_engine_execute_node
+_next_node = _torch.get_sequence_nr or (lambda: 0)
+_CAN_LET_GO = None not in (_keep_graph, _node_now, _will_run, _torch.get_sequence_nr)
+_version = _torch.tensor_version
 
 
 def _backward_call() -> Any:
@@ -130,7 +131,7 @@ class _Region:
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, forward: _ForwardContext,
                  opts: keywords.Options):
         self.fn, self.args, self.kwargs, self.forward, self.opts = fn, args, kwargs, forward, opts
-        self.versions = [(t, t._version) for t in (*args, *kwargs.values())
+        self.versions = [(t, _version(t)) for t in (*args, *kwargs.values())
                          if isinstance(t, torch.Tensor)]
         self.saver: torch.Tensor | None = None  # a nested region's: see save_through_outer
         self.saved_versions: list[int] = []
@@ -156,7 +157,7 @@ class _Region:
         # The no-op's output, not its node: in torch 2.11 a Python handle of a node does not
         # keep the node (and so its saved tensors) alive; the output does, on every torch.
         self.saver = _SaveInputs.apply(*tensors)
-        self.saved_versions = [t._version for t in tensors]
+        self.saved_versions = [_version(t) for t in tensors]
 
     def forget_saved_inputs(self) -> None:
         """After the forward: let go of the inputs the enclosing region keeps for us."""
@@ -177,8 +178,8 @@ class _Region:
             return self.args, self.kwargs
         tensors = self.saver.grad_fn.saved_tensors
         for tensor, version in zip(tensors, self.saved_versions):
-            if tensor._version != version:
-                self.changed_in_place(version, tensor._version)
+            if _version(tensor) != version:
+                self.changed_in_place(version, _version(tensor))
         saved = iter(tensors)
         get = lambda v: next(saved) if v is _SAVED else v  # noqa: E731
         return [get(a) for a in self.args], {k: get(v) for k, v in self.kwargs.items()}
@@ -246,8 +247,8 @@ class _Region:
                 "(was that backward interrupted?); run the forward again, or pass "
                 "retain_graph=True to a backward that must be repeated.")
         for tensor, version in self.versions:
-            if tensor._version != version:
-                self.changed_in_place(version, tensor._version)
+            if _version(tensor) != version:
+                self.changed_in_place(version, _version(tensor))
         args, kwargs = self.inputs()
         total, self.filled, self.call = len(self.slots), 0, call
         contexts = self.opts.contexts
@@ -354,7 +355,7 @@ def _last_recompute(slots: list[weakref.ref[_Slot] | None], first: int) -> bool:
         stack, seen = [_node_now()], set()
         while stack and stack[-1] is not None:
             node = stack.pop()
-            nr = node._sequence_nr()
+            nr = _torch.sequence_nr(node)
             if nr < first or nr in seen:
                 continue
             seen.add(nr)

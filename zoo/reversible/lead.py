@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._torch import tensor_version as _version
 from ..checkpoint.recompute import _ForwardContext, _RecomputeContext
 from .remake import (_EDGE_OUTPUTS, _accumulate, _aliased, _anchor, _parts, _recorded,
                      _RemakeView, _root, _StreamView)
@@ -46,10 +47,10 @@ def _lead_forward(run: _Run, x1: torch.Tensor, x2: torch.Tensor, devices: list[i
 def _kept(x: torch.Tensor) -> Callable[[], torch.Tensor]:
     """A lead unit's input kept for its backward (made contiguous there, as in the forward);
     an error, as autograd gives for its own saved tensors, if it was changed in place since."""
-    kept, version = x.detach(), x._version  # a detached tensor shares x's version counter
+    kept, version = x.detach(), _version(x)  # a detached tensor shares x's version counter
 
     def make() -> torch.Tensor:
-        if kept._version != version:
+        if _version(kept) != version:
             raise RuntimeError("reversible_sequence: an input of a lead unit was changed in place "
                                "after the unit ran, and its backward needs it as it was; make "
                                "that change out of place")
