@@ -68,7 +68,7 @@ NAMES: dict[str, Name] = {
         "runs SDPA's own backward"),
     "torch._C._current_autograd_node": Name(OLDEST, "exact: inputs kept longer"),
     "torch._C._will_engine_execute_node": Name(OLDEST, "exact: inputs kept longer"),
-    "torch._C._autograd._get_sequence_nr": Name((2, 6), "exact: inputs kept longer"),
+    "torch._C._autograd._get_sequence_nr": Name(OLDEST, "exact: inputs kept longer"),
     "torch.autograd.Variable._execution_engine": Name(OLDEST, "required"),
     "torch._C._is_any_autocast_enabled": Name(OLDEST, "exact: autocast read per device"),
     "torch._C._dispatch_tls_is_dispatch_key_excluded": Name(OLDEST, "required (op counter)"),
@@ -95,22 +95,22 @@ NAMES: dict[str, Name] = {
     "torch.utils.checkpoint.CheckpointPolicy": Name(
         (2, 5), "error: zoo.checkpoint under torch.compile needs torch 2.5"),
     "torch.utils.checkpoint._CachedTorchDispatchMode": Name(
-        (2, 5), "exact: no torch replay mode to step outside"),
+        OLDEST, "exact: no torch replay mode to step outside"),
     # Dynamo, AOTAutograd and the partitioner
     "torch._dynamo.disable": Name(OLDEST, "required"),
     "torch._dynamo.reset": Name(OLDEST, "required (compiled memory)"),
     "torch._dynamo.list_backends": Name(OLDEST, "required (zoo-train --compile)"),
-    "torch._dynamo.eval_frame.skip_code": Name((2, 5), "torch._C._dynamo.eval_frame.skip_code"),
+    "torch._dynamo.eval_frame.skip_code": Name(OLDEST, "required"),
     "torch._dynamo.backends.common.aot_autograd": Name(OLDEST, "required (compiled memory)"),
     "torch._functorch.config.activation_memory_budget": Name(
-        (2, 4), "error: the compiled-memory peer needs torch 2.4"),
+        OLDEST, "required (compiled memory)"),
     "torch._functorch.config.activation_memory_budget_solver": Name(
-        (2, 6), "error: the compiled-memory peer's solver needs torch 2.6"),
+        OLDEST, "required (compiled memory)"),
     "torch._functorch.partitioners.get_default_op_list": Name(OLDEST, "exact: torch's rule"),
     "torch._functorch.partitioners.min_cut_rematerialization_partition": Name(
         OLDEST, "required (compiled memory)"),
     "torch._prims.rng_prims": Name(OLDEST, "required (compiled memory on meta)"),
-    "torch.fx.experimental.proxy_tensor.get_proxy_mode": Name(OLDEST, "exact: torch's rule"),
+    "torch.fx.experimental.proxy_tensor.get_proxy_mode": Name((2, 5), "exact: torch's rule"),
     # FakeTensor and the memory tracker
     "torch._subclasses.fake_tensor.FakeTensor": Name(OLDEST, "required (planner)"),
     "torch._subclasses.fake_tensor.FakeTensorMode": Name(OLDEST, "required (planner)"),
@@ -240,9 +240,7 @@ def dynamo() -> Any:
 
 def skip_code(code: Any) -> None:
     """Dynamo compiles no frame of ``code`` (it still inlines it while tracing its caller)."""
-    skip = resolve("torch._dynamo.eval_frame.skip_code") or \
-        resolve("torch._C._dynamo.eval_frame.skip_code")  # torch < 2.5
-    skip(code)
+    resolve("torch._dynamo.eval_frame.skip_code")(code)
 
 
 def functorch_config() -> Any:
@@ -260,13 +258,13 @@ rng_prims = lazy("torch._prims.rng_prims", "the compiled-memory peer on meta")
 
 def default_view_ops() -> Any:
     """The ops AOTAutograd's partitioner treats as views, or ``None`` where it has no such list."""
-    get = resolve("torch._functorch.partitioners.get_default_op_list")
+    get = getattr(resolve("torch._functorch.partitioners"), "get_default_op_list", None)
     return None if get is None else get().view_ops
 
 
 def proxy_mode() -> Any:
     """The proxy mode tracing now (AOTAutograd's tracer), or ``None``."""
-    get = resolve("torch.fx.experimental.proxy_tensor.get_proxy_mode")
+    get = getattr(resolve("torch.fx.experimental.proxy_tensor"), "get_proxy_mode", None)
     return None if get is None else get()
 
 

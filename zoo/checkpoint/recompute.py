@@ -209,29 +209,25 @@ def _autocast_off() -> tuple[Any, ...]:
     return tuple((d, False, dtype) for d, _, dtype in _autocast_settings()[:-1]) + (True,)
 
 
-class _ForwardContext:
-    """Entered around the region's first forward: records the RNG and autocast state it runs in.
+class ForwardState:
+    """The RNG and autocast state a region's forward runs in, recorded when made (just before
+    the forward), for :class:`_RecomputeContext` to put back.
 
     ``preserve_rng=False`` (torch's ``preserve_rng_state=False``) records no RNG state, and the
     recompute then neither replays nor restores one.
     """
+
+    __slots__ = ("cuda_devices", "preserve_rng", "cpu_state", "cuda_states", "autocast")
 
     def __init__(self, cuda_devices: list[int], preserve_rng: bool = True):
         self.cuda_devices = cuda_devices
         self.preserve_rng = preserve_rng
         self.cpu_state: torch.Tensor | None = None
         self.cuda_states: list[torch.Tensor] = []
-        self.autocast: tuple[Any, ...] | None = None
-
-    def __enter__(self) -> _ForwardContext:
-        if self.preserve_rng:
+        if preserve_rng:
             self.cpu_state = torch.get_rng_state()
-            self.cuda_states = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]
-        self.autocast = _autocast_state()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
+            self.cuda_states = [torch.cuda.get_rng_state(d) for d in cuda_devices]
+        self.autocast: tuple[Any, ...] | None = _autocast_state()
 
 
 class _RecomputeContext:
@@ -241,7 +237,7 @@ class _RecomputeContext:
     the random stream of the training loop where it was.
     """
 
-    def __init__(self, forward: _ForwardContext):
+    def __init__(self, forward: ForwardState):
         self.forward = forward
         self.autocasts: list[Any] = []
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .. import _torch
-from ..checkpoint.recompute import _ForwardContext, _RecomputeContext
+from ..checkpoint.recompute import ForwardState, _RecomputeContext
 
 # torch.autograd.grad takes an output's gradient edge in place of the output from torch 2.5 on
 # (older versions keep each recomputed output alive through its backward: a little more memory)
@@ -154,13 +154,13 @@ def _parts(block: Any, name: str) -> tuple[Any, Any]:
     return parts if parts is not None else (None, getattr(block, name))
 
 
-def _remade(head: Any, make: Callable[[], torch.Tensor], at: _ForwardContext) -> torch.Tensor:
+def _remade(head: Any, make: Callable[[], torch.Tensor], at: ForwardState) -> torch.Tensor:
     """``head`` again on the input ``make`` makes, as the recompute ran it."""
     with torch.no_grad(), _RecomputeContext(at):
         return head(make())
 
 
-def _recorded(fn: tuple[Any, Any], make: Callable[[], torch.Tensor], at: _ForwardContext,
+def _recorded(fn: tuple[Any, Any], make: Callable[[], torch.Tensor], at: ForwardState,
               args: tuple, device: torch.device
               ) -> tuple[torch.Tensor, torch.autograd.graph.GradientEdge, _RemakeView]:
     """``fn`` (head and tail, :func:`_parts`) recomputed with its graph on the tensor ``make``
