@@ -23,8 +23,8 @@ __all__ = ["traced_checkpoint"]
 
 
 def traced_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
-                       save_ops: Collection[Any] | Callable[..., bool] | None,
-                       context_fn: Callable[[], tuple[Any, Any]] | None = None) -> Any:
+                      save_ops: Collection[Any] | Callable[..., bool] | None,
+                      context_fn: Callable[[], tuple[Any, Any]] | None = None) -> Any:
     """The region as ``torch.compile`` sees it: torch's checkpoint, which Dynamo turns into one
     ``tag_activation_checkpoint`` subgraph of the model's graph (no graph break).
 
