@@ -3,6 +3,7 @@ its documented fallback applies), and no other module of the library reaches a p
 name itself."""
 from __future__ import annotations
 
+import copy
 import io
 import subprocess
 import sys
@@ -123,17 +124,36 @@ def test_import_zoo_in_a_fresh_interpreter():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
 
 
-@pytest.mark.skipif(_torch.VERSION >= (2, 5), reason="torch >= 2.5 compiles zoo regions")
+@pytest.mark.skipif(_torch.VERSION >= _torch.COMPILED_REGIONS_SINCE,
+                    reason="this torch compiles zoo regions")
 def test_compiled_region_on_old_torch_is_one_line_naming_the_torch_it_needs():
-    """A torch without selective checkpoint refuses a compiled region in one line, at the call
-    (never a silently different model), and the same region runs eagerly as before."""
+    """A torch whose compiled checkpoint is not exact refuses a compiled region in one line, at
+    the call (never a silently different model), and the same region runs eagerly as before."""
     import zoo
 
     layer = torch.nn.Linear(3, 3)
     x = torch.randn(2, 3, requires_grad=True)
     compiled = torch.compile(lambda t: zoo.checkpoint(layer, t), backend="aot_eager")
     with pytest.raises(RuntimeError, match=r"^zoo: zoo.checkpoint under torch.compile needs "
-                                           r"torch >= 2\.5 \(this is torch [^\n]*$"):
+                                           r"torch >= 2\.11 \(this is torch [^\n]*$"):
         compiled(x)
     zoo.checkpoint(layer, x).sum().backward()
     assert x.grad is not None
+
+
+@pytest.mark.skipif(_torch.VERSION < _torch.COMPILED_REGIONS_SINCE,
+                    reason="zoo refuses compiled regions on this torch")
+def test_torch_compiled_checkpoint_updates_batchnorm_once():
+    """What compiled zoo regions rest on: torch's own non-reentrant checkpoint under
+    torch.compile updates BatchNorm's statistics once per step (torch 2.8's updates them twice)."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).double()
+    ckpt = copy.deepcopy(plain)
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    run = torch.compile(lambda t: torch.utils.checkpoint.checkpoint(ckpt, t, use_reentrant=False),
+                        backend="aot_eager")
+    for _ in range(2):
+        plain(x).sum().backward()
+        run(x).sum().backward()
+    for got, want in zip(ckpt[1].buffers(), plain[1].buffers()):
+        torch.testing.assert_close(got, want)

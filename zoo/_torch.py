@@ -91,9 +91,9 @@ NAMES: dict[str, Name] = {
     "torch._fused_sdp_choice": Name(OLDEST, "required (CPU attention)"),
     # torch.utils.checkpoint's selective checkpoint (compiled regions, save_ops under compile)
     "torch.utils.checkpoint.create_selective_checkpoint_contexts": Name(
-        (2, 5), "error: zoo.checkpoint under torch.compile needs torch 2.5"),
+        (2, 5), "error: compiled regions (which need 2.11)"),
     "torch.utils.checkpoint.CheckpointPolicy": Name(
-        (2, 5), "error: zoo.checkpoint under torch.compile needs torch 2.5"),
+        (2, 5), "error: compiled regions (which need 2.11)"),
     "torch.utils.checkpoint._CachedTorchDispatchMode": Name(
         OLDEST, "exact: no torch replay mode to step outside"),
     # Dynamo, AOTAutograd and the partitioner
@@ -225,8 +225,21 @@ CheckpointPolicy = getattr(_checkpoint, "CheckpointPolicy", None)
 CachedTorchDispatchMode = getattr(_checkpoint, "_CachedTorchDispatchMode", None)
 
 
+#: The oldest torch whose compiled checkpoint is exact. torch 2.8's updates BatchNorm's running
+#: statistics twice per step (torch's own ``checkpoint(..., use_reentrant=False)`` under
+#: ``torch.compile`` too: the recompute's buffer update is replayed); 2.5 to 2.10 are not
+#: verified, so they are refused as well. tests/test_torch_compat.py checks torch's behaviour.
+COMPILED_REGIONS_SINCE = (2, 11)
+
+
 def compiled_checkpoint_policy() -> Any:
-    """torch's ``CheckpointPolicy``, or the one-line error: compiled regions need torch 2.5."""
+    """torch's ``CheckpointPolicy``, or the one-line error naming the torch compiled regions
+    need (:data:`COMPILED_REGIONS_SINCE`)."""
+    if VERSION < COMPILED_REGIONS_SINCE:
+        since = ".".join(map(str, COMPILED_REGIONS_SINCE))
+        raise RuntimeError(f"zoo: zoo.checkpoint under torch.compile needs torch >= {since} "
+                           f"(this is torch {torch.__version__}, whose compiled checkpoint is "
+                           "not exact); upgrade torch, or run the model eagerly")
     return require(CheckpointPolicy, "zoo.checkpoint under torch.compile",
                    "torch.utils.checkpoint.CheckpointPolicy")
 

@@ -2,8 +2,9 @@
 ``tag_activation_checkpoint`` subgraph and AOTAutograd's partitioner does the recompute inside the
 backward graph, where the contract holds by construction (BatchNorm statistics are written once,
 by the forward graph; dropout masks are kept, not redrawn; ``save_ops`` become torch's
-selective-checkpoint policy). Needs torch's selective checkpoint (torch >= 2.5); an older torch
-gets a one-line error when a region is compiled (:mod:`zoo._torch`).
+selective-checkpoint policy). Needs torch >= 2.11 (``zoo._torch.COMPILED_REGIONS_SINCE``: torch
+2.8's compiled checkpoint updates BatchNorm statistics twice); an older torch gets a one-line
+error when a region is compiled.
 """
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ def traced_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any
     and normalisation guard.
     """
     global _tracing_region
-    if _torch.CheckpointPolicy is None:  # torch < 2.5: one line, naming the torch it needs
-        return _compile_needs_torch_2_5()
+    if _torch.VERSION < _torch.COMPILED_REGIONS_SINCE:  # one line, naming the torch it needs
+        return _compile_needs_newer_torch()
     if _tracing_region:  # nested: the outer region's recompute rebuilds this one's outputs
         return _tagged_region(fn, args, kwargs, save_ops, context_fn)
     _tracing_region = True
@@ -187,12 +188,13 @@ def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
-def zoo_checkpoint_under_compile_needs_torch_2_5() -> None:
-    _torch.compiled_checkpoint_policy()  # raises: this torch has no selective checkpoint
+def zoo_checkpoint_under_compile_needs_torch_2_11() -> None:
+    _torch.compiled_checkpoint_policy()  # raises: this torch's compiled checkpoint is not exact
 
 
 _without_dynamo = _torch.dynamo().disable(_call)
 # Raised outside Dynamo's trace, so the user sees the one line (Dynamo would wrap an exception
 # raised while it traces); with fullgraph=True Dynamo refuses the call and names this function.
-_compile_needs_torch_2_5 = _torch.dynamo().disable(zoo_checkpoint_under_compile_needs_torch_2_5)
+_compile_needs_newer_torch = _torch.dynamo().disable(
+    zoo_checkpoint_under_compile_needs_torch_2_11)
 _torch.skip_code(_compiled_body.__code__)
