@@ -74,9 +74,9 @@ def run_core(venv: Path, files: list[str], extra: list[str]) -> tuple[dict[str, 
         if not xml.exists():
             return outcomes, seconds
         for case in ET.parse(xml).iter("testcase"):
-            file = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
-            key = next((f for f in files if file.endswith(f) or f.endswith(file) or
-                        case.get("classname", "").startswith(f[:-3].replace("/", "."))), None)
+            name = case.get("classname", "")  # tests.checkpoint.test_x[.Class]
+            key = next((f for f in files if name == f[:-3].replace("/", ".") or
+                        name.startswith(f[:-3].replace("/", ".") + ".")), None)
             if key is None:
                 continue
             if case.find("failure") is not None or case.find("error") is not None:
