@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _torch
 from .checkpoint import is_recomputing, state_bookkeeping
 
 __all__ = ["cp_BatchNorm1d", "cp_BatchNorm2d", "cp_BatchNorm3d", "cp_SyncBatchNorm",
@@ -45,7 +46,7 @@ def _recomputing_under_any_checkpoint() -> bool:
     """
     if torch.compiler.is_compiling():
         return False
-    return is_recomputing() or torch._C._current_graph_task_id() != -1
+    return is_recomputing() or _torch.current_graph_task_id() != -1
 
 
 class _RecomputeSafeNorm:
@@ -65,17 +66,17 @@ class _RecomputeSafeNorm:
         if not (self.training and self.track_running_stats and _recomputing_under_any_checkpoint()):
             return super().forward(input)
         self._check_input_dim(input)  # fail before touching any state
-        momentum, count = self.momentum, self._buffers.get("num_batches_tracked")
+        momentum, count = self.momentum, _torch.module_buffers(self).get("num_batches_tracked")
         set_aside = count is not None and _skips_missing_count(type(self))
         self.momentum = 0.0
         if set_aside:
-            self._buffers["num_batches_tracked"] = None
+            _torch.module_buffers(self)["num_batches_tracked"] = None
         try:
             return super().forward(input)
         finally:
             self.momentum = momentum
             if set_aside:
-                self._buffers["num_batches_tracked"] = count
+                _torch.module_buffers(self)["num_batches_tracked"] = count
             elif count is not None:
                 with torch.no_grad(), state_bookkeeping():
                     count.sub_(1)

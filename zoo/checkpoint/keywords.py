@@ -6,7 +6,8 @@ timm). What each one means for a zoo region:
 
 * ``use_reentrant``: accepted and ignored. The zoo's region is always non-reentrant (saved-tensor
   hooks); the reentrant variant is the one that trains nothing when no input requires grad
-  (seed 001) and runs a nested backward per region (seed 003). No warning when it is omitted.
+  and runs a nested backward per region (which made nn.DataParallel several times slower, as
+  reported in the PyTorch forum). No warning when it is omitted.
 * ``preserve_rng_state=False``: no RNG stash and no replay (dropout in the region then draws new
   numbers on recompute, exactly as with torch's checkpoint).
 * ``context_fn``: a callable returning two context managers; the first is entered around the
@@ -27,7 +28,8 @@ from collections.abc import Callable
 from typing import Any
 
 from torch.utils import checkpoint as torch_checkpoint
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from .._torch import TorchDispatchMode
 
 DETERMINISM_CHECKS = ("default", "none")
 

@@ -11,10 +11,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _python_dispatch
-from torch.utils import checkpoint as torch_checkpoint
 
-from . import keywords
+from .. import _torch
 
 # --------------------------------------------------------------------------------------------
 # Recompute state: a per-thread depth (autograd runs backward on one thread per device, and
@@ -45,7 +43,7 @@ def is_recomputing() -> bool:
 # of a compiled region) insists that every op it sees was recorded in the forward. Ops that exist
 # only in a recompute (the guard's counter correction and snapshots below, cp_BatchNorm's) run
 # outside them.
-_SAC_REPLAY_MODE = getattr(torch_checkpoint, "_CachedTorchDispatchMode", None)
+_SAC_REPLAY_MODE = _torch.CachedTorchDispatchMode
 
 
 @contextlib.contextmanager
@@ -58,10 +56,10 @@ def state_bookkeeping() -> Iterator[None]:
     part of the region's computation, so they run with that mode lifted; any other mode
     (FakeTensorMode, MemTracker) stays active.
     """
-    mode = _python_dispatch._get_current_dispatch_mode()
+    mode = _torch.get_current_dispatch_mode()
     if getattr(mode, "bookkeeping_outside", False) or (
             _SAC_REPLAY_MODE is not None and isinstance(mode, _SAC_REPLAY_MODE)):
-        with _python_dispatch._pop_mode_temporarily():
+        with _torch.pop_mode_temporarily():
             yield
     else:
         yield
@@ -81,16 +79,16 @@ def state_bookkeeping() -> Iterator[None]:
 # ends early or raises): one pre-hook and no post-hook keeps the per-module cost of a recompute
 # small, which matters on models made of many small layers.
 # --------------------------------------------------------------------------------------------
-_NormBase = nn.modules.batchnorm._NormBase
-_MOMENTUM_FORWARDS = {nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward,
-                      nn.modules.instancenorm._InstanceNorm.forward}
-_COUNT_OPTIONAL = nn.modules.batchnorm._BatchNorm.forward  # reads the counter only if present
+_NormBase = _torch.NormBase
+_MOMENTUM_FORWARDS = {_torch.BatchNormBase.forward, nn.SyncBatchNorm.forward,
+                      _torch.InstanceNormBase.forward}
+_COUNT_OPTIONAL = _torch.BatchNormBase.forward  # reads the counter only if present
 _hooks_lock = threading.Lock()
 _hooks_users = 0
 # The guard goes straight into torch's table of global forward pre-hooks under an id reserved for
 # it, instead of through register_module_forward_pre_hook and a handle: a recompute puts it in and
 # takes it out, and the handle's bookkeeping cost more than the rest of that per region.
-_global_pre_hooks = nn.modules.module._global_forward_pre_hooks
+_global_pre_hooks = _torch.global_forward_pre_hooks
 _GUARD_ID = torch.utils.hooks.RemovableHandle(_global_pre_hooks).id  # reserved, never removed
 
 
@@ -120,12 +118,12 @@ def _guard_norm(module: nn.Module, args: Any) -> None:
     if entry is None:
         forward = type(module).forward
         if forward in _MOMENTUM_FORWARDS:
-            count = module._buffers.get("num_batches_tracked") \
+            count = _torch.module_buffers(module).get("num_batches_tracked") \
                 if forward is _COUNT_OPTIONAL else None
             entry = _Guarded(module, module.momentum, count)
             module.momentum = 0.0
             if count is not None:
-                module._buffers["num_batches_tracked"] = None
+                _torch.module_buffers(module)["num_batches_tracked"] = None
         else:
             with torch.no_grad(), state_bookkeeping():
                 entry = _Guarded(module, [b.clone() for b in module.buffers(recurse=False)])
@@ -146,8 +144,8 @@ def _unguard_norms(guarded: dict[int, _Guarded]) -> None:
                 continue
             module.momentum = entry.saved
             if entry.count is not None:
-                module._buffers["num_batches_tracked"] = entry.count
-            elif isinstance(module, nn.modules.batchnorm._BatchNorm) and \
+                _torch.module_buffers(module)["num_batches_tracked"] = entry.count
+            elif isinstance(module, _torch.BatchNormBase) and \
                     module.num_batches_tracked is not None:
                 module.num_batches_tracked.sub_(entry.calls)
 
@@ -190,7 +188,7 @@ def _autocast_devices() -> tuple[str, ...]:
     return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
-_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+_any_autocast = _torch.is_any_autocast_enabled
 
 
 def _autocast_state() -> tuple[Any, ...] | None:
@@ -211,29 +209,25 @@ def _autocast_off() -> tuple[Any, ...]:
     return tuple((d, False, dtype) for d, _, dtype in _autocast_settings()[:-1]) + (True,)
 
 
-class _ForwardContext:
-    """Entered around the region's first forward: records the RNG and autocast state it runs in.
+class ForwardState:
+    """The RNG and autocast state a region's forward runs in, recorded when made (just before
+    the forward), for :class:`_RecomputeContext` to put back.
 
     ``preserve_rng=False`` (torch's ``preserve_rng_state=False``) records no RNG state, and the
     recompute then neither replays nor restores one.
     """
+
+    __slots__ = ("cuda_devices", "preserve_rng", "cpu_state", "cuda_states", "autocast")
 
     def __init__(self, cuda_devices: list[int], preserve_rng: bool = True):
         self.cuda_devices = cuda_devices
         self.preserve_rng = preserve_rng
         self.cpu_state: torch.Tensor | None = None
         self.cuda_states: list[torch.Tensor] = []
-        self.autocast: tuple[Any, ...] | None = None
-
-    def __enter__(self) -> _ForwardContext:
-        if self.preserve_rng:
+        if preserve_rng:
             self.cpu_state = torch.get_rng_state()
-            self.cuda_states = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]
-        self.autocast = _autocast_state()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
+            self.cuda_states = [torch.cuda.get_rng_state(d) for d in cuda_devices]
+        self.autocast: tuple[Any, ...] | None = _autocast_state()
 
 
 class _RecomputeContext:
@@ -243,7 +237,7 @@ class _RecomputeContext:
     the random stream of the training loop where it was.
     """
 
-    def __init__(self, forward: _ForwardContext):
+    def __init__(self, forward: ForwardState):
         self.forward = forward
         self.autocasts: list[Any] = []
 

@@ -9,50 +9,60 @@ from typing import Any
 
 import torch
 
+from .. import _torch
 from . import keywords
 
-from .recompute import _ForwardContext, _local, _RecomputeContext
+from .recompute import ForwardState, _local, _RecomputeContext
 
 # --------------------------------------------------------------------------------------------
-# The region: non-reentrant checkpointing through saved-tensor hooks, in as little Python as the
-# contract allows. Autograd hands every tensor the region's forward saves to ``pack``, which
-# keeps a small empty slot instead. The first ``unpack`` in a backward call (one autograd graph
-# task, or one ``torch.utils.checkpoint.GraphExecGroup``) reruns the region once, filling the
-# slots in the order the forward created them; each slot is emptied as its node consumes it, so
-# a recomputed activation lives no longer than in the plain model, and whatever that backward
-# call did not consume is dropped when it ends (a partial backward, e.g. ``autograd.grad`` of an
-# intermediate, holds nothing afterwards; the next backward call recomputes). The rerun stops
-# as soon as the last slot is filled (ops after the last saved tensor are not recomputed).
-# What a region adds to the host's work is kept to Python: no op is dispatched beyond the ones
-# the recompute reruns. The recompute runs on the forward's own inputs (no detached copies), a
-# parameter the region saves is kept as it is (never recomputed), and each recomputed tensor goes
-# to its slot as it is; the recompute's own graph keeps only indices into a list that lives while
-# the recompute runs, so ``torch.autograd.grad`` inside the region works, also during the forward
-# (the region is then recomputed up to where the forward is), and no graph holds a recomputed
-# tensor afterwards.
-# Once a backward call has recomputed the region, and that call will run every node still holding
-# one of its slots without keeping the graph, no later call can ask for a recompute: the region
-# then lets go of its inputs (and ``fn``) at once instead of when its last node has run, as a
-# compiled backward frees a saved input after its last use (``_Region.let_go``).
-# A region nested in another hands its inputs to the outer one (``_SaveInputs``), which then
-# recomputes them when the inner region needs them.
+# The region's rules. Non-reentrant checkpointing through saved-tensor hooks, in as little Python
+# as the contract allows; the code that enforces each rule cites it ("Rule 3").
+#
+# Rule 1. Packing: autograd hands every tensor the region's forward saves to ``pack``, which keeps
+#   a small empty slot instead (a module's parameter is kept as it is: it lives on anyway, and is
+#   never recomputed).
+# Rule 2. One recompute per backward call: the first ``unpack`` in a backward call (one autograd
+#   graph task, or one ``torch.utils.checkpoint.GraphExecGroup``) reruns the region once, filling
+#   the slots in the order the forward created them.
+# Rule 3. A recomputed tensor lives no longer than in the plain model: each slot is emptied as its
+#   node consumes it, and whatever that backward call did not consume is dropped when it ends (a
+#   partial backward, e.g. ``autograd.grad`` of an intermediate, holds nothing afterwards; the next
+#   backward call recomputes).
+# Rule 4. Early stop: the rerun stops as soon as the last slot is filled (ops after the last saved
+#   tensor are not recomputed).
+# Rule 5. No op of its own: what a region adds to the host's work is Python only. The recompute
+#   runs on the forward's own inputs (no detached copies) and each recomputed tensor goes to its
+#   slot as it is; the recompute's own graph keeps only indices into a list that lives while the
+#   recompute runs, so ``torch.autograd.grad`` inside the region works, also during the forward
+#   (the region is then recomputed up to where the forward is), and no graph holds a recomputed
+#   tensor afterwards.
+# Rule 6. Letting go early: once a backward call has recomputed the region, and that call will
+#   run every node still holding one of its slots without keeping the graph, no later call can
+#   ask for a recompute; the region then lets go of its inputs (and ``fn``) at once instead of
+#   when its last node has run, as a compiled backward frees a saved input after its last use.
+# Rule 7. Nesting: a region nested in another hands its inputs to the outer one (``_SaveInputs``),
+#   which then recomputes them when the inner region needs them.
+# Rule 8. Determinism: the recompute must save as many tensors as the forward, of the same shapes
+#   (``determinism_check="none"`` skips the shapes), and no input may change in place between the
+#   forward and the recompute; otherwise backward raises, naming the cause.
+#
 # torch.utils.checkpoint's non-reentrant path follows the same rules (its "Nestable Checkpoint"
 # note) with more bookkeeping per region (per-task handle maps, metadata, device probing);
 # python scripts/benchmark.py checkpoint --small measures the difference.
 # --------------------------------------------------------------------------------------------
-_engine = torch.autograd.Variable._execution_engine
+_engine = _torch.execution_engine
 _Parameter = torch.nn.Parameter
 _Tensor = torch.Tensor  # an activation's class: never a Parameter (saves the metaclass check)
-_exec_group = getattr(torch._C, "_get_graph_exec_group", None)  # torch >= 2.9
-_current_task = torch._C._current_graph_task_id
+_exec_group = _torch.get_graph_exec_group  # torch >= 2.9
+_current_task = _torch.current_graph_task_id
 # What the engine says about the backward call running now; without any of them (older torch) a
 # region keeps its inputs until its last node has run.
-_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-_node_now = getattr(torch._C, "_current_autograd_node", None)
-_will_run = getattr(torch._C, "_will_engine_execute_node", None)
-_next_node = getattr(torch._C._autograd, "_get_sequence_nr", lambda: 0)
-_CAN_LET_GO = None not in (_keep_graph, _node_now, _will_run) and \
-    hasattr(torch._C._autograd, "_get_sequence_nr")
+_keep_graph = _torch.get_current_graph_task_keep_graph
+_node_now = _torch.current_autograd_node
+_will_run = _torch.will_engine_execute_node
+_next_node = _torch.get_sequence_nr or (lambda: 0)
+_CAN_LET_GO = None not in (_keep_graph, _node_now, _will_run, _torch.get_sequence_nr)
+_version = _torch.tensor_version
 
 
 def _backward_call() -> Any:
@@ -124,13 +134,13 @@ class _Region:
     """One checkpointed call: its inputs, the forward's RNG/autocast state and its saved slots."""
 
     __slots__ = ("fn", "args", "kwargs", "versions", "forward", "opts", "slots", "filled",
-                 "in_forward", "last", "stop_early", "call", "saver", "saved_versions", "live",
-                 "first")
+                 "in_forward", "last", "stop_at_last_slot", "call", "saver", "saved_versions",
+                 "live", "first")
 
-    def __init__(self, fn: Callable, args: tuple, kwargs: dict, forward: _ForwardContext,
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict, forward: ForwardState,
                  opts: keywords.Options):
         self.fn, self.args, self.kwargs, self.forward, self.opts = fn, args, kwargs, forward, opts
-        self.versions = [(t, t._version) for t in (*args, *kwargs.values())
+        self.versions = [(t, _version(t)) for t in (*args, *kwargs.values())
                          if isinstance(t, torch.Tensor)]
         self.saver: torch.Tensor | None = None  # a nested region's: see save_through_outer
         self.saved_versions: list[int] = []
@@ -144,11 +154,11 @@ class _Region:
         self.filled = 0
         self.in_forward = True
         self.last: weakref.ref[torch.Tensor] | None = None
-        self.stop_early = True  # a recompute during the forward stops where the forward is
+        self.stop_at_last_slot = True  # a recompute during the forward stops where the forward is
         self.call: Any = None  # the backward call the slots' values were recomputed for
 
     def save_through_outer(self) -> None:
-        """Hand the inputs that require grad to the enclosing region (see _SaveInputs)."""
+        """Rule 7: hand the inputs that require grad to the enclosing region (_SaveInputs)."""
         tensors = [t for t in (*self.args, *self.kwargs.values())
                    if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors:
@@ -156,7 +166,7 @@ class _Region:
         # The no-op's output, not its node: in torch 2.11 a Python handle of a node does not
         # keep the node (and so its saved tensors) alive; the output does, on every torch.
         self.saver = _SaveInputs.apply(*tensors)
-        self.saved_versions = [t._version for t in tensors]
+        self.saved_versions = [_version(t) for t in tensors]
 
     def forget_saved_inputs(self) -> None:
         """After the forward: let go of the inputs the enclosing region keeps for us."""
@@ -177,8 +187,8 @@ class _Region:
             return self.args, self.kwargs
         tensors = self.saver.grad_fn.saved_tensors
         for tensor, version in zip(tensors, self.saved_versions):
-            if tensor._version != version:
-                self.changed_in_place(version, tensor._version)
+            if _version(tensor) != version:
+                self.changed_in_place(version, _version(tensor))
         saved = iter(tensors)
         get = lambda v: next(saved) if v is _SAVED else v  # noqa: E731
         return [get(a) for a in self.args], {k: get(v) for k, v in self.kwargs.items()}
@@ -201,14 +211,15 @@ class _Region:
         # A region whose output is the last tensor it saved (it ends in ReLU, sigmoid, ...) has
         # nothing left to skip after the last slot: its recompute runs to the end instead of
         # being stopped by an exception, which costs more than the op it would skip.
-        self.stop_early = self.opts.early_stop and (self.last is None or self.last() is not out)
+        self.stop_at_last_slot = self.opts.early_stop and (
+            self.last is None or self.last() is not out)
         self.last = None
         return out
 
     def pack(self, tensor: torch.Tensor) -> _Slot | torch.Tensor:
         if tensor.__class__ is not _Tensor and isinstance(tensor, _Parameter):
-            # A module's parameter lives on anyway: it is kept as it is, never recomputed, and
-            # its place in the recompute's order stays empty.
+            # Rule 1: a module's parameter lives on anyway: it is kept as it is, never
+            # recomputed, and its place in the recompute's order stays empty.
             self.slots.append(None)
             self.last = None
             return tensor
@@ -221,7 +232,7 @@ class _Region:
         if slot.__class__ is not _Slot:
             return slot  # kept as it is (see pack)
         call = _backward_call()
-        if call != self.call or call == -1:
+        if call != self.call or call == -1:  # Rule 2: once per backward call
             self.recompute(call)
         value = slot.value
         if value is None:
@@ -233,7 +244,7 @@ class _Region:
                 "once in this backward call (recomputed tensors are freed as they are used)."
                 f"{overlap} If a custom autograd.Function reads ctx.saved_tensors twice in its "
                 "backward, read it once and keep the tuple.")
-        slot.value = None
+        slot.value = None  # Rule 3: emptied as its node consumes it
         if call == -1:  # read outside any backward (grad_fn._saved_*): keep nothing
             _empty_slots(self.slots)
         return value
@@ -245,9 +256,9 @@ class _Region:
                 "that was to run all of its nodes, but another backward call needs its recompute "
                 "(was that backward interrupted?); run the forward again, or pass "
                 "retain_graph=True to a backward that must be repeated.")
-        for tensor, version in self.versions:
-            if tensor._version != version:
-                self.changed_in_place(version, tensor._version)
+        for tensor, version in self.versions:  # Rule 8: inputs unchanged since the forward
+            if _version(tensor) != version:
+                self.changed_in_place(version, _version(tensor))
         args, kwargs = self.inputs()
         total, self.filled, self.call = len(self.slots), 0, call
         contexts = self.opts.contexts
@@ -268,19 +279,19 @@ class _Region:
         finally:
             _local.inside = inside - 1
             live.clear()
-        if self.filled < total:
+        if self.filled < total:  # Rule 8
             self.fail("the recomputed region saved fewer tensors for backward than its forward "
                       f"did ({self.filled} < {total}), so it is not deterministic (does it branch "
                       "on random numbers, global state or tensor values?). Make the region "
                       "deterministic given its inputs, or leave it out of the checkpoint.")
-        if isinstance(call, int) and call >= 0:  # drop the unused when this backward call ends
+        if isinstance(call, int) and call >= 0:  # Rule 3: drop the unused when the call ends
             _engine.queue_callback(functools.partial(_empty_slots, self.slots))
             if _CAN_LET_GO and self.saver is None and not self.in_forward and \
                     _last_recompute(self.slots, self.first):
                 self.let_go()
 
     def let_go(self) -> None:
-        """Drop the inputs, ``fn`` and the forward's state: no recompute can follow this one.
+        """Rule 6: drop the inputs, ``fn`` and the forward's state: no recompute can follow.
 
         A saved input then lives as long as the plain model would keep it, not until the
         region's last node has run (in a DenseNet, a layer's new maps are freed once the next
@@ -294,7 +305,7 @@ class _Region:
         self.versions = []
 
     def fill(self, tensor: torch.Tensor) -> int:
-        """Pack hook of the recompute: hand the tensor to its slot.
+        """Pack hook of the recompute: hand the tensor to its slot (Rule 5).
 
         The slot takes the tensor as it is, its recompute graph attached; the recompute's graph
         keeps only an index into ``live``, a list emptied when the recompute ends (it serves
@@ -304,19 +315,19 @@ class _Region:
         index, total = self.filled, len(self.slots)
         self.filled = index + 1
         if index >= total:
-            if self.in_forward or self.opts.early_stop:
+            if self.in_forward or self.opts.early_stop:  # Rule 4; else Rule 8
                 raise _StopRecompute  # what the forward saved is all rebuilt; the rest is unused
             self.fail("the recomputed region saved more tensors for backward than its forward "
                       f"did (more than {total}), so it is not deterministic given its inputs.")
         ref = self.slots[index]
         slot = None if ref is None else ref()  # None: kept as it is, or its node already ran
         if slot is not None:
-            if slot.shape != tensor.shape and self.opts.check_shapes:
+            if slot.shape != tensor.shape and self.opts.check_shapes:  # Rule 8
                 self.fail(f"saved tensor {index} of the region had shape {tuple(slot.shape)} in "
                           f"the forward but {tuple(tensor.shape)} in the recompute; the region "
                           "is not deterministic given its inputs.")
             slot.value = tensor
-        if index + 1 == total and self.stop_early:
+        if index + 1 == total and self.stop_at_last_slot:  # Rule 4
             raise _StopRecompute
         self.live.append(tensor)
         return index
@@ -354,7 +365,7 @@ def _last_recompute(slots: list[weakref.ref[_Slot] | None], first: int) -> bool:
         stack, seen = [_node_now()], set()
         while stack and stack[-1] is not None:
             node = stack.pop()
-            nr = node._sequence_nr()
+            nr = _torch.sequence_nr(node)
             if nr < first or nr in seen:
                 continue
             seen.add(nr)

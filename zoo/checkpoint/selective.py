@@ -20,11 +20,13 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-_OpOverload = torch._ops.OpOverload
+from .. import _torch
+
+TorchDispatchMode = _torch.TorchDispatchMode
+_OpOverload = _torch.OpOverload
 _Tensor = torch.Tensor
-_task = torch._C._current_graph_task_id
+_task = _torch.current_graph_task_id
 _USED = object()  # a kept output already handed to a recompute
 _MUTATED = object()  # a kept output changed in place after it was kept
 
@@ -132,7 +134,7 @@ def _fresh(out: Any) -> Any:
 
 def _version(out: Any) -> Any:
     if isinstance(out, _Tensor):
-        return out._version
+        return _torch.tensor_version(out)
     if isinstance(out, (tuple, list)):
         return tuple(_version(o) for o in out)
     return None

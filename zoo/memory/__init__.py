@@ -128,7 +128,8 @@ def mem_tracker() -> Any:
 
 @functools.cache
 def _frozen_aware_tracker() -> type:
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from zoo._torch import mem_tracker
+    MemTracker = mem_tracker()
 
     class FrozenAwareMemTracker(MemTracker):
         def _track_module_params_and_buffers(self, module: Any, *args: Any, **kw: Any) -> Any:

@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from zoo import _torch
+from zoo._torch import TorchDispatchMode
 
 from zoo.memory.tracker import StepCounter
 
@@ -51,7 +52,7 @@ __all__ = ["CompiledStep", "compile_step", "measure_compiled", "default_solver"]
 
 def default_solver() -> str:
     """The knapsack solver torch's partitioner uses unless told otherwise (``"dp"`` in 2.15)."""
-    return torch._functorch.config.activation_memory_budget_solver
+    return _torch.functorch_config().activation_memory_budget_solver
 
 
 def _batch_norm_backward(grad: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor | None,
@@ -143,8 +144,8 @@ def compile_step(model: nn.Module, x: torch.Tensor, budget: float,
     """Compile ``loss_fn(model(x))`` (model in train mode, one graph) with inductor's partitioner
     under ``activation_memory_budget=budget`` and eager interpreted graphs, and run one step (the
     one that compiles). Dynamo's caches are reset first, so each budget compiles afresh."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    aot_autograd, min_cut_rematerialization_partition = _torch.aot_autograd(), \
+        _torch.min_cut_rematerialization_partition()
 
     if not 0.0 <= budget <= 1.0:
         raise ValueError(f"activation_memory_budget must be in [0, 1], got {budget!r}")
@@ -168,9 +169,9 @@ def compile_step(model: nn.Module, x: torch.Tensor, budget: float,
 
     solver = solver or default_solver()
     model.train()
-    torch._dynamo.reset()
+    _torch.dynamo().reset()
     compiled = torch.compile(lambda inp: loss_fn(model(inp)), backend=backend, fullgraph=True)
-    with torch._functorch.config.patch(activation_memory_budget=budget,
+    with _torch.functorch_config().patch(activation_memory_budget=budget,
                                        activation_memory_budget_solver=solver):
         model.zero_grad(set_to_none=True)
         compiled(x).backward()
@@ -232,8 +233,8 @@ def check_meta_like_cpu(model: nn.Module, x: torch.Tensor) -> None:
     """Raise ValueError when one training-mode forward of ``model`` dispatches other aten ops on
     the meta device than on (fake) CPU tensors: then a ``fake=True`` measurement would not be
     the CPU's. ``model`` is not changed."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.nn.utils.stateless import _reparametrize_module
+    from zoo._torch import FakeTensorMode
+    from zoo._torch import reparametrize_module as _reparametrize_module
 
     from zoo.memory.fake import fake_state
 
@@ -261,8 +262,8 @@ def _meta_rng() -> Iterator[None]:
     ``run_with_rng_state``: a dropout inside a region) run on meta tensors as on CPU ones: they
     save and restore the CPU generator's state around the op, which runs on meta (no kernel).
     Their backend choice knows no meta device; put back on exit."""
-    from torch._C import DispatchKey
-    from torch._prims import rng_prims
+    from zoo._torch import DispatchKey
+    rng_prims = _torch.rng_prims()
 
     hops = [getattr(rng_prims, n, None) for n in ("run_and_save_rng_state", "run_with_rng_state")]
     hops = [h for h in hops if h is not None and DispatchKey.BackendSelect in h.py_kernels]
@@ -270,7 +271,7 @@ def _meta_rng() -> Iterator[None]:
 
     def select(hop: Any) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
-            flat = torch.utils._pytree.tree_leaves((args, kwargs))
+            flat = _torch.tree_leaves((args, kwargs))
             if any(isinstance(t, torch.Tensor) and t.is_meta for t in flat):
                 return hop.py_kernels[DispatchKey.CPU](*args, **kwargs)
             return old[hop](*args, **kwargs)

@@ -18,12 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
-try:
-    from torch._subclasses.fake_tensor import _DispatchCacheKey
-except ImportError:  # a torch without the dispatch cache's key class: torch's keys throughout
-    _DispatchCacheKey = None
+from zoo._torch import FakeTensor, FakeTensorMode
+from zoo._torch import DispatchCacheKey as _DispatchCacheKey  # None: torch's keys throughout
 
 __all__ = ["PlannerFakeMode"]
 

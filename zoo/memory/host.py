@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from zoo import _torch
+from zoo._torch import TorchDispatchMode
 
 from zoo.checkpoint import region
 
@@ -42,8 +43,8 @@ __all__ = ["OpCounter", "COPY", "count_ops", "loss_of", "Entry", "recorded_regio
            "recompute_ops", "replay", "Floor", "floor_of", "host_times", "measure"]
 
 
-_BELOW_AUTOGRAD = torch._C.DispatchKey.ADInplaceOrView
-_is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_BELOW_AUTOGRAD = _torch.DispatchKey.ADInplaceOrView
+_is_excluded = _torch.dispatch_tls_is_dispatch_key_excluded
 COPY = "shallow copy (aten.detach.default)"
 
 
@@ -151,21 +152,21 @@ def _statistics_frozen(model: nn.Module) -> Iterator[None]:
     """
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
              and m.track_running_stats]
-    saved = [(m.momentum, m._buffers.get("num_batches_tracked")) for m in norms]
+    saved = [(m.momentum, _torch.module_buffers(m).get("num_batches_tracked")) for m in norms]
     for m in norms:
         if isinstance(m, nn.SyncBatchNorm):
             m.track_running_stats = False
         else:
             m.momentum = 0.0
-            if "num_batches_tracked" in m._buffers:
-                m._buffers["num_batches_tracked"] = None
+            if "num_batches_tracked" in _torch.module_buffers(m):
+                _torch.module_buffers(m)["num_batches_tracked"] = None
     try:
         yield
     finally:
         for m, (momentum, count) in zip(norms, saved):
             m.track_running_stats, m.momentum = True, momentum
-            if "num_batches_tracked" in m._buffers:
-                m._buffers["num_batches_tracked"] = count
+            if "num_batches_tracked" in _torch.module_buffers(m):
+                _torch.module_buffers(m)["num_batches_tracked"] = count
 
 
 def recompute_ops(fn: Callable, args: tuple, kwargs: dict, save_ops: Any = None,

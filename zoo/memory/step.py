@@ -28,7 +28,7 @@ def measure_step(model: nn.Module, example_input: torch.Tensor,
     """(peak bytes, FLOPs) of one fake training step of ``model`` as it is configured now
     (checkpoint mode or plan included). ``model`` itself is left untouched. ``fake``: the fake
     state to run on (made for this step when not given)."""
-    from torch.nn.utils.stateless import _reparametrize_module
+    from zoo._torch import reparametrize_module as _reparametrize_module
 
     loss_fn = loss_fn or default_loss
     fake = fake or FakeStep(model, example_input)

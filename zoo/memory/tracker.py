@@ -20,9 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from zoo import _torch
+from zoo._torch import FakeTensor, TorchDispatchMode, in_kernel_invocation_manager, tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 __all__ = ["StepCounter", "storage_key", "storage_bytes"]
@@ -109,9 +108,9 @@ class StepCounter(TorchDispatchMode):
             t = args[0]
             return t.fake_device if type(t) is FakeTensor else func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):  # run its dense kernel directly
+        if isinstance(func, _torch.HigherOrderOperator):  # run its dense kernel directly
             cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in tree_flatten(args)[0])
-            key = torch._C.DispatchKey.CUDA if cuda else torch._C.DispatchKey.CPU
+            key = _torch.DispatchKey.CUDA if cuda else _torch.DispatchKey.CPU
             out = func.dispatch(key, *args, **kwargs)
         elif func is _DETACH and type(args[0]) is FakeTensor and not args[0].is_conj() \
                 and not args[0].is_neg():

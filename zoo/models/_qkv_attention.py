@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import is_fake
+from .. import _torch
+from .._torch import is_fake
 
 __all__ = ["qkv_attention"]
 
@@ -28,7 +29,7 @@ _FORWARD = getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _BACKWARD = getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 _FLASH = 1  # torch.nn.attention.SDPBackend.FLASH_ATTENTION
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # the kernel's
-_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+_keep_graph = _torch.get_current_graph_task_keep_graph
 
 
 def _split(qkv: torch.Tensor, heads: int) -> torch.Tensor:
@@ -53,7 +54,7 @@ def _flash_on_cpu(q: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: fl
             not torch.backends.cuda.flash_sdp_enabled():  # the switch covers the CPU kernel too
         return False
     # SDPA's own choice; a fake tensor's (zoo.plan's fake step) answers math, so its rule above
-    return is_fake(q) or torch._fused_sdp_choice(q, q, q, dropout_p=0.0) == _FLASH
+    return is_fake(q) or _torch.fused_sdp_choice(q, q, q, dropout_p=0.0) == _FLASH
 
 
 class _QKVAttention(torch.autograd.Function):

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.recompute import _ForwardContext, _RecomputeContext
+from .._torch import tensor_version as _version
+from ..checkpoint.recompute import ForwardState, _RecomputeContext
 from .remake import (_EDGE_OUTPUTS, _accumulate, _aliased, _anchor, _parts, _recorded,
                      _RemakeView, _root, _StreamView)
 from .run import _Run
@@ -22,11 +23,11 @@ def _lead_forward(run: _Run, x1: torch.Tensor, x2: torch.Tensor, devices: list[i
     inputs: their sources when they can be made again from the streams of the sequence before
     (:mod:`.sources`), else the inputs themselves; and its first output if no larger than an
     input (a downsampling unit: then it is undone one function at a time)."""
-    contexts: dict[str, _ForwardContext] = {}
+    contexts: dict[str, ForwardState] = {}
 
     def call(name: str, x: torch.Tensor) -> torch.Tensor:
-        with _ForwardContext(devices, run.preserve_rng) as at:
-            out = getattr(run.lead, name)(x)
+        at = ForwardState(devices, run.preserve_rng)
+        out = getattr(run.lead, name)(x)
         contexts[name] = at
         return out
 
@@ -44,10 +45,10 @@ def _lead_forward(run: _Run, x1: torch.Tensor, x2: torch.Tensor, devices: list[i
 def _kept(x: torch.Tensor) -> Callable[[], torch.Tensor]:
     """A lead unit's input kept for its backward (made contiguous there, as in the forward);
     an error, as autograd gives for its own saved tensors, if it was changed in place since."""
-    kept, version = x.detach(), x._version  # a detached tensor shares x's version counter
+    kept, version = x.detach(), _version(x)  # a detached tensor shares x's version counter
 
     def make() -> torch.Tensor:
-        if kept._version != version:
+        if _version(kept) != version:
             raise RuntimeError("reversible_sequence: an input of a lead unit was changed in place "
                                "after the unit ran, and its backward needs it as it was; make "
                                "that change out of place")
@@ -131,7 +132,7 @@ def _undo_lead_whole(run: _Run, make1: Callable[[], torch.Tensor],
 
 def _grad_of(fn: tuple[Any, Any], make: Callable[[], torch.Tensor], seed: torch.Tensor,
              grads: list[torch.Tensor | None], aliases: dict[int, torch.Tensor],
-             at: _ForwardContext) -> torch.Tensor | None:
+             at: ForwardState) -> torch.Tensor | None:
     """``fn`` (head and tail, :func:`~.remake._parts`) recomputed on the tensor ``make`` makes
     (made again when its backward needs it, not kept), then its gradients for ``seed``: the
     parameters' are added to ``grads``, the input's is returned."""

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.recompute import _cuda_devices, _ForwardContext
+from ..checkpoint.recompute import _cuda_devices, ForwardState
 from .coupling import LeadBlock, ReversibleBlock
 from .grid import Grid, _add, _checked, _enter, from_fixed
 from .lead import _lead_forward, _undo_lead
@@ -35,10 +35,10 @@ class _Rebuild(torch.autograd.Function):
         for block in run.blocks:
             contexts = []
             for j, fn in ((0, block.f), (1, block.g)):  # y1 = x1 + F(x2), y2 = x2 + G(y1)
-                with _ForwardContext(devices, run.preserve_rng) as at:
-                    views[j] = None  # this stream's old view, already used
-                    views[j] = _add(streams[j], fn(views[1 - j], *run.args), grid, checks,
-                                    inplace=True)[1]
+                at = ForwardState(devices, run.preserve_rng)
+                views[j] = None  # this stream's old view, already used
+                views[j] = _add(streams[j], fn(views[1 - j], *run.args), grid, checks,
+                                inplace=True)[1]
                 contexts.append(at)
             run.contexts.append((contexts[0], contexts[1]))
         run.streams = [k1, k2]  # not saved by ctx: backward lets go of k1 before it ends
@@ -79,7 +79,7 @@ class _Rebuild(torch.autograd.Function):
 
 def _undo(fn: Any, k_in: torch.Tensor, k_out: torch.Tensor | None, seed: torch.Tensor,
           into: torch.Tensor, grads: list[torch.Tensor | None], aliases: dict[int, torch.Tensor],
-          grid: Grid, at: _ForwardContext, args: tuple) -> None:
+          grid: Grid, at: ForwardState, args: tuple) -> None:
     """One half of a block backwards: recompute ``fn`` on stream ``k_in``, take its output off
     ``k_out`` (in place: the streams are the rebuild's own; not when ``None``), then its
     gradients for ``seed`` (the output's gradient): the input's is added to ``into`` in place,
@@ -108,7 +108,7 @@ def _undo(fn: Any, k_in: torch.Tensor, k_out: torch.Tensor | None, seed: torch.T
     _accumulate(grads, aliases, got[1:])
 
 
-def _recompute(fn: tuple[Any, Any], k: torch.Tensor, grid: Grid, at: _ForwardContext,
+def _recompute(fn: tuple[Any, Any], k: torch.Tensor, grid: Grid, at: ForwardState,
                args: tuple) -> tuple[torch.Tensor, torch.autograd.graph.GradientEdge, bool]:
     """``fn`` (head and tail, :func:`_parts`) on the float view of ``k``, under the forward's
     RNG and autocast state and the recompute guard (BatchNorm statistics are not updated a

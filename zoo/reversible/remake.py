@@ -13,11 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint.recompute import _ForwardContext, _RecomputeContext
+from .. import _torch
+from ..checkpoint.recompute import ForwardState, _RecomputeContext
 
 # torch.autograd.grad takes an output's gradient edge in place of the output from torch 2.5 on
 # (older versions keep each recomputed output alive through its backward: a little more memory)
-_EDGE_OUTPUTS = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+_EDGE_OUTPUTS = _torch.VERSION >= (2, 5)
 
 
 @contextlib.contextmanager
@@ -30,13 +31,13 @@ def _aliased(module: nn.Module, names: dict[int, list[str]],
         for name in names[j]:
             owner_name, _, attr = name.rpartition(".")
             owner = module.get_submodule(owner_name) if owner_name else module
-            swapped.append((owner, attr, owner._parameters[attr]))
-            owner._parameters[attr] = alias
+            swapped.append((owner, attr, _torch.module_parameters(owner)[attr]))
+            _torch.module_parameters(owner)[attr] = alias
     try:
         yield
     finally:
         for owner, attr, param in swapped:
-            owner._parameters[attr] = param
+            _torch.module_parameters(owner)[attr] = param
 
 
 class _StreamView(torch.autograd.Function):
@@ -153,13 +154,13 @@ def _parts(block: Any, name: str) -> tuple[Any, Any]:
     return parts if parts is not None else (None, getattr(block, name))
 
 
-def _remade(head: Any, make: Callable[[], torch.Tensor], at: _ForwardContext) -> torch.Tensor:
+def _remade(head: Any, make: Callable[[], torch.Tensor], at: ForwardState) -> torch.Tensor:
     """``head`` again on the input ``make`` makes, as the recompute ran it."""
     with torch.no_grad(), _RecomputeContext(at):
         return head(make())
 
 
-def _recorded(fn: tuple[Any, Any], make: Callable[[], torch.Tensor], at: _ForwardContext,
+def _recorded(fn: tuple[Any, Any], make: Callable[[], torch.Tensor], at: ForwardState,
               args: tuple, device: torch.device
               ) -> tuple[torch.Tensor, torch.autograd.graph.GradientEdge, _RemakeView]:
     """``fn`` (head and tail, :func:`_parts`) recomputed with its graph on the tensor ``make``

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint.recompute import _ForwardContext
+from ..checkpoint.recompute import ForwardState
 from .coupling import LeadBlock, ReversibleBlock
 from .grid import Grid
 from .sources import Source
@@ -36,8 +36,8 @@ class _Run:
                     names.setdefault(index[id(p)], []).append(name)
             self.block_params.append(names)
         self.lead_params = self.block_params.pop(0) if lead is not None else {}
-        self.lead_contexts: tuple[_ForwardContext, ...] | None = None  # f, shortcut1, g, shortcut2
-        self.contexts: list[tuple[_ForwardContext, _ForwardContext]] = []
+        self.lead_contexts: tuple[ForwardState, ...] | None = None  # f, shortcut1, g, shortcut2
+        self.contexts: list[tuple[ForwardState, ForwardState]] = []
         # what the lead's backward needs: its first output, and its inputs' sources (of the
         # sequence before it) or the inputs themselves; let go as soon as used
         self.lead_kept: list[Any] = []

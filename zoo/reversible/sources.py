@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .._torch import tensor_version as _version
 from .grid import Grid, from_fixed
 
 __all__ = ["Source", "join", "split", "source_of", "remember"]
@@ -34,10 +35,10 @@ class Source:
 
     def __init__(self, k: torch.Tensor, grid: Grid, bad: torch.Tensor) -> None:
         self.k: torch.Tensor | None = k  # None once the sequence's backward has begun
-        self.grid, self.bad, self.version = grid, bad, k._version
+        self.grid, self.bad, self.version = grid, bad, _version(k)
 
     def make(self) -> torch.Tensor:
-        if self.k is None or self.k._version != self.version:
+        if self.k is None or _version(self.k) != self.version:
             raise RuntimeError("reversible_sequence: a lead unit's input was made again from "
                                "streams already rebuilt below it (backward ran out of order); "
                                "run backward once through the whole model")
@@ -47,14 +48,14 @@ class Source:
 def remember(t: torch.Tensor, source: Source) -> None:
     """Record that ``t`` equals ``source.make()``, bit for bit (while ``t`` is not changed in
     place)."""
-    _SOURCES[t] = (source, t._version)
+    _SOURCES[t] = (source, _version(t))
 
 
 def source_of(t: torch.Tensor) -> Source | None:
     """``t``'s source if ``t`` is a rebuilt sequence's output (or a :func:`split` half of their
     :func:`join`) not changed in place since, else ``None``."""
     found = _SOURCES.get(t)
-    if found is None or len(found) != 2 or found[1] != t._version:
+    if found is None or len(found) != 2 or found[1] != _version(t):
         return None
     return found[0]
 
@@ -65,7 +66,7 @@ def join(y1: torch.Tensor, y2: torch.Tensor, dim: int = 1) -> torch.Tensor:
     if not _is_compiling():
         s1, s2 = source_of(y1), source_of(y2)
         if s1 is not None and s2 is not None and y1.shape == y2.shape:
-            _SOURCES[out] = (s1, s2, dim, out._version)
+            _SOURCES[out] = (s1, s2, dim, _version(out))
     return out
 
 
@@ -75,7 +76,7 @@ def split(x: torch.Tensor, dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     was changed in place since the join (then its halves are kept as they are)."""
     x1, x2 = x.chunk(2, dim=dim)
     joined = None if _is_compiling() else _SOURCES.get(x)
-    if joined is not None and len(joined) == 4 and joined[2:] == (dim, x._version):
+    if joined is not None and len(joined) == 4 and joined[2:] == (dim, _version(x)):
         remember(x1, joined[0])
         remember(x2, joined[1])
     return x1, x2

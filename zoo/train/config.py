@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from .. import _torch
+
 __all__ = ["ConfigError", "TrainConfig", "MODEL_ALIASES", "SAFE_ON_RESUME", "resolve_model_name",
            "load_yaml", "merge", "config_keys", "to_yaml", "resolve_config", "config_drift"]
 
@@ -115,7 +117,7 @@ class TrainConfig:
         if self.warmup_iters < 0:
             raise ConfigError(f"warmup_iters must be >= 0, got {self.warmup_iters}")
         if isinstance(self.compile, str):
-            from torch._dynamo import list_backends
+            list_backends = _torch.dynamo().list_backends
             backends = list_backends(exclude_tags=())
             if self.compile not in backends:
                 close = difflib.get_close_matches(self.compile, list_backends(), n=1)

@@ -90,7 +90,7 @@ def block_costs(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_i
     """(bytes autograd saves inside each block, forward FLOPs of each block) in one plain fake
     training step; parameters are not counted (checkpointing does not free them)."""
     from torch.multiprocessing.reductions import StorageWeakRef
-    from torch.nn.utils.stateless import _reparametrize_module
+    from ..._torch import reparametrize_module as _reparametrize_module
     from torch.utils.flop_counter import FlopCounterMode
 
     fake = PlannerFakeMode()

@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from ..._torch import TorchDispatchMode, tree_flatten
 
 from ...blocks import checkpoint_module, is_checkpointed
 from ...checkpoint import run_plan
@@ -72,7 +71,7 @@ class _Ops(TorchDispatchMode):
 
 def _trace_calls(model: nn.Module, example_input: Any) -> tuple[_Call, dict[str, int], _Ops]:
     """One fake forward: the tree of submodule calls, how often each module ran, the ops."""
-    from torch.nn.utils.stateless import _reparametrize_module
+    from ..._torch import reparametrize_module as _reparametrize_module
 
     fake = PlannerFakeMode()
     state = fake_state(model, fake)

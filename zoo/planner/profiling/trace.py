@@ -148,7 +148,7 @@ def traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torc
     block's own regions are still seen): autograd then passes each saved tensor as it is,
     where a hook makes it detach every one that is not an op's output first (a dispatched op,
     a tenth of a fake step's time), for a step whose marks, peaks and FLOPs are all it needs."""
-    from torch.nn.utils.stateless import _reparametrize_module
+    from ..._torch import reparametrize_module as _reparametrize_module
 
     fake = fake or FakeStep(model, x)
     tensors, fx = fake.tensors, fake.input

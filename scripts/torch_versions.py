@@ -1,0 +1,172 @@
+"""Run the exactness core on several torch versions, one virtual environment each, and print (or
+write into docs/torch-versions.md) the table of what each version runs.
+
+    python scripts/torch_versions.py /tmp/venv-torch2.4.1 /tmp/venv-torch2.15.0 --write
+    python scripts/torch_versions.py --imports /tmp/venv-torch2.5.1 ...   # `import zoo` only
+    python scripts/torch_versions.py VENV --save results.jsonl   # later: --load results.jsonl
+
+Each environment needs torch, torchvision, timm, transformers and pytest; the checkout is put on
+its path (PYTHONPATH), so the code under test is this one. The core is the list of pytest files
+in .ci/torch-core.txt; each file stands for one claim (a column of the table).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CORE = ROOT / ".ci" / "torch-core.txt"
+PAGE = ROOT / "docs" / "torch-versions.md"
+BEGIN, END = "<!-- torch-versions table: begin -->", "<!-- torch-versions table: end -->"
+
+
+def core_files(path: Path = CORE) -> list[tuple[str, str]]:
+    """(pytest file, the claim it checks) from the core list: ``file  # claim`` per line."""
+    rows = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            file, _, claim = line.partition("#")
+            rows.append((file.strip(), claim.strip() or file.strip()))
+    return rows
+
+
+def _env(venv: Path) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'scripts'}")
+    env.pop("PIP_CONSTRAINT", None)
+    return env
+
+
+def torch_version(venv: Path) -> str:
+    code = "import torch; print(torch.__version__)"
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True,
+                         text=True, check=True)
+    return out.stdout.strip()
+
+
+def import_zoo(venv: Path) -> str:
+    """'yes', or the last line of the error ``import zoo`` gives in ``venv``."""
+    run = subprocess.run([str(venv / "bin" / "python"), "-c", "import zoo"], cwd=ROOT,
+                         env=_env(venv), capture_output=True, text=True)
+    return "yes" if run.returncode == 0 else (run.stderr.strip().splitlines() or ["fails"])[-1]
+
+
+def run_core(venv: Path, files: list[str], extra: list[str]) -> tuple[dict[str, list[str]], float]:
+    """Run the core in ``venv``: per file, the outcome of each test ('passed', 'failed',
+    'skipped: reason'), and the wall time in seconds."""
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "core.xml"
+        start = time.perf_counter()
+        subprocess.run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p",
+                        "no:cacheprovider", f"--junitxml={xml}", *extra, *files],
+                       cwd=ROOT, env=_env(venv))
+        seconds = time.perf_counter() - start
+        outcomes: dict[str, list[str]] = {f: [] for f in files}
+        if not xml.exists():
+            return outcomes, seconds
+        for case in ET.parse(xml).iter("testcase"):
+            name = case.get("classname", "")  # tests.checkpoint.test_x[.Class]
+            key = next((f for f in files if name == f[:-3].replace("/", ".") or
+                        name.startswith(f[:-3].replace("/", ".") + ".")), None)
+            if key is None:
+                continue
+            if case.find("failure") is not None or case.find("error") is not None:
+                outcomes[key].append("failed")
+            elif (skip := case.find("skipped")) is not None:
+                outcomes[key].append("skipped: " + (skip.get("message") or ""))
+            else:
+                outcomes[key].append("passed")
+    return outcomes, seconds
+
+
+def cell(outcomes: list[str]) -> str:
+    """One table cell: 'exact (n)', 'FAILS k of n', or why it is skipped."""
+    if not outcomes:
+        return "not run"
+    passed = outcomes.count("passed")
+    failed = outcomes.count("failed")
+    skipped = [o for o in outcomes if o.startswith("skipped")]
+    if failed:
+        return f"FAILS {failed} of {len(outcomes)}"
+    needs = sorted({m.group(0) for o in skipped if (m := re.search(r"needs torch >= [\d.]+", o))})
+    if not passed and needs:
+        return "; ".join(needs)
+    text = f"passes ({passed})"
+    if needs:
+        text += f", {len(skipped)} skipped ({'; '.join(needs)})"
+    return text
+
+
+def table(rows: list[tuple[str, str, dict[str, list[str]] | None, float | None]],
+          core: list[tuple[str, str]]) -> str:
+    head = ["torch", "import zoo", *(claim for _, claim in core), "core time"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for version, imported, outcomes, seconds in rows:
+        cells = [version, imported]
+        cells += [cell(outcomes[f]) if outcomes is not None else "-" for f, _ in core]
+        cells.append(f"{seconds / 60:.1f} min" if seconds is not None else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    return (f"{os.cpu_count()}-core {platform.machine()} CPU, no GPU, Python "
+            f"{platform.python_version()}")
+
+
+def write_page(text: str, page: Path = PAGE) -> None:
+    """Put ``text`` between the page's table markers."""
+    doc = page.read_text()
+    start, stop = doc.index(BEGIN) + len(BEGIN), doc.index(END)
+    page.write_text(doc[:start] + "\n" + text + "\n" + doc[stop:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("venvs", nargs="*", type=Path, help="virtual environments, one torch each")
+    parser.add_argument("--imports", action="store_true", help="only check `import zoo`")
+    parser.add_argument("--save", type=Path, help="append each environment's results (JSON lines)")
+    parser.add_argument("--load", type=Path, nargs="*", default=[],
+                        help="results saved by --save, as rows of the table before the venvs'")
+    parser.add_argument("--write", action="store_true", help=f"write the table into {PAGE.name}")
+    parser.add_argument("--pytest-args", default="", help="extra pytest arguments")
+    args = parser.parse_args(argv)
+    core = core_files()
+    rows = [tuple(json.loads(line)) for path in args.load
+            for line in path.read_text().splitlines() if line.strip()]
+    for venv in args.venvs:
+        version, imported = torch_version(venv), import_zoo(venv)
+        outcomes = seconds = None
+        if not args.imports and imported == "yes":
+            outcomes, seconds = run_core(venv, [f for f, _ in core], args.pytest_args.split())
+            print(f"torch {version}: core in {seconds / 60:.1f} min", file=sys.stderr, flush=True)
+        rows.append((version, imported, outcomes, seconds))
+        if args.save:
+            with args.save.open("a") as f:
+                f.write(json.dumps(rows[-1]) + "\n")
+    rows.sort(key=lambda r: _release(r[0]))
+    command = "python scripts/torch_versions.py " + " ".join(argv or sys.argv[1:])
+    text = f"Measured on: {machine()}. Command: `{command}`\n\n" + table(rows, core)
+    print(text)
+    if args.write:
+        write_page(text)
+    failed = any(o is not None and any(x == "failed" for v in o.values() for x in v)
+                 for _, _, o, _ in rows)
+    return 1 if failed or any(i != "yes" for _, i, _, _ in rows) else 0
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""Every private torch name the library uses, in one place, with what each torch version has.
+
+The checkpoint's exactness rests on torch internals (the autograd engine's view of the backward
+call, the global forward pre-hook table, dispatch modes, the partitioner's policies, FakeTensor's
+cache). Any release can move them; this module is where a new torch shows it. Each name below is
+listed in :data:`NAMES` with the first torch that has it and what the library does without it:
+
+* a fallback that stays exact (the name is ``None`` here, and its user takes a slower or more
+  conservative path), or
+* a one-line error naming the torch it needs, raised by :func:`require` when the feature is
+  called, never at ``import zoo``.
+
+tests/test_torch_compat.py resolves every entry on the installed torch and fails loudly when a
+name the table promises is missing or has changed kind.
+
+To check that nothing else reaches a private torch name (the project's rule)::
+
+    grep -rnE "torch\\.([a-z_]+\\.)*_[a-zA-Z]|from torch[a-z_.]* import _|torch\\._C" zoo/ \\
+        | grep -v "^zoo/_torch.py"
+
+must print nothing.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import operator
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch._subclasses.fake_tensor as _fake
+import torch.nn.modules.batchnorm
+import torch.nn.modules.instancenorm
+import torch.nn.modules.module
+import torch.nn.utils.stateless
+import torch.utils._python_dispatch
+import torch.utils._pytree
+import torch.utils.checkpoint
+
+__all__ = ["VERSION", "NAMES", "Name", "require", "resolve"]
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = text.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+#: The installed torch as (major, minor).
+VERSION = _version(torch.__version__)
+
+
+class Name(NamedTuple):
+    """One private (or version-dependent) torch name: since which release, and without it."""
+    since: tuple[int, int]
+    without: str
+
+
+OLDEST = (2, 4)  # the oldest torch the library supports (pyproject.toml)
+
+#: dotted path -> since when torch has it, and what the library does on a torch without it.
+NAMES: dict[str, Name] = {
+    # autograd engine: the backward call running now
+    "torch._C._current_graph_task_id": Name(OLDEST, "required"),
+    "torch._C._get_graph_exec_group": Name((2, 9), "exact: graph task ids only"),
+    "torch._C._autograd._get_current_graph_task_keep_graph": Name(
+        (2, 6), "exact: a region keeps its inputs until its last node ran; CPU attention "
+        "runs SDPA's own backward"),
+    "torch._C._current_autograd_node": Name(OLDEST, "exact: inputs kept longer"),
+    "torch._C._will_engine_execute_node": Name(OLDEST, "exact: inputs kept longer"),
+    "torch._C._autograd._get_sequence_nr": Name(OLDEST, "exact: inputs kept longer"),
+    "torch.autograd.Variable._execution_engine": Name(OLDEST, "required"),
+    "torch._C._is_any_autocast_enabled": Name(OLDEST, "exact: autocast read per device"),
+    "torch._C._dispatch_tls_is_dispatch_key_excluded": Name(OLDEST, "required (op counter)"),
+    "torch._C.DispatchKey": Name(OLDEST, "required"),
+    # modules and their hooks
+    "torch.nn.modules.module._global_forward_pre_hooks": Name(OLDEST, "required (BN guard)"),
+    "torch.nn.modules.batchnorm._NormBase": Name(OLDEST, "required (BN guard)"),
+    "torch.nn.modules.batchnorm._BatchNorm": Name(OLDEST, "required (BN guard)"),
+    "torch.nn.modules.instancenorm._InstanceNorm": Name(OLDEST, "required (BN guard)"),
+    "torch.nn.utils.stateless._reparametrize_module": Name(OLDEST, "required (planner)"),
+    # dispatch modes and pytrees
+    "torch.utils._python_dispatch.TorchDispatchMode": Name(OLDEST, "required"),
+    "torch.utils._python_dispatch._get_current_dispatch_mode": Name(OLDEST, "required"),
+    "torch.utils._python_dispatch._pop_mode_temporarily": Name(OLDEST, "required"),
+    "torch.utils._pytree.tree_map_only": Name(OLDEST, "required"),
+    "torch.utils._pytree.tree_flatten": Name(OLDEST, "required"),
+    "torch.utils._pytree.tree_leaves": Name(OLDEST, "required"),
+    "torch._ops.OpOverload": Name(OLDEST, "required"),
+    "torch._ops.HigherOrderOperator": Name(OLDEST, "required (memory tracker)"),
+    "torch._fused_sdp_choice": Name(OLDEST, "required (CPU attention)"),
+    # torch.utils.checkpoint's selective checkpoint (compiled regions, save_ops under compile)
+    "torch.utils.checkpoint.create_selective_checkpoint_contexts": Name(
+        (2, 5), "error: compiled regions (which need 2.11)"),
+    "torch.utils.checkpoint.CheckpointPolicy": Name(
+        (2, 5), "error: compiled regions (which need 2.11)"),
+    "torch.utils.checkpoint._CachedTorchDispatchMode": Name(
+        OLDEST, "exact: no torch replay mode to step outside"),
+    # Dynamo, AOTAutograd and the partitioner
+    "torch._dynamo.disable": Name(OLDEST, "required"),
+    "torch._dynamo.reset": Name(OLDEST, "required (compiled memory)"),
+    "torch._dynamo.list_backends": Name(OLDEST, "required (zoo-train --compile)"),
+    "torch._dynamo.eval_frame.skip_code": Name(OLDEST, "required"),
+    "torch._dynamo.backends.common.aot_autograd": Name(OLDEST, "required (compiled memory)"),
+    "torch._functorch.config.activation_memory_budget": Name(
+        OLDEST, "required (compiled memory)"),
+    "torch._functorch.config.activation_memory_budget_solver": Name(
+        OLDEST, "required (compiled memory)"),
+    "torch._functorch.partitioners.get_default_op_list": Name(OLDEST, "exact: torch's rule"),
+    "torch._functorch.partitioners.min_cut_rematerialization_partition": Name(
+        OLDEST, "required (compiled memory)"),
+    "torch._prims.rng_prims": Name(OLDEST, "required (compiled memory on meta)"),
+    "torch.fx.experimental.proxy_tensor.get_proxy_mode": Name((2, 5), "exact: torch's rule"),
+    # FakeTensor and the memory tracker
+    "torch._subclasses.fake_tensor.FakeTensor": Name(OLDEST, "required (planner)"),
+    "torch._subclasses.fake_tensor.FakeTensorMode": Name(OLDEST, "required (planner)"),
+    "torch._subclasses.fake_tensor.is_fake": Name(OLDEST, "required"),
+    "torch._subclasses.fake_tensor.in_kernel_invocation_manager": Name(OLDEST, "required"),
+    "torch._subclasses.fake_tensor._DispatchCacheKey": Name(OLDEST, "exact: torch's keys"),
+    "torch.distributed._tools.mem_tracker.MemTracker": Name(
+        (2, 5), "error: exact CPU peaks (zoo.memory, zoo.plan) need torch 2.5"),
+}
+
+
+#: Private attributes of torch objects the library reads (tensors, modules, autograd nodes); each
+#: is reached through the accessor named beside it.
+ATTRIBUTES = {
+    "_version": "tensor_version",
+    "_sequence_nr": "sequence_nr",
+    "_buffers": "module_buffers",
+    "_parameters": "module_parameters",
+}
+
+
+@functools.cache
+def resolve(path: str) -> Any:
+    """The object at dotted ``path`` (importing its module if needed), or ``None``."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr, None)
+            if obj is None:
+                return None
+        return obj
+    return None
+
+
+def require(obj: Any, feature: str, path: str) -> Any:
+    """``obj`` if this torch has it, else a one-line RuntimeError naming the torch ``feature``
+    needs (from :data:`NAMES`)."""
+    if obj is None:
+        since = ".".join(map(str, NAMES[path].since))
+        raise RuntimeError(f"zoo: {feature} needs torch >= {since} (this is torch "
+                           f"{torch.__version__}); upgrade torch, or do without {feature}")
+    return obj
+
+
+def lazy(path: str, feature: str) -> Callable[[], Any]:
+    """A function that imports ``path`` when first called (for names whose module is heavy to
+    import), raising :func:`require`'s one-line error where this torch lacks it."""
+    def get() -> Any:
+        return require(resolve(path), feature, path)
+    get.__name__ = path.rsplit(".", 1)[-1]
+    return get
+
+
+_C = torch._C
+_autograd = torch._C._autograd
+_checkpoint = torch.utils.checkpoint
+
+# autograd engine
+current_graph_task_id = _C._current_graph_task_id
+get_graph_exec_group = getattr(_C, "_get_graph_exec_group", None)
+get_current_graph_task_keep_graph = getattr(_autograd, "_get_current_graph_task_keep_graph", None)
+current_autograd_node = getattr(_C, "_current_autograd_node", None)
+will_engine_execute_node = getattr(_C, "_will_engine_execute_node", None)
+get_sequence_nr = getattr(_autograd, "_get_sequence_nr", None)
+execution_engine = torch.autograd.Variable._execution_engine
+is_any_autocast_enabled = getattr(_C, "_is_any_autocast_enabled", None)
+dispatch_tls_is_dispatch_key_excluded = _C._dispatch_tls_is_dispatch_key_excluded
+DispatchKey = _C.DispatchKey
+
+
+#: ``t._version``: a tensor's in-place version counter, which autograd checks saved tensors with
+#: (an attrgetter: no Python frame per call, on the region's hot path).
+tensor_version = operator.attrgetter("_version")
+#: ``node._sequence_nr()``: an autograd node's sequence number.
+sequence_nr = operator.methodcaller("_sequence_nr")
+
+
+# modules
+global_forward_pre_hooks = torch.nn.modules.module._global_forward_pre_hooks
+NormBase = torch.nn.modules.batchnorm._NormBase
+BatchNormBase = torch.nn.modules.batchnorm._BatchNorm
+InstanceNormBase = torch.nn.modules.instancenorm._InstanceNorm
+reparametrize_module = torch.nn.utils.stateless._reparametrize_module
+
+
+#: ``module._buffers``: a module's own buffer table (a ``None`` entry is skipped by ``buffers()``
+#: and by BatchNorm's forward).
+module_buffers = operator.attrgetter("_buffers")
+#: ``module._parameters``: a module's own parameter table (swapped for aliases).
+module_parameters = operator.attrgetter("_parameters")
+
+
+# dispatch modes, ops and pytrees
+TorchDispatchMode = torch.utils._python_dispatch.TorchDispatchMode
+get_current_dispatch_mode = torch.utils._python_dispatch._get_current_dispatch_mode
+pop_mode_temporarily = torch.utils._python_dispatch._pop_mode_temporarily
+tree_map_only = torch.utils._pytree.tree_map_only
+tree_flatten = torch.utils._pytree.tree_flatten
+tree_leaves = torch.utils._pytree.tree_leaves
+OpOverload = torch._ops.OpOverload
+HigherOrderOperator = torch._ops.HigherOrderOperator
+fused_sdp_choice = torch._fused_sdp_choice
+
+# torch.utils.checkpoint's selective checkpoint (torch >= 2.5)
+create_selective_checkpoint_contexts = getattr(_checkpoint, "create_selective_checkpoint_contexts",
+                                               None)
+CheckpointPolicy = getattr(_checkpoint, "CheckpointPolicy", None)
+CachedTorchDispatchMode = getattr(_checkpoint, "_CachedTorchDispatchMode", None)
+
+
+#: The oldest torch whose compiled checkpoint is exact. torch 2.8's updates BatchNorm's running
+#: statistics twice per step (torch's own ``checkpoint(..., use_reentrant=False)`` under
+#: ``torch.compile`` too: the recompute's buffer update is replayed); 2.5 to 2.10 are not
+#: verified, so they are refused as well. tests/test_torch_compat.py checks torch's behaviour.
+COMPILED_REGIONS_SINCE = (2, 11)
+
+
+def compiled_checkpoint_policy() -> Any:
+    """torch's ``CheckpointPolicy``, or the one-line error naming the torch compiled regions
+    need (:data:`COMPILED_REGIONS_SINCE`)."""
+    if VERSION < COMPILED_REGIONS_SINCE:
+        since = ".".join(map(str, COMPILED_REGIONS_SINCE))
+        raise RuntimeError(f"zoo: zoo.checkpoint under torch.compile needs torch >= {since} "
+                           f"(this is torch {torch.__version__}, whose compiled checkpoint is "
+                           "not exact); upgrade torch, or run the model eagerly")
+    return require(CheckpointPolicy, "zoo.checkpoint under torch.compile",
+                   "torch.utils.checkpoint.CheckpointPolicy")
+
+
+# Dynamo, AOTAutograd, the partitioner (imported on first use: heavy)
+def dynamo() -> Any:
+    """``torch._dynamo`` (disable, reset, list_backends)."""
+    import torch._dynamo
+    return torch._dynamo
+
+
+def skip_code(code: Any) -> None:
+    """Dynamo compiles no frame of ``code`` (it still inlines it while tracing its caller)."""
+    resolve("torch._dynamo.eval_frame.skip_code")(code)
+
+
+def functorch_config() -> Any:
+    """``torch._functorch.config`` (activation_memory_budget and its solver)."""
+    import torch._functorch.config
+    return torch._functorch.config
+
+
+aot_autograd = lazy("torch._dynamo.backends.common.aot_autograd", "the compiled-memory peer")
+min_cut_rematerialization_partition = lazy(
+    "torch._functorch.partitioners.min_cut_rematerialization_partition",
+    "the compiled-memory peer")
+rng_prims = lazy("torch._prims.rng_prims", "the compiled-memory peer on meta")
+
+
+def default_view_ops() -> Any:
+    """The ops AOTAutograd's partitioner treats as views, or ``None`` where it has no such list."""
+    get = getattr(resolve("torch._functorch.partitioners"), "get_default_op_list", None)
+    return None if get is None else get().view_ops
+
+
+def proxy_mode() -> Any:
+    """The proxy mode tracing now (AOTAutograd's tracer), or ``None``."""
+    get = getattr(resolve("torch.fx.experimental.proxy_tensor"), "get_proxy_mode", None)
+    return None if get is None else get()
+
+
+# FakeTensor and the memory tracker
+FakeTensor = _fake.FakeTensor
+FakeTensorMode = _fake.FakeTensorMode
+is_fake = _fake.is_fake
+in_kernel_invocation_manager = _fake.in_kernel_invocation_manager
+DispatchCacheKey = getattr(_fake, "_DispatchCacheKey", None)  # FakeTensorMode's cache key
+
+
+mem_tracker = lazy("torch.distributed._tools.mem_tracker.MemTracker",
+                   "exact CPU memory (zoo.memory, zoo.plan)")
