@@ -101,6 +101,8 @@ NAMES: dict[str, Name] = {
     "torch._dynamo.reset": Name(OLDEST, "required (compiled memory)"),
     "torch._dynamo.list_backends": Name(OLDEST, "required (zoo-train --compile)"),
     "torch._dynamo.eval_frame.skip_code": Name(OLDEST, "required"),
+    "torch._dynamo.config.reorderable_logging_functions": Name(
+        OLDEST, "the plan's compile warning is not given"),
     "torch._dynamo.backends.common.aot_autograd": Name(OLDEST, "required (compiled memory)"),
     "torch._functorch.config.activation_memory_budget": Name(
         OLDEST, "required (compiled memory)"),
@@ -249,6 +251,12 @@ def dynamo() -> Any:
     """``torch._dynamo`` (disable, reset, list_backends)."""
     import torch._dynamo
     return torch._dynamo
+
+
+def reorderable_logging_functions() -> set | None:
+    """Dynamo's set of functions it calls after the compiled graph instead of breaking it
+    (``torch._dynamo.config.reorderable_logging_functions``), or ``None`` where it has none."""
+    return getattr(dynamo().config, "reorderable_logging_functions", None)
 
 
 def skip_code(code: Any) -> None:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .cards import H100_ACHIEVED, H100_HOST, Achieved, Card, HostCost, StepTime, card, step_time
+from .. import _torch
 from .cuda_peak import run_counted
 from .fake import FakeStep, default_loss
 
@@ -45,15 +46,13 @@ def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
     :class:`~zoo.memory.cards.Card`). ``host`` and ``achieved``: the host's costs and the
     fractions of the card's peaks its kernels reach (both calibrated on an H100 machine);
     ``limit``: a cap on reserved bytes, as ``set_per_process_memory_fraction`` sets."""
-    from torch.nn.utils.stateless import _reparametrize_module
-
     target = card(on)
     loss_fn = loss_fn or default_loss
     fake = FakeStep(model, example_input)
 
     def step() -> None:
         fake.clear()
-        with _reparametrize_module(model, fake.state):
+        with _torch.reparametrize_module(model, fake.state):
             loss_fn(model(fake.input)).backward()
 
     try:

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
+from .. import _torch
+from .._torch import tree_flatten
 from .cuda_allocator import CachingAllocator
 from .cuda_ops import CudaKernels
 from .tracker import StepCounter
@@ -36,8 +37,8 @@ HOPPER_WORKSPACE = 32 << 20  # cuBLAS workspace, compute capability 9.x and newe
 OLDER_WORKSPACE = (4096 << 10) * 2 + (16 << 10) * 8  # ":4096:2:16:8" before
 _aten = torch.ops.aten
 _DEVICE = torch.ops.prim.device.default
-_BELOW_AUTOGRAD = torch._C.DispatchKey.ADInplaceOrView
-_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_BELOW_AUTOGRAD = _torch.DispatchKey.ADInplaceOrView
+_excluded = _torch.dispatch_tls_is_dispatch_key_excluded
 _MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm}
 # fused attention: the RNG seed and offset it returns live on the host (64-bit, 1 or 2)
 _HOST_RNG = {_aten._scaled_dot_product_efficient_attention,
@@ -86,7 +87,7 @@ class CudaCounter(StepCounter):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         if func is _DEVICE:
             return super().__torch_dispatch__(func, types, args, kwargs)
-        backward = torch._C._current_graph_task_id() != -1
+        backward = _torch.current_graph_task_id() != -1
         packet = getattr(func, "_overloadpacket", None)
         if packet in _MATMULS and backward not in self._workspaces and self.workspace:
             self._workspaces[backward] = self.allocator.malloc(self.workspace)
@@ -168,7 +169,7 @@ def _regions_counted(counter: CudaCounter) -> Iterator[None]:
     enter = hooks.__enter__
 
     def counted(self: Any) -> Any:
-        if torch._C._current_graph_task_id() == -1:
+        if _torch.current_graph_task_id() == -1:
             counter.regions += 1
         if not getattr(self, "_zoo_watched", False):
             unpack = self.unpack_hook

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import _torch
 from ..memory import format_bytes
 from .search.modes import ModeCost
 from .profiling.chain_profile import ChainProfile
@@ -191,7 +192,7 @@ def _watch_compile(model: nn.Module, message: str | None) -> None:
         old.remove()
     if message is None:
         return
-    reorderable = getattr(torch._dynamo.config, "reorderable_logging_functions", None)
+    reorderable = _torch.reorderable_logging_functions()
     if reorderable is not None:
         reorderable.add(_say)
 
