@@ -36,7 +36,8 @@ from ..checkpoint import split_segments
 from ..memory import parse_budget
 from .batch import largest_batch
 from .errors import BudgetTooSmallError
-from ..memory.fake import collector_paused, default_loss
+from ..memory.fake import collector_paused
+from ..memory.training import default_loss
 from .search.front import Front, solve_nested
 from ..memory.step import measure_step
 from .search.modes import ModeCost, profile_modes
