@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from zoo.memory.host import OpCounter
 from zoo.memory.tracker import StepCounter
 
 __all__ = ["CompiledStep", "compile_step", "measure_compiled", "default_solver"]
@@ -213,21 +213,6 @@ def measure_compiled(model: nn.Module, x: torch.Tensor, budget: float,
             "flops": counter.flops}
 
 
-class _OpNames(TorchDispatchMode):
-    """The kernels dispatched under it (aten ops, not prim's metadata queries), by name and
-    count."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
-        if func.namespace != "prim":  # metadata queries (prim.device), no kernel
-            self.names[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def check_meta_like_cpu(model: nn.Module, x: torch.Tensor) -> None:
     """Raise ValueError when one training-mode forward of ``model`` dispatches other aten ops on
     the meta device than on (fake) CPU tensors: then a ``fake=True`` measurement would not be
@@ -245,9 +230,11 @@ def check_meta_like_cpu(model: nn.Module, x: torch.Tensor) -> None:
             if device == "meta":
                 state = {k: v.to("meta") for k, v in state.items()}
                 inp = inp.to("meta")
-        with _reparametrize_module(model, state), mode, _OpNames() as ops, torch.no_grad():
+        with _reparametrize_module(model, state), mode, OpCounter() as ops, torch.no_grad():
             model(inp)
-        counts.append(ops.names)
+        # the kernels by name: prim's metadata queries (prim.device) run none
+        counts.append(collections.Counter({name: n for name, n in ops.ops.items()
+                                           if not name.startswith("prim.")}))
     if counts[0] != counts[1]:
         differ = sorted(k for k in counts[0] | counts[1] if counts[0][k] != counts[1][k])[:3]
         raise ValueError(f"--fake cannot measure {type(model).__name__}: on the meta device it "
