@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
 import zoo
+from zoo.memory import bn_count, bn_state, default_loss
 
 __all__ = ["make_chain", "WRAPPERS", "run_modes", "Combo", "build_combos", "time_combos",
            "overhead_rows", "overhead_table", "overhead_header", "run_overhead", "one_line",
@@ -118,13 +119,13 @@ class Combo:
         return f"{self.checkpoint} ({self.run_as})"
 
     def step(self, x: torch.Tensor) -> None:
-        """One training step: forward, ``square().mean()`` loss, backward, fresh gradients."""
+        """One training step: forward, ``zoo.memory.default_loss``, backward, fresh gradients."""
         if self.run_as == "reduce-overhead" and hasattr(torch.compiler,
                                                         "cudagraph_mark_step_begin"):
             torch.compiler.cudagraph_mark_step_begin()  # a new step: last step's outputs are free
         self.chain.zero_grad(set_to_none=True)
         x.grad = None
-        self.forward(x).square().mean().backward()
+        default_loss(self.forward(x)).backward()
 
 
 def _compiled(chain: Chain, run_as: str, backend: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -158,9 +159,7 @@ def build_combos(base: nn.Sequential, modes: Sequence[str], x: torch.Tensor,
                 combo.error = one_line(e)
             else:
                 combo.first_step_s = time.perf_counter() - start
-                combo.bn_count_after_one_step = max(
-                    int(m.num_batches_tracked) for m in chain.modules()
-                    if isinstance(m, nn.BatchNorm2d))
+                combo.bn_count_after_one_step = bn_count(bn_state(chain))
             combos.append(combo)
     return combos
 
