@@ -75,6 +75,14 @@ def train_step_peak(model: nn.Module, x: torch.Tensor) -> int:
     return cpu_peak_bytes(train_step(model, x), track=(model,))
 
 
+def tiny_cnn() -> nn.Sequential:
+    """conv-bn-relu twice, pooled into a linear head: activations outweigh the parameters."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+
 def assert_published_parameter_count(name: str, published: str) -> None:
     """``name``'s parameter count in millions, rounded to ``published``'s digits, equals it."""
     with torch.device("meta"):

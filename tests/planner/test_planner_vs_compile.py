@@ -11,18 +11,11 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import tiny_cnn as tiny
 from zoo.memory import count_flops, cpu_peak_bytes, default_loss
 from zoo.memory.compiled import compile_step, default_solver, measure_compiled
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def tiny() -> nn.Sequential:
-    """conv-bn-relu twice, pooled into a linear head: activations outweigh the parameters."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-                         nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
 
 
 def eager_step(model: nn.Module, x: torch.Tensor) -> None:

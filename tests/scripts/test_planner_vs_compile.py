@@ -9,20 +9,13 @@ import torch
 from torch import nn
 
 import zoo
+from helpers import tiny_cnn as tiny
 from zoo.memory.compiled import check_meta_like_cpu
 from zoo.models.vit import VisionTransformer
 
 from bench.planner_vs_compile import compare, markdown
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def tiny() -> nn.Sequential:
-    """conv-bn-relu twice, pooled into a linear head: activations outweigh the parameters."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-                         nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
 
 
 def test_compare_reports_both_sides() -> None:
