@@ -1,5 +1,5 @@
 """zoo.memory.compiled on a tiny conv-bn-relu model (the benchmark built on it, in
-tests/scripts/test_planner_vs_compile.py).
+tests/scripts/test_planner_vs_compile_compare.py).
 
 The compiled step (inductor's partitioner under ``activation_memory_budget``, graphs interpreted
 op by op) must be the plain model's step: same FLOPs and gradients at budget 1.0, BatchNorm
