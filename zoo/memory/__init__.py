@@ -35,6 +35,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from .batchnorm import bn_count, bn_difference, bn_state
+from .host import host_times
 from .training import default_loss, train_step
 
 __all__ = ["parse_bytes", "parse_budget", "format_bytes", "mem_tracker", "cpu_peak_bytes",
@@ -200,16 +201,7 @@ def step_cost(model: torch.nn.Module, x: Any,
 
 def median_seconds(step: Callable[[], Any], repeats: int = 5, warmup: int = 2,
                    cuda: bool = False) -> tuple[float, list[float]]:
-    """Median wall time of ``step()`` over ``repeats`` runs after ``warmup`` runs, and all times."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    """Median wall time of ``step()`` over ``repeats`` runs after ``warmup`` runs, and all times
+    (:func:`~.host.host_times` of the one step, on the wall clock)."""
+    times = host_times({"step": step}, repeats, warmup, cuda=cuda, clock=time.perf_counter)["step"]
     return statistics.median(times), times
