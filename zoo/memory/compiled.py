@@ -26,7 +26,7 @@ graphs prove the compiled graphs, not eager code, ran in the measured step.
 With ``fake=True`` the model and the batch go to the ``meta`` device first: Dynamo traces and
 the partitioner decides as on the CPU, and the replayed step runs no kernel, so a large model
 (BERT-base at sequence 128, batch 32: 2.1 TFLOP a step) is measured in seconds. Bytes and FLOPs
-are the CPU's to the byte and FLOP (tests/planner/test_planner_vs_compile.py checks both sides
+are the CPU's to the byte and FLOP (tests/scripts/test_planner_vs_compile_compare.py checks both
 on a small BERT at every fraction), as zoo's own fake steps are, wherever the model dispatches
 the same aten ops on the meta device as on the CPU: :func:`check_meta_like_cpu` refuses a model
 that does not (SDPA without attention dropout runs PyTorch's fused CPU kernel on the CPU and its
