@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import zoo
-from helpers import tiny_cnn as tiny
+from helpers import tiny_cnn
 from zoo.memory.compiled import check_meta_like_cpu
 from zoo.models.vit import VisionTransformer
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def test_compare_reports_both_sides() -> None:
-    result = compare(tiny, batch=4, fractions=(1.0, 0.3), size=16)
+    result = compare(tiny_cnn, batch=4, fractions=(1.0, 0.3), size=16)
     first, second = result["rows"]
     assert first["torch_recompute_flops"] == 0
     assert second["torch_recompute_flops"] > 0
@@ -38,7 +38,7 @@ def test_compare_reports_both_sides() -> None:
                                             < result["torch_least"]["torch_peak_bytes"])
     assert verdict["compiled_keeps_plan"] == (verdict["compiled_not_kept"] == [])
     assert verdict["every_fraction"] == (verdict["missed_fractions"] == [])
-    assert "| tiny (4) | 0.3 |" in markdown([result])
+    assert "| tiny_cnn (4) | 0.3 |" in markdown([result])
 
 
 def small_bert() -> nn.Module:
