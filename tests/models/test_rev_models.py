@@ -207,6 +207,7 @@ def test_recompute_is_one_forward_of_what_is_rebuilt_or_checkpointed(build):
     assert 0.9 * once < extra <= once
 
 
+@pytest.mark.slow
 def test_zoo_plan_and_largest_batch_work_on_a_reversible_model():
     """zoo.plan measures the reversible mode beside the chain's schedules and picks what fits
     with the least recompute; the planner's largest batch profiles the reversible stages."""

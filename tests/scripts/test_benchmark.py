@@ -247,6 +247,7 @@ def test_a_failure_names_its_cause_and_logs_its_traceback(
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow
 def test_gpu_smoke_writes_every_part(tmp_path: Path) -> None:
     """``gpu --smoke``: every part of the GPU command runs on the CPU with tiny sizes and
     writes its JSON (machine, command, rows, goals) and Markdown."""

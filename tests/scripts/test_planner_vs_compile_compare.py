@@ -48,6 +48,7 @@ def small_bert() -> nn.Module:
                             depth=2, num_heads=4)
 
 
+@pytest.mark.slow
 def test_fake_compare_is_the_cpu_compare() -> None:
     """``compare(..., fake=True)`` (torch's compiled steps, and zoo's compile-safe plans compiled,
     on the meta device: no kernel) gives every figure the CPU run gives, to the byte and FLOP, on
