@@ -21,10 +21,10 @@ from helpers import assert_same_training, train_step_peak
 GIANTS = {"densenet_bc_190", "densenet_bc_250", "densenet161", "densenet201", "densenet264",
           "resnet1202", "resnet101", "resnet152", "vit_base_patch16_224", "bert_base",
           "gpt2_small", "revnet164", "rev_vit_base_patch16_224", "rev_bert_base"}
-# Not giants, yet each of their modes takes tens of seconds to train twice beside plain (DenseNet-121:
-# 40-50 CPU-seconds a mode on 2 cores): marked slow as well, with all their modes. Their block
-# code is exercised in the fast lane by the CIFAR models of the same family (ResNet-18 and
-# ResNet-50 stay there: the ImageNet basic and bottleneck blocks).
+# Not giants, yet each of their modes takes tens of seconds to train twice beside plain
+# (DenseNet-121: 40-50 CPU-seconds a mode on 2 cores): marked slow as well, with all their modes.
+# Their block code is exercised in the fast lane by the CIFAR models of the same family
+# (ResNet-18 and ResNet-50 stay there: the ImageNet basic and bottleneck blocks).
 LARGE = {"densenet121", "densenet169", "resnet34", "vit_small_patch16_224",
          "rev_vit_small_patch16_224"}
 REQUIRED = ["densenet40", "densenet_bc_100", "densenet_bc_190", "densenet_bc_250", "densenet121",
