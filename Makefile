@@ -1,6 +1,8 @@
 # Two commands set everything up on a fresh machine (Python >= 3.10 with venv and pip):
 #   make train   -> creates .venv, installs zoo, trains DenseNet-BC-100 efficiently on built-in data
-#   make test    -> creates .venv, installs zoo with its test extras, runs the test suite
+#   make test    -> creates .venv, installs zoo with its test extras, runs the fast lane: every
+#                   test not marked slow (under 10 minutes on 2 cores; before every commit)
+#   make test-all -> the whole suite, slow tests included (under 35 minutes on 2 cores; CI)
 # and for the project's own checks:
 #   make docs           -> the docs site with the API reference (site/), warnings as errors
 #   make package-check  -> builds the wheel and sdist, installs the wheel in a fresh environment
@@ -9,7 +11,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TRAIN_ARGS ?= --model densenet --efficient True --dataset shapes --image_size 16 --epochs 3
 
-.PHONY: train test install docs package-check
+.PHONY: train test test-all install docs package-check
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml setup.py
@@ -21,6 +23,9 @@ train: install
 	$(PY) train.py $(TRAIN_ARGS)
 
 test: install
+	$(PY) -m pytest -q -m "not slow" --durations=25
+
+test-all: install
 	$(PY) -m pytest -q --durations=25
 
 $(VENV)/.docs-installed: $(VENV)/.installed

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import zoo
 from zoo.train.config import TrainConfig
-from zoo.memory import cpu_peak_bytes
+from zoo.memory import cpu_peak_bytes, default_loss, train_step
 
 
 def grads(model: nn.Module) -> list[torch.Tensor | None]:
@@ -38,7 +38,7 @@ def run_steps(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
     for step in range(steps):
         torch.manual_seed(seed + step)
         out = forward(x)
-        out.float().square().mean().backward()
+        default_loss(out).backward()
         history.append((out.detach().clone(), [None if g is None else g.clone()
                                                for g in grads(model)]))
         opt.step()
@@ -69,9 +69,18 @@ def assert_same_training(plain: nn.Module, plain_forward: Callable, ckpt: nn.Mod
 
 
 def train_step_peak(model: nn.Module, x: torch.Tensor) -> int:
-    """Exact CPU peak (MemTracker) of one training step from fresh gradients, parameters counted."""
-    model.zero_grad(set_to_none=True)
-    return cpu_peak_bytes(lambda: model(x).float().square().mean().backward(), track=(model,))
+    """Exact CPU peak (MemTracker) of one training step (``zoo.memory.train_step``: train mode,
+    fresh gradients), parameters counted."""
+    model.zero_grad(set_to_none=True)  # the last step's gradients are not this one's
+    return cpu_peak_bytes(train_step(model, x), track=(model,))
+
+
+def tiny_cnn() -> nn.Sequential:
+    """conv-bn-relu twice, pooled into a linear head: activations outweigh the parameters."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
 
 
 def assert_published_parameter_count(name: str, published: str) -> None:

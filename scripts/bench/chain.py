@@ -20,7 +20,8 @@ from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
 import zoo
-from zoo.memory import count_flops, cpu_peak_bytes, cuda_peak_bytes, format_bytes
+from zoo.memory import (bn_count, bn_difference, bn_state, count_flops, cpu_peak_bytes,
+                        cuda_peak_bytes, format_bytes)
 
 from .measure import measure_times, median_iqr, training_step
 from .overhead import make_chain
@@ -70,15 +71,12 @@ def _bn_rows(variants: list[Variant], x: torch.Tensor, steps: int) -> list[dict]
         for s in range(steps):
             torch.manual_seed(s)
             training_step(v, x)()
-    ref = variants[0].model
+    ref = bn_state(variants[0].model)
     rows = []
     for v in variants:
-        pairs = [(m, r) for m, r in zip(v.model.modules(), ref.modules())
-                 if isinstance(m, nn.BatchNorm2d)]
-        err = max(max((m.running_mean - r.running_mean).abs().max().item(),
-                      (m.running_var - r.running_var).abs().max().item()) for m, r in pairs)
-        rows.append({"mode": v.name, "bn_stats_error": err,
-                     "num_batches_tracked": int(pairs[0][0].num_batches_tracked)})
+        state = bn_state(v.model)
+        rows.append({"mode": v.name, "bn_stats_error": bn_difference(state, ref)["bn_stats_error"],
+                     "num_batches_tracked": bn_count(state)})
     return rows
 
 

@@ -6,9 +6,9 @@
     python scripts/benchmark.py resnet --fake       # same bytes and FLOPs without running kernels
     python scripts/benchmark.py transformers
 
-One step = forward, ``square().mean()`` loss, backward, in train mode, from fresh gradients; the
-model's parameters count towards the peak (``track``), as they would on a GPU
-(:mod:`bench.peers`). Each prints a Markdown table and whether each goal is met;
+One step = ``zoo.memory.train_step``'s (forward, ``square().mean()`` loss, backward, in train
+mode, from fresh gradients); the model's parameters count towards the peak, as they would on a
+GPU (``zoo.memory.step_cost``). Each prints a Markdown table and whether each goal is met;
 ``--json_out`` writes the rows as JSON.
 """
 from __future__ import annotations

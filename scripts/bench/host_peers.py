@@ -25,29 +25,21 @@ from torch.utils import checkpoint as torch_checkpoint
 import zoo
 from zoo.models.densenet import DenseNet
 
-from . import variants
-from zoo.memory.host import Entry, loss_of
+from zoo.memory import train_step
 
-__all__ = ["training_step", "zoo_entries", "chain_entries", "outside_entries", "TIMM_TWINS"]
+from . import variants
+from .host_cost import Entry
+
+__all__ = ["zoo_entries", "chain_entries", "outside_entries", "TIMM_TWINS"]
 
 # zoo models whose architecture timm builds under the same name (timm's own weights, own plain row)
 TIMM_TWINS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "densenet121",
               "densenet169", "densenet201", "vit_small_patch16_224", "vit_base_patch16_224")
 
 
-def training_step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
-    """One training step of ``model`` on ``x``: fresh gradients, forward, loss, backward."""
-    model.train()
-
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        loss_of(model(x)).backward()
-    return step
-
-
 def _entry(name: str, group: str, model: nn.Module, x: torch.Tensor, note: str,
            floor: bool = False) -> Entry:
-    return Entry(name, group, model, training_step(model, x), note, floor)
+    return Entry(name, group, model, train_step(model, x), note, floor)
 
 
 def zoo_entries(name: str, batch_size: int, size: int | None = None, device: str = "meta",

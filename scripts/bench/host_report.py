@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
+from zoo.memory.host import COPY
+
 from . import report
-from zoo.memory.host import COPY, measure
+from .host_cost import measure
 from .host_peers import OUTSIDE, chain_entries, outside_entries, zoo_entries
 
 __all__ = ["DEFAULT_MODELS", "run_host_cost", "workload_table", "op_table", "chain_table"]

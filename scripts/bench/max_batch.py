@@ -14,8 +14,9 @@ Two ways to the same answer:
   capping the device at the budget; an out-of-memory error means "does not fit", the memory is
   freed and the search goes on.
 
-:func:`largest_batch` searches either: a linear guess from two probes, galloping from the guess,
-then bisection, so the answer ``b`` fits and ``b + 1`` was probed and does not.
+:func:`search_largest_batch` searches either (``zoo.planner.largest_batch``, the planner's, predicts
+it from a plan's profile instead): a linear guess from two probes, galloping from the guess, then
+bisection, so the answer ``b`` fits and ``b + 1`` was probed and does not.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from .measure import training_step
 from .variants import build_variant, create
 
 __all__ = ["CUDA_BLOCK", "cuda_allocator_rounding", "PeakPredictor", "cuda_peak",
-           "largest_batch"]
+           "search_largest_batch"]
 
 CUDA_BLOCK = 512  # c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, every block a multiple of it
 
@@ -115,7 +116,7 @@ class PeakPredictor:
 
 def cuda_peak(step_at: Callable[[int], Callable[[], None]], budget: int,
               device: torch.device) -> Callable[[int], float]:
-    """A peak function for :func:`largest_batch` on a real CUDA device capped at ``budget``.
+    """A peak function for :func:`search_largest_batch` on a real CUDA device capped at ``budget``.
 
     ``step_at(b)`` returns a training step at batch ``b``. The device is capped with
     ``set_per_process_memory_fraction`` so that allocating past the budget raises out-of-memory;
@@ -149,8 +150,9 @@ def cuda_peak(step_at: Callable[[int], Callable[[], None]], budget: int,
     return peak
 
 
-def largest_batch(peak: Callable[[int], float], budget: int, probes: tuple[int, int] = (8, 16),
-                  max_batch: int = 1 << 20) -> tuple[int, dict[int, float]]:
+def search_largest_batch(peak: Callable[[int], float], budget: int,
+                         probes: tuple[int, int] = (8, 16), max_batch: int = 1 << 20
+                         ) -> tuple[int, dict[int, float]]:
     """The largest batch ``b`` with ``peak(b) <= budget`` (0 if not even 1 fits), and every probe.
 
     Assumes the peak grows with the batch. Two probes give a linear guess; from the guess the

@@ -1,8 +1,7 @@
 """One training step of each variant: peak memory, FLOPs, median time, BatchNorm error.
 
-A step is forward, ``out.float().square().mean()`` as the loss, backward, in train mode, from
-fresh (``None``) gradients: the same step in every benchmark. No optimizer: its state is
-the same for every variant and would only hide the activations' share.
+A step is ``zoo.memory.train_step``'s: forward, ``out.float().square().mean()`` as the loss,
+backward, in train mode, from fresh (``None``) gradients: the same step in every benchmark.
 
 * Peak memory counts the model's parameters and buffers, its gradients, the input batch and every
   activation: on CUDA ``max_memory_allocated`` (and ``max_memory_reserved``) after
@@ -12,12 +11,11 @@ the same for every variant and would only hide the activations' share.
 * Time: every variant takes one step per round, in a shuffled order, after warm-up; the median
   over rounds, and its ratio to plain's median in the same run (machines are shared and noisy).
 * BatchNorm: one step of each variant from the same buffers and seed, then the largest absolute
-  difference of running_mean / running_var and of num_batches_tracked against plain's, and the
-  largest gradient difference (0 means exactly the plain model).
+  difference of running_mean / running_var and of num_batches_tracked against plain's
+  (``zoo.memory.bn_difference``), and the largest gradient difference (0: the plain model).
 """
 from __future__ import annotations
 
-import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -26,26 +24,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from zoo.memory import count_flops, cpu_peak_bytes, cuda_peak_bytes
+from zoo.memory import (bn_difference, bn_state, count_flops, cpu_peak_bytes, cuda_peak_bytes,
+                        train_step)
+from zoo.memory.host import host_times
 
 from .variants import PLAIN, Variant
 
 __all__ = ["training_step", "measure_memory", "measure_flops", "measure_times", "median_iqr",
            "measure_exactness", "measure_variants", "first_steps", "measure_or_report"]
 
-_STATS = ("running_mean", "running_var", "num_batches_tracked")
-
 
 def training_step(variant: Variant, x: torch.Tensor) -> Callable[[], None]:
-    """One training step of ``variant`` on ``x`` (gradients reset to None first)."""
-    model = variant.model
-    forward = model if variant.forward is None else variant.forward
+    """One training step of ``variant`` on ``x`` in its checkpoint mode (``zoo.memory.train_step``,
+    gradients reset to None first)."""
+    run = train_step(variant.model, x, forward=variant.forward)
 
     def step() -> None:
         variant.prepare()
-        model.train()
-        model.zero_grad(set_to_none=True)
-        forward(x).float().square().mean().backward()
+        run()
 
     return step
 
@@ -90,22 +86,9 @@ def measure_flops(variant: Variant, x: torch.Tensor) -> int:
 def measure_times(variants: Sequence[Variant], x: torch.Tensor, repeats: int = 5,
                   warmup: int = 1, seed: int = 0) -> dict[str, list[float]]:
     """Seconds per step of each variant, rounds interleaved in a shuffled order."""
-    cuda = x.device.type == "cuda"
     steps = {v.name: training_step(v, x) for v in variants}
-    times: dict[str, list[float]] = {v.name: [] for v in variants}
-    for i in range(warmup + repeats):
-        order = list(steps)
-        random.Random(seed + i).shuffle(order)  # no variant always runs right after another
-        for name in order:
-            if cuda:
-                torch.cuda.synchronize(x.device)
-            start = time.perf_counter()
-            steps[name]()
-            if cuda:
-                torch.cuda.synchronize(x.device)
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return times
+    return host_times(steps, repeats, warmup, cuda=x.device.type == "cuda", seed=seed,
+                      clock=time.perf_counter)
 
 
 def median_iqr(times: Sequence[float]) -> tuple[float, float, float]:
@@ -133,8 +116,7 @@ def measure_exactness(variants: Sequence[Variant], x: torch.Tensor,
     for v in variants:
         torch.manual_seed(seed)
         training_step(v, x)()
-        buffers = {k: t.detach().clone() for k, t in v.model.state_dict().items()
-                   if k.rsplit(".", 1)[-1] in _STATS}
+        buffers = bn_state(v.model)
         grads = {k: p.grad.detach().clone() for k, p in v.model.named_parameters()
                  if p.grad is not None}
         after[v.name] = (buffers, grads)
@@ -143,14 +125,9 @@ def measure_exactness(variants: Sequence[Variant], x: torch.Tensor,
     ref_buffers, ref_grads = after[PLAIN] if PLAIN in after else after[variants[0].name]
     out = {}
     for name, (buffers, grads) in after.items():
-        stats = [(buffers[k] - ref_buffers[k]).abs().max().item() for k in ref_buffers
-                 if not k.endswith("num_batches_tracked") and k in buffers]
-        counts = [int((buffers[k] - ref_buffers[k]).abs().max()) for k in ref_buffers
-                  if k.endswith("num_batches_tracked") and k in buffers]
         shared = [k for k in ref_grads if k in grads]
         out[name] = {
-            "bn_stats_error": max(stats) if stats else None,
-            "bn_count_error": max(counts) if counts else None,
+            **bn_difference(buffers, ref_buffers),
             "grad_error": max(((grads[k] - ref_grads[k]).abs().max().item() for k in shared),
                               default=0.0),
         }

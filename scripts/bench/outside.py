@@ -4,8 +4,8 @@ zoo.set_grad_checkpointing.
 
     python scripts/benchmark.py outside     # exact CPU figures (MemTracker, FlopCounterMode)
 
-One step = forward, ``square().mean()`` loss, backward, in train mode, from fresh gradients; the
-parameters count towards the peak. "BN counts" is the largest ``num_batches_tracked`` after one
+One step = ``zoo.memory.train_step``'s (forward, ``square().mean()`` loss, backward, in train
+mode, from fresh gradients); the parameters count towards the peak. "BN counts" is the largest ``num_batches_tracked`` after one
 step from a fresh copy: 1 is exact, 2 is the double update of pytorch/pytorch#96136.
 
 * torchvision resnet50 (no switch of its own) and densenet121 (``memory_efficient=True``),
@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 import zoo
+from zoo.memory import bn_count, bn_state, step_cost, train_step
 
-from .peers import add_rows, print_table, step_cost, write_json
+from .peers import add_rows, print_table, write_json
 
 __all__ = ["LastHidden", "bn_counts", "measure", "own_and_zoo", "outside"]
 
@@ -42,12 +43,9 @@ class LastHidden(nn.Module):
 
 def bn_counts(model: nn.Module, x: torch.Tensor) -> int:
     """Largest num_batches_tracked after one training step of a fresh copy (0: no BatchNorm)."""
-    model = copy.deepcopy(model).train()
-    model(x).float().square().mean().backward()
-    counts = [int(m.num_batches_tracked) for m in model.modules()
-              if isinstance(m, nn.modules.batchnorm._BatchNorm)
-              and m.num_batches_tracked is not None]
-    return max(counts, default=0)
+    model = copy.deepcopy(model)
+    train_step(model, x)()
+    return bn_count(bn_state(model))
 
 
 def measure(rows: list[dict], workload: str, variants: dict[str, nn.Module],

@@ -21,7 +21,6 @@ the extra microseconds per region, ``(t - t_none) / regions``, against ``none`` 
 from __future__ import annotations
 
 import copy
-import random
 import statistics
 import sys
 import time
@@ -35,6 +34,8 @@ from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
 import zoo
+from zoo.memory import bn_count, bn_state, default_loss
+from zoo.memory.host import host_times
 
 __all__ = ["make_chain", "WRAPPERS", "run_modes", "Combo", "build_combos", "time_combos",
            "overhead_rows", "overhead_table", "overhead_header", "run_overhead", "one_line",
@@ -118,13 +119,13 @@ class Combo:
         return f"{self.checkpoint} ({self.run_as})"
 
     def step(self, x: torch.Tensor) -> None:
-        """One training step: forward, ``square().mean()`` loss, backward, fresh gradients."""
+        """One training step: forward, ``zoo.memory.default_loss``, backward, fresh gradients."""
         if self.run_as == "reduce-overhead" and hasattr(torch.compiler,
                                                         "cudagraph_mark_step_begin"):
             torch.compiler.cudagraph_mark_step_begin()  # a new step: last step's outputs are free
         self.chain.zero_grad(set_to_none=True)
         x.grad = None
-        self.forward(x).square().mean().backward()
+        default_loss(self.forward(x)).backward()
 
 
 def _compiled(chain: Chain, run_as: str, backend: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -158,31 +159,35 @@ def build_combos(base: nn.Sequential, modes: Sequence[str], x: torch.Tensor,
                 combo.error = one_line(e)
             else:
                 combo.first_step_s = time.perf_counter() - start
-                combo.bn_count_after_one_step = max(
-                    int(m.num_batches_tracked) for m in chain.modules()
-                    if isinstance(m, nn.BatchNorm2d))
+                combo.bn_count_after_one_step = bn_count(bn_state(chain))
             combos.append(combo)
     return combos
 
 
 def time_combos(combos: Sequence[Combo], x: torch.Tensor, repeats: int, warmup: int,
                 sync: Callable[[], None] = lambda: None, seed: int = 0) -> None:
-    """Fill each working combination's ``times``: one step each per round, shuffled order (a
-    combination whose step raises gets the error and no times)."""
-    for i in range(warmup + repeats):
-        order = [c for c in combos if c.error is None]
-        random.Random(seed + i).shuffle(order)
-        for combo in order:
-            sync()
-            start = time.perf_counter()
+    """Fill each working combination's ``times``: one step each per round, shuffled order
+    (``zoo.memory.host.host_times`` on the wall clock, synchronised on CUDA); a combination
+    whose step raises gets the error and no times."""
+    working = [c for c in combos if c.error is None]
+    steps_taken = {c.name: 1 for c in working}  # its first step: build_combos'
+
+    def guarded(combo: Combo) -> Callable[[], None]:
+        def step() -> None:
+            if combo.error is not None:
+                return
+            steps_taken[combo.name] += 1
             try:
                 combo.step(x)
                 sync()
             except Exception as e:  # noqa: BLE001 - a later step broke: reported, not raised
-                combo.error, combo.times = f"step {i + 2}: {one_line(e)}", []
-                continue
-            if i >= warmup:
-                combo.times.append(time.perf_counter() - start)
+                combo.error = f"step {steps_taken[combo.name]}: {one_line(e)}"
+        return step
+
+    times = host_times({c.name: guarded(c) for c in working}, repeats, warmup,
+                       cuda=x.device.type == "cuda", seed=seed, clock=time.perf_counter)
+    for combo in working:
+        combo.times = [] if combo.error is not None else times[combo.name]
 
 
 def overhead_rows(combos: Sequence[Combo], regions: int) -> list[dict[str, Any]]:

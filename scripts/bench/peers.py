@@ -1,10 +1,9 @@
 """Exact peak bytes and FLOPs of one training step: a zoo model's checkpoint modes against timm's.
 
-Shared by the family benchmarks (:mod:`bench.families`, :mod:`bench.outside`). One step
-is forward, ``square().mean()`` loss, backward, in train mode, from fresh gradients; the model's
-parameters count towards the peak (``track``), as they would on a GPU. Peaks come from MemTracker
-and FLOPs from FlopCounterMode, so they are exact and repeatable on the CPU; under
-``FakeTensorMode`` (``fake=True``) no kernel runs, yet both see every tensor and every op.
+Shared by the family benchmarks (:mod:`bench.families`, :mod:`bench.outside`). Each figure is
+``zoo.memory.step_cost`` of one training step: MemTracker's peak (the model's state counted, as
+on a GPU) and FlopCounterMode's FLOPs, exact and repeatable on the CPU; under ``FakeTensorMode``
+(``fake=True``) no kernel runs, yet both see every tensor and every op.
 """
 from __future__ import annotations
 
@@ -14,30 +13,16 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from zoo.memory import count_flops, cpu_peak_bytes
+from zoo.memory import step_cost
 from zoo.models import create_model
 from . import report
 from .runs import fake_mode
 
-__all__ = ["Result", "step_cost", "zoo_modes", "timm_checkpointing", "add_rows",
+__all__ = ["Result", "zoo_modes", "timm_checkpointing", "add_rows",
            "print_table", "print_goals", "write_json"]
 
 Result = tuple[int, int]  # (peak bytes, FLOPs) of one training step
 MiB = 2**20
-
-
-def step_cost(model: nn.Module, x: torch.Tensor) -> Result:
-    """(peak bytes, FLOPs) of one training step of ``model`` on ``x``."""
-    model.train()
-
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        model(x).float().square().mean().backward()
-
-    peak = cpu_peak_bytes(step, track=(model,))
-    flops = count_flops(step)
-    model.zero_grad(set_to_none=True)
-    return peak, flops
 
 
 def zoo_modes(name: str, batch_size: int, size: int, fake: bool,

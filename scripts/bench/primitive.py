@@ -24,6 +24,7 @@ import torch
 from torch.utils import checkpoint as torch_checkpoint
 
 import zoo
+from zoo.memory import bn_count, bn_state
 
 from .measure import measure_times, median_iqr, training_step
 from .report import command_line, machine_info, write_json
@@ -73,8 +74,7 @@ def _bn_count_after_one_step(variant: Variant, x: torch.Tensor) -> int:
     net = variant.model
     state = {k: t.clone() for k, t in net.state_dict().items()}
     training_step(variant, x)()
-    count = max((int(b.num_batches_tracked) for b in net.modules()
-                 if getattr(b, "num_batches_tracked", None) is not None), default=0)
+    count = bn_count(bn_state(net))
     net.load_state_dict(state)
     return count
 

@@ -10,12 +10,13 @@ For each pair (a checkpointed model, its reversible counterpart) at one batch si
 * the reversible model storing its activations (``efficient=False``) and rebuilding them
   (``efficient=True``): the same network, bit for bit.
 
-Per row: the step's peak (MemTracker under FakeTensorMode, parameters and gradients included),
-its FLOPs and recompute (FlopCounterMode), the aten ops it dispatches (a TorchDispatchMode
-counting every op of one real CPU step, at batch 2: the host work a GPU step waits for), and the
-largest batch within the budget as the CPU predicts it: exact fake steps (``bench.max_batch``)
-for the plain, stored and rebuilt models, the planner's prediction (``zoo.planner.largest_batch``,
-the multi-level floor) for the checkpointed one. The published anchors are printed beside them.
+Per row: the step's peak (``zoo.planner.measure_step``: under FakeTensorMode, parameters and
+gradients included), its FLOPs and recompute (FlopCounterMode's formulas), the aten ops it
+dispatches (``zoo.memory.host.count_ops`` over one real CPU step at batch 2: the host work a GPU
+step waits for), and the largest batch within the budget as the CPU predicts it: exact fake steps
+searched by ``bench.max_batch.search_largest_batch`` for the plain, stored and rebuilt models, the
+planner's prediction (``zoo.planner.largest_batch``, the multi-level floor) for the checkpointed
+one. The published anchors are printed beside them.
 
     python scripts/benchmark.py reversible                      # the three pairs, batch 32, 11 GB
     python scripts/benchmark.py reversible --pairs resnet20:revnet38 --batch 8 --budget 1GB
@@ -30,16 +31,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import zoo
-from bench.max_batch import PeakPredictor, largest_batch
+from bench.max_batch import PeakPredictor, search_largest_batch
 from bench.report import command_line, comma_list, machine_info, write_json
-from zoo.memory import format_bytes, parse_bytes
+from zoo.memory import format_bytes, host, parse_bytes, train_step
 from zoo.planner import BudgetTooSmallError, measure_step
 from zoo.planner import largest_batch as planned_largest_batch
 
-__all__ = ["PAIRS", "ANCHORS", "OpCounter", "count_ops", "pair_rows", "run_reversible",
+__all__ = ["PAIRS", "ANCHORS", "count_ops", "pair_rows", "run_reversible",
            "reversible_table", "reversible"]
 
 PAIRS = "resnet110:revnet110,vit_cifar:rev_vit_cifar," \
@@ -52,26 +52,12 @@ ANCHORS = {
 }
 
 
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched under it (forward, backward, recompute alike)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
 def count_ops(model: nn.Module, x: torch.Tensor) -> int:
-    """Aten ops one training step of ``model`` on ``x`` dispatches (run for real on the CPU)."""
+    """Aten ops one training step of ``model`` on ``x`` dispatches (run for real on the CPU),
+    autograd's shallow copies included (``zoo.memory.host.count_ops``)."""
+    ops = sum(host.count_ops(train_step(model, x)).values())
     model.zero_grad(set_to_none=True)
-    with OpCounter() as counter:
-        model(x).float().square().mean().backward()
-    model.zero_grad(set_to_none=True)
-    return counter.ops
+    return ops
 
 
 def _figures(model: nn.Module, x: torch.Tensor, small: torch.Tensor) -> dict[str, Any]:
@@ -89,7 +75,7 @@ def _parse_pair(spec: str) -> tuple[str, str, int | None]:
 
 def _largest(name: str, variant: str, size: int | None, budget: int) -> int:
     predict = PeakPredictor(name, size=size, allocator="cpu")
-    return largest_batch(lambda b: predict(variant, b), budget)[0]
+    return search_largest_batch(lambda b: predict(variant, b), budget)[0]
 
 
 def _model_and_inputs(name: str, batch: int, size: int | None

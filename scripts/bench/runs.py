@@ -17,7 +17,7 @@ import torch
 from zoo.memory import parse_bytes
 from zoo.models import ZooModel
 
-from .max_batch import PeakPredictor, cuda_peak, largest_batch
+from .max_batch import PeakPredictor, cuda_peak, search_largest_batch
 from .measure import measure_variants, training_step
 from .report import command_line, machine_info
 from .segments import sweep_segments
@@ -132,7 +132,7 @@ def run_max_batch(model: str | Callable[..., ZooModel], budgets: Sequence[int], 
             row: dict[str, Any] = {"budget": _budget_label(budget), "budget_bytes": budget,
                                    "variant": name}
             if dev.type == "cpu":
-                b, seen = largest_batch(lambda n, v=name: predictor(v, n), budget, probes,
+                b, seen = search_largest_batch(lambda n, v=name: predictor(v, n), budget, probes,
                                         max_batch)
                 row["method"] = f"predicted (FakeTensorMode, {predictor.allocator} allocator)"
             else:
@@ -143,7 +143,7 @@ def run_max_batch(model: str | Callable[..., ZooModel], budgets: Sequence[int], 
 
                 def step_at(n: int, v: Variant = v) -> Any:
                     return training_step(v, base.example_input(n, size).to(dev))
-                b, seen = largest_batch(cuda_peak(step_at, budget, dev), budget, probes,
+                b, seen = search_largest_batch(cuda_peak(step_at, budget, dev), budget, probes,
                                         max_batch)
                 for m in others.values():
                     m.to(dev)

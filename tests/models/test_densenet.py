@@ -74,7 +74,7 @@ def test_state_dict_has_torchvisions_keys_and_shapes(name):
     assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
 
 
-@pytest.mark.parametrize("mode", [False, *MODES])
+@pytest.mark.parametrize("mode", [False, *(pytest.param(m, marks=pytest.mark.slow) for m in MODES)])
 def test_torchvision_weights_load_strictly_and_give_the_same_outputs(mode):
     torch.manual_seed(0)
     theirs = torchvision.models.densenet121(weights=None)
@@ -97,7 +97,8 @@ def test_torchvision_weights_load_strictly_and_give_the_same_outputs(mode):
 
 # -- checkpoint modes against the plain model, in train mode --------------------------------------
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", ["densenet40", "densenet_bc_100"])
+@pytest.mark.parametrize("name", [pytest.param("densenet40", marks=pytest.mark.slow),
+                                  "densenet_bc_100"])
 def test_cifar_models_train_exactly_like_plain(name, mode):
     torch.manual_seed(0)
     plain = zoo.create_model(name)

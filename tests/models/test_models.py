@@ -21,6 +21,12 @@ from helpers import assert_same_training, train_step_peak
 GIANTS = {"densenet_bc_190", "densenet_bc_250", "densenet161", "densenet201", "densenet264",
           "resnet1202", "resnet101", "resnet152", "vit_base_patch16_224", "bert_base",
           "gpt2_small", "revnet164", "rev_vit_base_patch16_224", "rev_bert_base"}
+# Not giants, yet each of their modes takes tens of seconds to train twice beside plain
+# (DenseNet-121: 40-50 CPU-seconds a mode on 2 cores): marked slow as well, with all their modes.
+# Their block code is exercised in the fast lane by the CIFAR models of the same family
+# (ResNet-18 and ResNet-50 stay there: the ImageNet basic and bottleneck blocks).
+LARGE = {"densenet121", "densenet169", "resnet34", "vit_small_patch16_224",
+         "rev_vit_small_patch16_224"}
 REQUIRED = ["densenet40", "densenet_bc_100", "densenet_bc_190", "densenet_bc_250", "densenet121",
             "densenet161", "densenet169", "densenet201", "densenet264", "resnet20", "resnet32",
             "resnet44", "resnet56", "resnet110", "resnet1202", "resnet18", "resnet34", "resnet50",
@@ -31,8 +37,8 @@ REQUIRED = ["densenet40", "densenet_bc_100", "densenet_bc_190", "densenet_bc_250
 
 
 def names(slow_giants: bool = True) -> list:
-    return [pytest.param(n, marks=pytest.mark.slow) if slow_giants and n in GIANTS else n
-            for n in zoo.list_models()]
+    return [pytest.param(n, marks=pytest.mark.slow) if slow_giants and n in GIANTS | LARGE
+            else n for n in zoo.list_models()]
 
 
 def modes(giants: bool = True) -> list:
@@ -43,7 +49,7 @@ def modes(giants: bool = True) -> list:
         if n in GIANTS and not giants:
             continue
         for mode in _modes_of(n)[:1] if n in GIANTS else _modes_of(n):
-            marks = [pytest.mark.slow] if n in GIANTS else []
+            marks = [pytest.mark.slow] if n in GIANTS | LARGE else []
             params.append(pytest.param(n, mode, marks=marks, id=f"{n}-{mode}"))
     return params
 
@@ -126,7 +132,8 @@ def test_mode_lowers_peak_memory(name, mode):
     assert train_step_peak(model, x) < plain
 
 
-@pytest.mark.parametrize("name", [n for n in zoo.list_models() if n not in GIANTS])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in LARGE else n
+                                  for n in zoo.list_models() if n not in GIANTS])
 def test_chain_cut_at_every_block_trains_exactly_like_plain(name):
     """The planner may cut the chain anywhere: every element checkpointed as its own segment
     (none may start with an in-place op that overwrites its saved input) equals the plain model."""

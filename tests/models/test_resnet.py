@@ -90,7 +90,7 @@ def test_state_dict_has_torchvisions_keys_and_shapes(name):
 
 
 @pytest.mark.parametrize("mode", [False, *MODES])
-@pytest.mark.parametrize("name", ["resnet18", "resnet50"])
+@pytest.mark.parametrize("name", ["resnet18", pytest.param("resnet50", marks=pytest.mark.slow)])
 def test_torchvision_weights_load_strictly_and_give_the_same_outputs(name, mode):
     torch.manual_seed(0)
     theirs = getattr(torchvision.models, name)(weights=None)
@@ -116,7 +116,8 @@ VARIANTS = [(mode, 1) for mode in MODES] + [("block", 2), ("block", 4)]
 
 
 @pytest.mark.parametrize("mode,every", VARIANTS)
-@pytest.mark.parametrize("name,size", [("resnet20", 32), ("resnet18", 64)])
+@pytest.mark.parametrize("name,size", [("resnet20", 32),
+                                       pytest.param("resnet18", 64, marks=pytest.mark.slow)])
 def test_modes_train_exactly_like_plain_and_lower_the_peak(name, size, mode, every):
     """Outputs, gradients, parameters and BatchNorm buffers after two SGD steps; state_dict keys;
     peak memory of a training step. ``checkpoint_every=4`` spans stage boundaries."""
@@ -203,7 +204,7 @@ def test_bad_arguments_say_what_to_do():
 def test_resnet110_efficient_keeps_at_most_half_the_plain_peak_for_fewer_flops_than_halves():
     """``efficient=True`` (``tapered``) at batch 16: exact peak <= 0.5x the plain step's, and it
     recomputes fewer FLOPs than ``halves`` (FlopCounterMode)."""
-    from bench.peers import step_cost
+    from zoo.memory import step_cost
 
     torch.manual_seed(0)
     model = zoo.create_model("resnet110")

@@ -190,7 +190,8 @@ def test_bert_with_padding_and_segments_trains_exactly_like_plain(mode):
                          ckpt, lambda x: ckpt(x, segments, mask), ids)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [m if m in ("block", "sublayer", "selective") else
+                                  pytest.param(m, marks=pytest.mark.slow) for m in MODES])
 def test_registered_vit_cifar_trains_exactly_like_plain(mode):
     torch.manual_seed(0)
     plain = zoo.create_model("vit_cifar", drop_rate=0.1, attn_drop_rate=0.1, drop_path_rate=0.1)

@@ -22,7 +22,8 @@ from test_planner_modes import small
 from zoo.models.densenet import DenseNet
 from zoo.planner import Planner
 from zoo.planner.profiling.contexts import blocks_of, nested_pattern
-from zoo.memory.fake import FakeStep, default_loss
+from zoo.memory import default_loss
+from zoo.memory.fake import FakeStep
 from zoo.planner.profiling.trace import traced_step
 from zoo.memory.tracker import StepCounter, storage_key
 

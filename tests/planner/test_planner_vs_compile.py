@@ -1,9 +1,9 @@
-"""zoo.memory.compiled and bench.planner_vs_compile on a tiny conv-bn-relu model.
+"""zoo.memory.compiled on a tiny conv-bn-relu model (the benchmark built on it, in
+tests/scripts/test_planner_vs_compile_compare.py).
 
 The compiled step (inductor's partitioner under ``activation_memory_budget``, graphs interpreted
 op by op) must be the plain model's step: same FLOPs and gradients at budget 1.0, BatchNorm
-statistics updated once; a small budget must trade memory for recompute; the comparison must
-report every field the benchmark prints.
+statistics updated once; a small budget must trade memory for recompute.
 """
 from __future__ import annotations
 
@@ -11,23 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-import zoo
-from zoo.memory.compiled import (check_meta_like_cpu, compile_step, default_solver,
-                                     measure_compiled)
-from bench.planner_vs_compile import compare, markdown
-from zoo.memory import count_flops, cpu_peak_bytes
-from zoo.models.vit import VisionTransformer
-from zoo.planner import default_loss
+from helpers import tiny_cnn as tiny
+from zoo.memory import count_flops, cpu_peak_bytes, default_loss
+from zoo.memory.compiled import compile_step, default_solver, measure_compiled
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def tiny() -> nn.Sequential:
-    """conv-bn-relu twice, pooled into a linear head: activations outweigh the parameters."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-                         nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
 
 
 def eager_step(model: nn.Module, x: torch.Tensor) -> None:
@@ -64,64 +52,6 @@ def test_small_budget_trades_memory_for_recompute() -> None:
 def test_budget_outside_zero_one_is_refused() -> None:
     with pytest.raises(ValueError, match=r"in \[0, 1\]"):
         compile_step(tiny(), torch.randn(1, 3, 8, 8), 1.5, default_loss)
-
-
-def test_compare_reports_both_sides() -> None:
-    result = compare(tiny, batch=4, fractions=(1.0, 0.3), size=16)
-    first, second = result["rows"]
-    assert first["torch_recompute_flops"] == 0
-    assert second["torch_recompute_flops"] > 0
-    for row in result["rows"]:
-        assert set(row) >= {"fraction", "torch_peak_bytes", "torch_recompute_flops",
-                            "zoo_peak_bytes", "zoo_recompute_flops", "zoo_plan"}
-        if row["zoo_peak_bytes"] is not None:  # zoo's plan meets torch's peak as its budget
-            assert row["zoo_peak_bytes"] <= row["torch_peak_bytes"]
-    assert result["zoo_least"]["peak_bytes"] <= result["plain_peak_bytes"]
-    for row in [*result["rows"], result["zoo_least"]]:  # the compile-safe plan, compiled
-        if row["zoo_c_peak_bytes"] is not None:
-            assert row["zoo_compiled_peak_bytes"] > 0  # measured; kept or not: the verdict
-            assert row["zoo_compiled_recompute_flops"] is not None
-    verdict = result["verdict"]
-    assert verdict["least_below_torch"] == (result["zoo_least"]["peak_bytes"]
-                                            < result["torch_least"]["torch_peak_bytes"])
-    assert verdict["compiled_keeps_plan"] == (verdict["compiled_not_kept"] == [])
-    assert verdict["every_fraction"] == (verdict["missed_fractions"] == [])
-    assert "| tiny (4) | 0.3 |" in markdown([result])
-
-
-def small_bert() -> nn.Module:
-    """BERT at a width where activations outweigh the parameters (post-norm, dropout on)."""
-    torch.manual_seed(0)
-    return zoo.create_model("bert_base", vocab_size=512, max_positions=64, embed_dim=64,
-                            depth=2, num_heads=4)
-
-
-def test_fake_compare_is_the_cpu_compare() -> None:
-    """``compare(..., fake=True)`` (torch's compiled steps, and zoo's compile-safe plans compiled,
-    on the meta device: no kernel) gives every figure the CPU run gives, to the byte and FLOP, on
-    a small BERT whose regions hold dropout, at a budget where torch recomputes."""
-    runs = [compare(small_bert, batch=4, fractions=(0.5,), fake=fake, size=32)
-            for fake in (True, False)]
-    for run in runs:
-        run.pop("plan_seconds")
-    assert runs[0].pop("fake") is True and runs[1].pop("fake") is False
-    assert runs[0] == runs[1]
-    assert all(row["torch_recompute_flops"] > 0 for row in runs[0]["rows"])
-    assert runs[0]["rows"][0]["torch_peak_bytes"] < runs[0]["plain_peak_bytes"]
-    assert runs[0]["zoo_least"]["zoo_compiled_peak_bytes"] is not None  # compiled, dropout in it
-
-
-def test_fake_refuses_a_model_whose_meta_ops_are_not_the_cpus() -> None:
-    """A ViT without attention dropout runs SDPA's fused CPU kernel on the CPU and its math path
-    on the meta device, so ``--fake`` would not give the CPU's figures: refused in one line; a
-    BERT (attention dropout: the math path on both) and a CNN are measured."""
-    torch.manual_seed(0)
-    vit = VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=1, num_heads=4,
-                            num_classes=10)
-    with pytest.raises(ValueError, match="--fake cannot measure VisionTransformer.*flash"):
-        compare(lambda: vit, batch=2, fractions=(1.0,), fake=True, compiled=False)
-    check_meta_like_cpu(small_bert(), torch.randint(0, 512, (2, 16)))
-    check_meta_like_cpu(zoo.create_model("resnet20"), torch.randn(2, 3, 32, 32))
 
 
 def test_inductor_keeps_no_running_statistics_for_the_backward() -> None:

@@ -19,7 +19,7 @@ import torch
 
 import zoo
 from bench import cli
-from bench.max_batch import PeakPredictor, largest_batch
+from bench.max_batch import PeakPredictor, search_largest_batch
 from bench.measure import measure_or_report, training_step
 from bench.overhead import one_line
 from bench.report import benchmark_table
@@ -78,7 +78,7 @@ def test_cpu_max_batch_fits_and_next_does_not() -> None:
     """The search on predicted (FakeTensorMode) peaks agrees with real MemTracker peaks."""
     budget = 40 * 2**20
     predictor = PeakPredictor(MODEL, allocator="cpu")
-    batch, seen = largest_batch(lambda b: predictor(EFFICIENT, b), budget, probes=(2, 4))
+    batch, seen = search_largest_batch(lambda b: predictor(EFFICIENT, b), budget, probes=(2, 4))
     assert batch >= 2 and seen[batch] <= budget < seen[batch + 1]
     torch.manual_seed(0)
     model = zoo.create_model(MODEL)
@@ -247,6 +247,7 @@ def test_a_failure_names_its_cause_and_logs_its_traceback(
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow
 def test_gpu_smoke_writes_every_part(tmp_path: Path) -> None:
     """``gpu --smoke``: every part of the GPU command runs on the CPU with tiny sizes and
     writes its JSON (machine, command, rows, goals) and Markdown."""

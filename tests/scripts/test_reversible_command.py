@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import cli
+from bench.max_batch import PeakPredictor, search_largest_batch
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),  # small CPU steps: one thread is fastest
               pytest.mark.slow]  # two zoo.plan searches and four largest-batch searches: minutes
@@ -33,3 +34,14 @@ def test_reversible_against_the_checkpointed_floor(tmp_path: Path) -> None:
     assert rebuilt["largest_batch"] > stored["largest_batch"] >= 1
     assert floor["largest_batch"] >= plain["largest_batch"]
     assert "Gomez" in rebuilt["anchor"]
+
+
+@pytest.mark.parametrize("name, size, factor", [("revnet110", None, 10),
+                                                ("rev_vit_small_patch16_224", 224, 4)])
+def test_largest_batch_in_11gb_grows_by_the_target(name, size, factor):
+    """The CPU prediction (exact peaks under FakeTensorMode, bench.max_batch) of the largest
+    batch within 11 GB: rebuilt against stored."""
+    predict = PeakPredictor(name, size=size, allocator="cpu")
+    stored, _ = search_largest_batch(lambda b: predict("plain", b), int(11e9))
+    rebuilt, _ = search_largest_batch(lambda b: predict("zoo reversible", b), int(11e9))
+    assert rebuilt >= factor * stored

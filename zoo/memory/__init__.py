@@ -1,16 +1,24 @@
 """Measurement: peak memory (exact on CPU, allocator figures on CUDA), FLOPs, and step time.
 
-The project's figures all come from here, so every script measures the same way:
+The project's figures all come from here, so the planner, the benchmarks and the tests measure
+the same way, on the same step (:func:`train_step`: forward, :func:`default_loss`, backward):
 
-* CPU peak memory with ``torch.distributed._tools.mem_tracker.MemTracker``: it accounts every
-  storage allocated while it is active plus the modules and optimizers given to it, byte for
-  byte, so two runs give the same figure (and it works under ``FakeTensorMode``, so a model too
-  big for this machine is measured without being run).
+* CPU peak memory with ``torch.distributed._tools.mem_tracker.MemTracker`` (:func:`cpu_peak_bytes`,
+  :func:`step_cost`): it accounts every storage allocated while it is active plus the modules and
+  optimizers given to it, byte for byte, so two runs give the same figure (and it works under
+  ``FakeTensorMode``, so a model too big for this machine is measured without being run).
 * CUDA peak memory with ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``.
 * FLOPs with ``torch.utils.flop_counter.FlopCounterMode`` over forward + backward: recompute shows
   up as extra forward FLOPs, exactly.
 * Time as the median of several steps after warm-up, synchronised on CUDA. Times are noisy on a
   shared machine: report them as ratios to the plain model measured in the same run.
+* BatchNorm state against the plain model's (:func:`bn_state`, :func:`bn_difference`).
+
+Files: ``training.py`` (the step and its loss), ``batchnorm.py`` (BatchNorm state compared),
+``host.py`` (the aten ops a step dispatches, its host time on ``meta``), ``tracker.py`` (the
+planner's op-by-op byte and FLOP counter), ``fake_mode.py`` and ``fake.py`` (fake state for a step
+under ``FakeTensorMode``), ``step.py`` (one fake step's peak and FLOPs: ``measure_step``),
+``compiled.py`` (compiled graphs replayed under the byte counter).
 """
 from __future__ import annotations
 
@@ -26,8 +34,13 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from .batchnorm import bn_count, bn_difference, bn_state
+from .host import host_times
+from .training import default_loss, train_step
+
 __all__ = ["parse_bytes", "parse_budget", "format_bytes", "mem_tracker", "cpu_peak_bytes",
-           "cuda_peak_bytes", "count_flops", "median_seconds"]
+           "cuda_peak_bytes", "count_flops", "step_cost", "median_seconds", "default_loss",
+           "train_step", "bn_state", "bn_difference", "bn_count"]
 
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9,
           "T": 1e12, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -175,20 +188,23 @@ def count_flops(step: Callable[[], Any]) -> int:
     return int(counter.get_total_flops())
 
 
+def step_cost(model: torch.nn.Module, x: Any,
+              loss_fn: Callable[[Any], torch.Tensor] | None = None) -> tuple[int, int]:
+    """(exact peak bytes, FLOPs) of one :func:`train_step` of ``model`` on ``x`` on the CPU, or
+    under ``FakeTensorMode`` for a model and input made in it; the model's state counts towards
+    the peak, as it would on a GPU. Its gradients are reset to None after."""
+    step = train_step(model, x, loss_fn)
+    peak = cpu_peak_bytes(step, track=(model,))
+    flops = count_flops(step)
+    model.zero_grad(set_to_none=True)
+    return peak, flops
+
+
 def median_seconds(step: Callable[[], Any], repeats: int = 5, warmup: int = 2,
                    cuda: bool = False) -> tuple[float, list[float]]:
-    """Median wall time of ``step()`` over ``repeats`` runs after ``warmup`` runs, and all times."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    """Median wall time of ``step()`` over ``repeats`` runs after ``warmup`` runs, and all times
+    (:func:`~.host.host_times` of the one step, on the wall clock)."""
+    times = host_times({"step": step}, repeats, warmup, cuda=cuda, clock=time.perf_counter)["step"]
     return statistics.median(times), times
 
 

@@ -19,7 +19,8 @@ from torch import nn
 from .cards import H100_ACHIEVED, H100_HOST, Achieved, Card, HostCost, StepTime, card, step_time
 from .. import _torch
 from .cuda_peak import run_counted
-from .fake import FakeStep, default_loss
+from .fake import FakeStep
+from .training import default_loss
 
 __all__ = ["CardStep", "predict_step"]
 

@@ -26,7 +26,7 @@ graphs prove the compiled graphs, not eager code, ran in the measured step.
 With ``fake=True`` the model and the batch go to the ``meta`` device first: Dynamo traces and
 the partitioner decides as on the CPU, and the replayed step runs no kernel, so a large model
 (BERT-base at sequence 128, batch 32: 2.1 TFLOP a step) is measured in seconds. Bytes and FLOPs
-are the CPU's to the byte and FLOP (tests/planner/test_planner_vs_compile.py checks both sides
+are the CPU's to the byte and FLOP (tests/scripts/test_planner_vs_compile_compare.py checks both
 on a small BERT at every fraction), as zoo's own fake steps are, wherever the model dispatches
 the same aten ops on the meta device as on the CPU: :func:`check_meta_like_cpu` refuses a model
 that does not (SDPA without attention dropout runs PyTorch's fused CPU kernel on the CPU and its
@@ -45,6 +45,7 @@ from torch import nn
 from zoo import _torch
 from zoo._torch import TorchDispatchMode
 
+from zoo.memory.host import OpCounter
 from zoo.memory.tracker import StepCounter
 
 __all__ = ["CompiledStep", "compile_step", "measure_compiled", "default_solver"]
@@ -214,21 +215,6 @@ def measure_compiled(model: nn.Module, x: torch.Tensor, budget: float,
             "flops": counter.flops}
 
 
-class _OpNames(TorchDispatchMode):
-    """The kernels dispatched under it (aten ops, not prim's metadata queries), by name and
-    count."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
-        if func.namespace != "prim":  # metadata queries (prim.device), no kernel
-            self.names[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def check_meta_like_cpu(model: nn.Module, x: torch.Tensor) -> None:
     """Raise ValueError when one training-mode forward of ``model`` dispatches other aten ops on
     the meta device than on (fake) CPU tensors: then a ``fake=True`` measurement would not be
@@ -246,9 +232,11 @@ def check_meta_like_cpu(model: nn.Module, x: torch.Tensor) -> None:
             if device == "meta":
                 state = {k: v.to("meta") for k, v in state.items()}
                 inp = inp.to("meta")
-        with _reparametrize_module(model, state), mode, _OpNames() as ops, torch.no_grad():
+        with _reparametrize_module(model, state), mode, OpCounter() as ops, torch.no_grad():
             model(inp)
-        counts.append(ops.names)
+        # the kernels by name: prim's metadata queries (prim.device) run none
+        counts.append(collections.Counter({name: n for name, n in ops.ops.items()
+                                           if not name.startswith("prim.")}))
     if counts[0] != counts[1]:
         differ = sorted(k for k in counts[0] | counts[1] if counts[0][k] != counts[1][k])[:3]
         raise ValueError(f"--fake cannot measure {type(model).__name__}: on the meta device it "

@@ -1,9 +1,8 @@
-"""What every planner file shares, at the bottom of the package: fake copies of a model's state
-and the default loss of a profiled step.
+"""Fake copies of a model's state for a training step under ``FakeTensorMode``.
 
-``measure.py`` and ``profile.py`` both run a training step under ``FakeTensorMode`` on these;
-keeping them here (importing nothing else from the package but its fake mode, ``fake_mode.py``)
-is what keeps the package free of import circles.
+``step.py`` and the planner's profiler both run the training step (:mod:`.training`) on these;
+this file imports nothing of the package but its fake mode, which keeps the package free of
+import circles.
 """
 from __future__ import annotations
 
@@ -17,15 +16,7 @@ from torch import nn
 
 from .fake_mode import PlannerFakeMode
 
-__all__ = ["fake_state", "default_loss", "FakeStep", "collector_paused"]
-
-
-def default_loss(output: Any) -> torch.Tensor:
-    """The loss the profile's training step uses unless told otherwise: a mean over the output."""
-    out = output[0] if isinstance(output, (tuple, list)) else output
-    if not isinstance(out, torch.Tensor) and hasattr(out, "values"):  # Hugging Face ModelOutput
-        out = next(v for v in out.values() if isinstance(v, torch.Tensor))
-    return out.float().square().mean()
+__all__ = ["fake_state", "FakeStep", "collector_paused"]
 
 
 def fake_state(model: nn.Module, fake: Any) -> dict[str, torch.Tensor]:

@@ -1,46 +1,32 @@
-"""Host cost of a checkpointed training step: the aten ops it dispatches and its time on ``meta``.
+"""Host work of a training step: the aten ops it dispatches and its time on ``meta``.
 
 On a GPU, a step of a model made of many small layers is host-bound: the GPU waits while Python
 and the dispatcher issue the ops, so every op a checkpointed region adds beyond its recompute is
-time the user pays. Both sides of that cost are measured here without a GPU:
+time the user pays. Both are measured here without a GPU:
 
-* **ops**: the aten ops one training step (forward, ``square().mean()`` loss, backward) dispatches,
-  counted by a ``TorchDispatchMode`` (:class:`OpCounter`), per op name. Exact: the same count every
-  run, so tests may pin it. A dispatch mode also sees the tensor shallow copies autograd makes when
-  it hands saved tensors back (as ``aten.detach``); they are host work too.
-* **host time**: the same step on the ``meta`` device, where no kernel runs and only the host's
-  work is left: the process's CPU time (other processes on a shared machine do not count),
-  medians of interleaved steps, as ratios to the plain model of the same run.
-* **floor**: what a region cannot avoid: the plain step's ops plus, for every region, the forward
-  ops its recompute must redo, counted on their own (:func:`recompute_ops`: the region's forward
-  up to the last tensor it saves for backward, without the running-statistics update and without
-  the ops a selective region keeps). ``ops - floor`` is what the checkpoint itself costs. The
-  floor is timed too, as a step of its own: the plain step, then each region's rerun replayed
-  (:class:`Floor`).
+* **ops**: the aten ops a step dispatches, counted by a ``TorchDispatchMode`` (:class:`OpCounter`),
+  per op name. Exact: the same count every run, so tests may pin it. A dispatch mode also sees
+  the tensor shallow copies autograd makes when it hands saved tensors back (as
+  ``aten.detach``); they are host work too, counted apart.
+* **host time** (:func:`host_times`): steps on the ``meta`` device, where no kernel runs and only
+  the host's work is left: the process's CPU time (other processes on a shared machine do not
+  count), interleaved rounds, to be read as ratios to the plain model of the same run.
 
-:mod:`.host_peers` builds what is compared (the zoo's modes and their peers);
-:func:`run_host_cost` is the command (``scripts/benchmark.py host-cost``).
+The host-cost benchmark (``python scripts/benchmark.py host-cost``) builds its comparison on these.
 """
 from __future__ import annotations
 
 import random
-import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
-from torch import nn
 from zoo import _torch
 from zoo._torch import TorchDispatchMode
 
-from zoo.checkpoint import region
-
-__all__ = ["OpCounter", "COPY", "count_ops", "loss_of", "Entry", "recorded_regions",
-           "recompute_ops", "replay", "Floor", "floor_of", "host_times", "measure"]
+__all__ = ["OpCounter", "COPY", "count_ops", "host_times"]
 
 
 _BELOW_AUTOGRAD = _torch.DispatchKey.ADInplaceOrView
@@ -88,182 +74,19 @@ def count_ops(step: Callable[[], Any]) -> Counter[str]:
     return counter.ops
 
 
-def loss_of(out: Any) -> torch.Tensor:
-    """The benchmark's loss: ``square().mean()`` of the output (of a Hugging Face model's
-    ``last_hidden_state``), in float32."""
-    if not isinstance(out, torch.Tensor):
-        out = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    return out.float().square().mean()
-
-
-@dataclass
-class Entry:
-    """One measured way to train: ``step()`` is one training step of ``model``.
-
-    ``group`` names the plain entry its ratios are taken against (peers built on another library's
-    model have their own plain row); ``floor`` is computed for the zoo's checkpoint modes only.
-    """
-
-    name: str
-    group: str
-    model: nn.Module
-    step: Callable[[], Any]
-    note: str = ""
-    floor: bool = False
-    result: dict[str, Any] = field(default_factory=dict)
-
-
-# --------------------------------------------------------------------------------------------
-# The floor: each region's forward replayed on its own.
-# --------------------------------------------------------------------------------------------
-Region = tuple[Callable, tuple, dict, Any]
-
-
-@contextmanager
-def _recording(record: Callable[..., None]) -> Iterator[None]:
-    """``record(fn, args, kwargs, save_ops)`` called for every region opened (not nested in
-    another) while inside."""
-    region.recorders.append(record)
-    try:
-        yield
-    finally:
-        region.recorders.remove(record)
-
-
-def recorded_regions(step: Callable[[], Any]) -> list[Region]:
-    """(fn, args, kwargs, save_ops) of every zoo.checkpoint region ``step()`` opens (nested
-    regions are part of their outer one)."""
-    regions: list[Region] = []
-    with _recording(lambda *r: regions.append(r)):
-        step()
-    return regions
-
-
-@contextmanager
-def _statistics_frozen(model: nn.Module) -> Iterator[None]:
-    """Normalisation layers that leave their running statistics as they are while a region is
-    replayed: a recompute must not update them, so their update is not part of the floor.
-
-    Each runs the same op with the same arguments as in the forward (its running statistics
-    passed in), at momentum 0 and with ``num_batches_tracked`` set aside, as the zoo's recompute
-    runs it: on ``meta`` a BatchNorm given running statistics costs the host a third more than
-    one without, so a floor timed without them would not be the forward's work. SyncBatchNorm,
-    whose forward insists on its counter, runs without running statistics instead.
-    """
-    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
-             and m.track_running_stats]
-    saved = [(m.momentum, _torch.module_buffers(m).get("num_batches_tracked")) for m in norms]
-    for m in norms:
-        if isinstance(m, nn.SyncBatchNorm):
-            m.track_running_stats = False
-        else:
-            m.momentum = 0.0
-            if "num_batches_tracked" in _torch.module_buffers(m):
-                _torch.module_buffers(m)["num_batches_tracked"] = None
-    try:
-        yield
-    finally:
-        for m, (momentum, count) in zip(norms, saved):
-            m.track_running_stats, m.momentum = True, momentum
-            if "num_batches_tracked" in _torch.module_buffers(m):
-                _torch.module_buffers(m)["num_batches_tracked"] = count
-
-
-def recompute_ops(fn: Callable, args: tuple, kwargs: dict, save_ops: Any = None,
-                  nested: list[Region] | None = None) -> tuple[int, int]:
-    """(ops, saved tensors) a recompute of ``fn(*args, **kwargs)`` must redo: the ops of its
-    forward up to the one that saves the last tensor for backward (what comes after is not
-    needed), less those whose outputs a selective region keeps (``save_ops``), and how many
-    tensors that part saves. ``nested``: gets the regions that part opens inside (each made
-    again by the recompute, so each recomputed in its turn). Run it inside
-    :func:`_statistics_frozen`."""
-    at_pack: list[tuple[int, int]] = []
-    inner: list[tuple[Region, int]] = []  # with the tensors saved before it opened
-    with _recording(lambda *r: inner.append((r, len(at_pack)))), torch.enable_grad(), \
-            OpCounter(save_ops or ()) as counter:
-        def pack(tensor: torch.Tensor) -> None:
-            at_pack.append((counter.total, counter.excluded))
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
-            fn(*args, **kwargs)
-    if not at_pack:
-        return 0, 0
-    if nested is not None:
-        nested += [r for r, packs in inner if packs < len(at_pack)]
-    total, kept = at_pack[-1]
-    return total - kept, len(at_pack)
-
-
-class _LastSaved(Exception):
-    """Ends a replay at the region's last saved tensor."""
-
-
-def replay(fn: Callable, args: tuple, kwargs: dict, saved: int) -> None:
-    """Rerun a region's forward up to its ``saved``-th saved tensor and no further: what its
-    recompute must do, with nothing of a checkpoint around it (the floor's host time)."""
-    if not saved:
-        return
-    count = [0]
-
-    def pack(tensor: torch.Tensor) -> None:
-        count[0] += 1
-        if count[0] == saved:
-            raise _LastSaved
-
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
-        try:
-            fn(*args, **kwargs)
-        except _LastSaved:
-            pass
-
-
-@dataclass
-class Floor:
-    """What a step's regions must redo: ``ops`` beyond the plain step, and the regions with the
-    number of tensors each saves up to where its recompute may stop (to replay them)."""
-
-    ops: int
-    regions: list[Region]
-    saved: list[int]
-
-    def step(self, plain_step: Callable[[], Any], model: nn.Module) -> Callable[[], None]:
-        """The floor as a step: the plain step, then every region's recompute replayed."""
-        def run() -> None:
-            plain_step()
-            with _statistics_frozen(model):
-                for (fn, args, kwargs, _), saved in zip(self.regions, self.saved):
-                    replay(fn, args, kwargs, saved)
-        return run
-
-
-def floor_of(model: nn.Module, step: Callable[[], Any]) -> Floor:
-    """The :class:`Floor` of ``step()``, a training step of ``model``: its regions' recomputes,
-    and those of the regions each recompute opens again inside it (a nested mode's)."""
-    todo, regions, counts = recorded_regions(step), [], []
-    with _statistics_frozen(model):
-        while todo:
-            r = todo.pop(0)
-            inner: list[Region] = []
-            counts.append(recompute_ops(*r, nested=inner))
-            regions.append(r)
-            todo += inner
-    return Floor(sum(ops for ops, _ in counts), regions, [saved for _, saved in counts])
-
-
-# --------------------------------------------------------------------------------------------
-# Host time: interleaved steps, medians.
-# --------------------------------------------------------------------------------------------
 def host_times(steps: dict[str, Callable[[], Any]], repeats: int = 15, warmup: int = 2,
-               cuda: bool = False, seed: int = 0) -> dict[str, list[float]]:
+               cuda: bool = False, seed: int = 0,
+               clock: Callable[[], float] | None = None) -> dict[str, list[float]]:
     """Seconds per step of each of ``steps``: ``warmup`` rounds, then ``repeats`` rounds that run
     every step once in a shuffled order (so drift on a shared machine hits all alike).
 
     Off the GPU a step's host cost is the CPU time of this process (``time.process_time``), so
     time spent waiting while other processes run on a shared machine is not counted; on CUDA it
-    is the wall time to a synchronised end (the GPU's work counts there).
+    is the wall time to a synchronised end (the GPU's work counts there). ``clock``: another
+    clock (``time.perf_counter`` for a step's wall time on the CPU, its kernels included).
     """
     rng = random.Random(seed)
-    clock = time.perf_counter if cuda else time.process_time
+    clock = clock or (time.perf_counter if cuda else time.process_time)
     names = list(steps)
     times: dict[str, list[float]] = {n: [] for n in names}
     for round_ in range(warmup + repeats):
@@ -278,56 +101,3 @@ def host_times(steps: dict[str, Callable[[], Any]], repeats: int = 15, warmup: i
             if round_ >= warmup:
                 times[name].append(clock() - start)
     return times
-
-
-def measure(entries: Sequence[Entry], repeats: int = 15, warmup: int = 2,
-            time_steps: bool = True) -> list[dict[str, Any]]:
-    """Ops, floor and host time of every entry; ratios against the plain entry of its group.
-
-    An entry with a floor is also timed against it: its plain step plus the regions' recomputes
-    replayed on their own, in the same interleaved rounds (per-op costs differ a hundredfold on
-    ``meta``, where some kernels are Python decompositions, so the floor's time is measured, not
-    scaled from its ops).
-    """
-    for entry in entries:
-        entry.step()  # a first step outside the count (lazy initialisation, caches)
-        ops = count_ops(entry.step)
-        total = sum(ops.values())
-        entry.result.update(ops=total, dispatched=total - ops[COPY],
-                            by_op=dict(sorted(ops.items())))
-    plain = {e.group: e for e in entries if e.name == e.group}
-    steps = {e.name: e.step for e in entries}
-    for entry in entries:
-        if entry.floor:
-            base, floor = plain[entry.group], floor_of(entry.model, entry.step)
-            entry.result.update(floor=base.result["ops"] + floor.ops, regions=len(floor.regions),
-                                floor_dispatched=base.result["dispatched"] + floor.ops)
-            steps[f"{entry.name} (floor)"] = floor.step(base.step, entry.model)
-    if time_steps:
-        cuda = any(p.device.type == "cuda" for e in entries for p in e.model.parameters())
-        times = {name: statistics.median(t) for name, t in
-                 host_times(steps, repeats, warmup, cuda=cuda).items()}
-        for entry in entries:
-            entry.result["seconds"] = times[entry.name]
-            if entry.floor:
-                entry.result["floor_seconds"] = times[f"{entry.name} (floor)"]
-    return [_row(entry, plain[entry.group].result) for entry in entries]
-
-
-def _row(entry: Entry, base: dict[str, Any]) -> dict[str, Any]:
-    """An entry's results with its ratios to ``base`` (its plain entry's results)."""
-    r = entry.result
-    row = {"variant": entry.name, "group": entry.group, "note": entry.note, **r,
-           "ops_ratio": r["ops"] / base["ops"],
-           "dispatched_ratio": r["dispatched"] / base["dispatched"]}
-    if "floor" in r:
-        regions = max(r["regions"], 1)
-        row.update(floor_ratio=r["floor"] / base["ops"],
-                   extra_per_region=(r["ops"] - r["floor"]) / regions,
-                   extra_dispatched_per_region=(r["dispatched"] - r["floor_dispatched"]) / regions)
-    if "seconds" in r:
-        row["time_ratio"] = r["seconds"] / base["seconds"]
-        if "floor_seconds" in r:
-            row.update(floor_time_ratio=r["floor_seconds"] / base["seconds"],
-                       time_vs_floor=r["seconds"] / r["floor_seconds"])
-    return row

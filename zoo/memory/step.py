@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .fake import FakeStep, default_loss
+from .fake import FakeStep
+from .training import default_loss
 from .tracker import StepCounter
 
 __all__ = ["measure_step", "peak_bytes"]

@@ -27,7 +27,7 @@ Measuring (a step's peak bytes and FLOPs, fake or real) is ``zoo.memory``'s.
 """
 from __future__ import annotations
 
-from ..memory.fake import default_loss
+from ..memory.training import default_loss
 from ..memory.step import measure_step
 from .batch import largest_batch
 from .choose import (Planner, block_plan, plan, plan_choices, profile_block_modes,

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..memory.fake import collector_paused, default_loss
+from ..memory.fake import collector_paused
+from ..memory.training import default_loss
 from ..memory.step import measure_step, peak_bytes
 from .choose import Planner, spine_planner
 from .plans import Plan, clear_plan, plan_set_aside

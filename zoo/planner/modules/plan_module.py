@@ -26,7 +26,8 @@ from torch import nn
 from ...blocks import checkpoint_module, find_blocks, is_checkpointed
 from ...memory import format_bytes
 from ..errors import BudgetTooSmallError
-from ...memory.fake import default_loss, fake_state
+from ...memory.fake import fake_state
+from ...memory.training import default_loss
 from ...memory.fake_mode import PlannerFakeMode
 from ...memory.step import measure_step
 from .nesting import clear_nested, nest, outer_candidates, restore_nested, set_nested

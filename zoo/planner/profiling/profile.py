@@ -47,7 +47,8 @@ from torch import nn
 
 from .chain_profile import ChainProfile
 from .contexts import blocks_of, fill_gaps, nested_pattern, read_pattern, unit_peak
-from ...memory.fake import FakeStep, default_loss
+from ...memory.fake import FakeStep
+from ...memory.training import default_loss
 from .repeats import PER_UNIT, expand, joined, kept_blocks, repeats, whole_block
 from ..search.savesets import is_save_set, save_set_applied, targets
 from .trace import Trace, traced_step

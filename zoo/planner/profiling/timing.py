@@ -61,7 +61,7 @@ def time_profile(model: nn.Module, example_input: torch.Tensor, profile: ChainPr
     ``example_input``'s device (a plain step's time for ``step_flops``). Runs the model for
     real: the input must fit on its device."""
     from ...memory import median_seconds
-    from ...memory.fake import default_loss
+    from ...memory.training import default_loss
 
     blocks = _block_seconds(model, example_input, profile.n_blocks, repeats)
     unit_ns = [round(1e9 * sum(blocks[a:b])) for a, b in profile.units]

@@ -1,11 +1,11 @@
 """The host cost of zoo.checkpoint regions, exactly: the aten ops a training step dispatches on
-``meta`` (zoo.memory.host), pinned as upper bounds.
+``meta`` (counted by zoo.memory.host, beside the floor of bench.host_cost), pinned as upper bounds.
 
 A region may dispatch nothing beyond the ops its recompute must redo (its forward up to the last
 tensor it saves): the *floor*. Under a dispatch mode autograd's C++ copies of saved tensors show
 up as ``aten.detach`` too (a saved-tensor hook hands each tensor back through one); they are
 counted apart (``dispatched`` leaves them out) and pinned on their own. Times are not tested:
-``python scripts/benchmark.py.host_report`` prints them.
+``python scripts/benchmark.py host-cost`` prints them.
 """
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 import zoo
-from zoo.memory.host import COPY, OpCounter, measure
+from zoo.memory.host import COPY, OpCounter
+
+from bench.host_cost import measure
 from bench.host_peers import OUTSIDE, chain_entries, outside_entries, zoo_entries
 
 
@@ -110,7 +112,7 @@ def test_outside_models_dispatch_no_more_than_their_own_checkpoint(which):
 def test_the_floor_leaves_out_what_a_keep_function_keeps():
     """A region whose ``save_ops`` is a function (``AllBut``: every matmul output but one
     layer's) reruns the spared layer's op: the floor counts it, and not the kept ones."""
-    from zoo.memory.host import recompute_ops
+    from bench.host_cost import recompute_ops
     from zoo.checkpoint.policies import MATMUL_OPS, AllBut
 
     first, second = nn.Linear(4, 8), nn.Linear(8, 4)
