@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         version, imported = torch_version(venv), import_zoo(venv)
         outcomes = seconds = None
         if not args.imports and imported == "yes":
-            outcomes, seconds = run_core(venv, [f for f, _ in core], args.pytest_args.split())
+            outcomes, seconds = run_core(venv, [f for f, _ in core], shlex.split(args.pytest_args))
             print(f"torch {version}: core in {seconds / 60:.1f} min", file=sys.stderr, flush=True)
         rows.append((version, imported, outcomes, seconds))
         if args.save:

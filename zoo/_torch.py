@@ -56,7 +56,7 @@ class Name(NamedTuple):
     without: str
 
 
-OLDEST = (2, 4)  # the oldest torch the library supports (pyproject.toml)
+OLDEST = (2, 4)  # the oldest torch `import zoo` is checked on (supported: pyproject.toml)
 
 #: dotted path -> since when torch has it, and what the library does on a torch without it.
 NAMES: dict[str, Name] = {
