@@ -53,7 +53,8 @@ class Counted(nn.Module):
 
 def test_checkpoint_trigger():
     """test_checkpoint_trigger, deliberate difference: torch runs the blocks of its last segment
-    once (never checkpointed); zoo recomputes every segment, the last included (seed 000), and
+    once (never checkpointed); zoo recomputes every segment, the last included (torch's
+    checkpoint_sequential never checkpoints its last segment), and
     skip_last=True gives torch's counts."""
     for skip_last, last_runs in ((False, 2), (True, 1)):
         modules = [Counted() for _ in range(10)]
