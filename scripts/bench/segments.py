@@ -1,4 +1,4 @@
-"""Memory and time against the number of segments of ``checkpoint_sequential`` (seed 000).
+"""Memory and time against the number of segments of ``checkpoint_sequential``.
 
 Seed 000 saw "almost no memory improvement" and runtime growing with the number of segments.
 Two causes, both visible here on a model's chain of blocks:

@@ -9,7 +9,8 @@ command, settings, rows, goals) that ``gpu`` writes as JSON and as a Markdown ta
   afresh);
 * ``densenet_b64``, ``densenet_b256``: DenseNet-BC-100 plain, zoo ``efficient=True`` eager,
   compiled plain, compiled efficient, torchvision ``memory_efficient=True``, timm
-  ``set_grad_checkpointing`` (Pleiss et al. 2017's setting; seed 003's batch 256);
+  ``set_grad_checkpointing`` (Pleiss et al. 2017's setting; batch 256 as in
+  csrhddlam/pytorch-checkpoint);
 * ``resnet50``: batch 256 at 224 px, plain, timm-style per-block torch checkpoint, efficient;
 * ``bert``: BERT-base, batch 64, sequence 128, plain, torch per block, full recompute (``block``),
   ``selective`` (Korthikanti et al. 2022: keep the matmuls, recompute the rest);

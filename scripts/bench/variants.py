@@ -4,8 +4,8 @@
 * ``official``: ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` the way torchvision
   and timm apply it, with their plain ``nn.BatchNorm2d`` (so BatchNorm statistics are updated
   twice per step, pytorch/pytorch#96136). For DenseNet-B models it *is* torchvision's
-  ``DenseNet(memory_efficient=True)`` (the "Official" column of seed 003: each layer's
-  concat-BN-ReLU-conv1x1 checkpointed); for every other model each repeated block of the model's
+  ``DenseNet(memory_efficient=True)`` (the "Official" column of csrhddlam/pytorch-checkpoint:
+  each layer's concat-BN-ReLU-conv1x1 checkpointed); for every other model each repeated block of the model's
   chain (ResNet bottlenecks, transformer layers, dense blocks and transitions) is checkpointed on
   its own, as timm's ``checkpoint_seq`` does, the stem and the head left alone.
 * ``zoo <mode>``: the zoo model with ``set_grad_checkpointing(mode)``, for each of its
