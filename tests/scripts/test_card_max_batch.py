@@ -10,6 +10,7 @@ import torch
 import zoo
 from bench import cli
 from bench.max_batch import CardPredictor
+from bench.plots import plot_max_batch
 from bench.runs import run_max_batch
 from bench.variants import build_variant
 from zoo.memory.card_step import predict_step
@@ -75,3 +76,10 @@ def test_clear_errors_for_the_card() -> None:
         CardPredictor(MODEL, 30 * 10**9, "l4")
     with pytest.raises(ValueError, match="unknown card 'h101'"):
         CardPredictor(MODEL, BUDGET, "h101")
+
+
+def test_card_plot_does_not_overwrite_the_cpu_prediction(payload: dict, tmp_path) -> None:
+    cpu = {**payload, "settings": {k: v for k, v in payload["settings"].items() if k != "card"}}
+    written = plot_max_batch([cpu, payload], tmp_path)
+    assert [p.name for p in written] == ["cifar_cnn_cpu_max_batch.png",
+                                         "cifar_cnn_cpu_card_max_batch.png"]
