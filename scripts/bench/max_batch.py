@@ -13,6 +13,10 @@ Two ways to the same answer:
 * :func:`cuda_peak` (a real GPU): one real step, ``torch.cuda.set_per_process_memory_fraction``
   capping the device at the budget; an out-of-memory error means "does not fit", the memory is
   freed and the search goes on.
+* :class:`CardPredictor` (any machine, no GPU, a named card of ``zoo.memory.cards``): one step
+  under ``zoo.memory.card_step.predict_step``, the card's kernels (fused attention, what CUDA's
+  kernels save) and caching allocator capped at the budget; a batch fits when the step raises no
+  ``SimulatedOutOfMemory``, and its predicted step time on the card gives samples/s.
 
 :func:`search_largest_batch` searches either (``zoo.planner.largest_batch``, the planner's, predicts
 it from a plan's profile instead): a linear guess from two probes, galloping from the guess, then
@@ -29,12 +33,15 @@ from typing import Any
 import torch
 
 from zoo.memory import cpu_peak_bytes
+from zoo.memory.card_step import CardStep, predict_step
+from zoo.memory.cards import Card, card
+from zoo.memory.cuda_allocator import SimulatedOutOfMemory
 
 from .measure import training_step
 from .variants import build_variant, create
 
-__all__ = ["CUDA_BLOCK", "cuda_allocator_rounding", "PeakPredictor", "cuda_peak",
-           "search_largest_batch"]
+__all__ = ["CUDA_BLOCK", "cuda_allocator_rounding", "PeakPredictor", "CardPredictor",
+           "cuda_peak", "search_largest_batch"]
 
 CUDA_BLOCK = 512  # c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, every block a multiple of it
 
@@ -112,6 +119,59 @@ class PeakPredictor:
             with self._mode:
                 self._variants["input_model"] = create(self.model_name, **self.model_kwargs)
         return self._variants["input_model"].example_input(int(batch_size), self.size)
+
+
+class CardPredictor:
+    """One training step of ``model_name``'s variants on card ``on`` at any batch size under a
+    memory ``budget`` (reserved bytes, as ``set_per_process_memory_fraction`` caps them): its
+    :class:`~zoo.memory.card_step.CardStep` (peak and time), or None where the card's caching
+    allocator would run out of memory. Results are cached.
+
+    The models are real CPU models (``predict_step`` makes fake copies of their state), one per
+    variant that needs its own (``official`` is a twin), built with ``torch.manual_seed(seed)``.
+    """
+
+    def __init__(self, model_name: str | Callable[..., Any], budget: int, on: str | Card = "h100",
+                 size: int | None = None, seed: int = 0, **model_kwargs: Any) -> None:
+        self.card = card(on)
+        if budget > self.card.memory:
+            raise ValueError(f"a budget of {budget / 1e9:.1f} GB exceeds the "
+                             f"{self.card.name}'s {self.card.memory / 1e9:.0f} GB; give a "
+                             f"smaller --memory_budget or another --card")
+        self.model_name, self.budget, self.size = model_name, budget, size
+        self.seed, self.model_kwargs = seed, model_kwargs
+        self._base: Any = None
+        self._variants: dict[str, Any] = {}
+        self.cache: dict[tuple[str, int], CardStep | None] = {}
+
+    def _variant(self, name: str) -> Any:
+        if self._base is None:
+            torch.manual_seed(self.seed)
+            self._base = create(self.model_name, **self.model_kwargs)
+        if name not in self._variants:
+            self._variants[name] = build_variant(self._base, name)
+        return self._variants[name]
+
+    def __call__(self, variant: str, batch_size: int) -> CardStep | None:
+        """The predicted step of ``variant`` at ``batch_size``, None if it does not fit."""
+        key = (variant, int(batch_size))
+        if key not in self.cache:
+            v = self._variant(variant)
+            if v.forward is not None:
+                raise ValueError(f"variant {variant!r} is compiled; the card prediction runs "
+                                 f"eager variants only")
+            v.prepare()
+            x = self._base.example_input(int(batch_size), self.size)
+            try:
+                self.cache[key] = predict_step(v.model.train(), x, self.card, limit=self.budget)
+            except SimulatedOutOfMemory:
+                self.cache[key] = None
+        return self.cache[key]
+
+    def peak(self, variant: str, batch_size: int) -> float:
+        """Predicted peak bytes, ``inf`` where the card runs out of memory (for the search)."""
+        step = self(variant, batch_size)
+        return math.inf if step is None else float(step.peak)
 
 
 def cuda_peak(step_at: Callable[[int], Callable[[], None]], budget: int,

@@ -64,17 +64,24 @@ def variants(model: str, batch_size: int | str | tuple = 64, device: str = "cpu"
 
 def max_batch(model: str, memory_budget: str | tuple = "11GB,12GB", device: str = "cpu",
               size: int | None = None, variants: str | tuple | None = None, allocator: str = "cuda",
-              check_prediction: bool = True, out: str | None = None, seed: int = 0) -> dict:
+              check_prediction: bool = True, out: str | None = None, seed: int = 0,
+              card: str | None = None) -> dict:
     """The largest batch of each variant of a zoo model under memory budgets.
 
     On the CPU an exact prediction of the CUDA peak (FakeTensorMode, 512-byte allocator blocks;
-    ``--allocator cpu`` for the CPU's own bytes); on CUDA a real, out-of-memory-safe search on
-    the device capped at the budget, with the CPU prediction and its error beside it.
+    ``--allocator cpu`` for the CPU's own bytes); with ``--card h100`` (a, l4, rtx4090; the
+    default for ``--device cuda`` on a machine without one) a prediction for that card (its
+    kernels, its caching allocator capped at the budget) with its predicted samples/s; on CUDA a
+    real, out-of-memory-safe search on the device capped at the budget, with the CPU prediction
+    and its error beside it.
     """
     payload = run_max_batch(model, parse_budgets(memory_budget), device, size, _names(variants),
-                            allocator=allocator, check_prediction=check_prediction, seed=seed)
-    return _report(model, payload, max_batch_table(payload["rows"]), "maxbatch", device, False,
-                   out)
+                            allocator=allocator, check_prediction=check_prediction, seed=seed,
+                            card=card)
+    what = "maxbatch" if payload["settings"].get("card") is None else \
+        f"maxbatch_{card or 'h100'}"
+    return _report(model, payload, max_batch_table(payload["rows"]), what,
+                   "cpu" if "card" in payload["settings"] else device, False, out)
 
 
 def segments(model: str, batch_size: int = 64, device: str = "cpu", size: int | None = None,

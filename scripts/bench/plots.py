@@ -45,6 +45,8 @@ def _where(payload: dict) -> str:
         return m["gpu"]
     if payload["settings"].get("fake"):
         return "CPU, exact bytes (FakeTensorMode)"
+    if payload["kind"] == "max_batch" and payload["settings"].get("card"):
+        return f"CPU, predicted for {payload['settings']['card']}"
     if payload["kind"] == "max_batch":
         return f"CPU, {payload['settings'].get('allocator', 'cuda')} allocator"
     return f"CPU ({m['torch_threads']} threads)"
@@ -149,7 +151,8 @@ def plot_max_batch(payloads: list[dict], out: Path) -> list[Path]:
         ax.set_title(f"{p['model']}: largest batch per budget ({how}), {_where(p)}", fontsize=10)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        path = out / f"{p['model']}_{p['machine']['device'].split(':')[0]}_max_batch.png"
+        card = "_card" if p["settings"].get("card") else ""  # beside the CPU's own prediction
+        path = out / f"{p['model']}_{p['machine']['device'].split(':')[0]}{card}_max_batch.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)

@@ -111,8 +111,11 @@ def max_batch_table(rows: Sequence[dict]) -> str:
     """One row per (budget, variant): the largest batch, its peak, and x plain's batch."""
     has_check = any("predicted_peak_bytes" in r for r in rows)
     head = "| budget | variant | largest batch | x plain | peak at it | how |"
+    has_speed = any("samples_per_s" in r for r in rows)
     if has_check:
         head += " predicted peak (CPU, FakeTensorMode) | prediction error |"
+    if has_speed:
+        head += " step on the card (predicted) | samples/s (predicted) |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         line = (f"| {r['budget']} | {r['variant']} | {r['largest_batch']} | "
@@ -122,6 +125,10 @@ def max_batch_table(rows: Sequence[dict]) -> str:
             err = r.get("prediction_error")
             predicted = r.get("predicted_peak_bytes")
             line += f" {format_bytes(predicted) if predicted else '-'} | {_fmt(err, '+.2%', '-')} |"
+        if has_speed:
+            step = r.get("step_s")
+            line += (f" {f'{step * 1e3:.2f} ms' if step else '-'} |"
+                     f" {_fmt(r.get('samples_per_s'), ',.0f', '-')} |")
         lines.append(line)
     return "\n".join(lines)
 

@@ -9,15 +9,17 @@ A payload holds ``kind``, ``model``, the ``machine``, the ``command`` and the ``
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from zoo.memory import parse_bytes
+from zoo.memory.cards import card as named_card
 from zoo.models import ZooModel
 
-from .max_batch import PeakPredictor, cuda_peak, search_largest_batch
+from .max_batch import CardPredictor, PeakPredictor, cuda_peak, search_largest_batch
 from .measure import measure_variants, training_step
 from .report import command_line, machine_info
 from .segments import sweep_segments
@@ -107,16 +109,20 @@ def run_max_batch(model: str | Callable[..., ZooModel], budgets: Sequence[int], 
                   size: int | None = None, variants: Sequence[str] | None = None,
                   allocator: str = "cuda", check_prediction: bool = True,
                   probes: tuple[int, int] = (8, 16), max_batch: int = 1 << 16, seed: int = 0,
-                  **model_kwargs: Any) -> dict:
+                  card: str | None = None, **model_kwargs: Any) -> dict:
     """The largest batch of each variant under each budget.
 
     On the CPU: predicted exactly under FakeTensorMode (``allocator="cuda"``: as the CUDA caching
-    allocator would count it). On CUDA: searched for with real steps on a device capped at the
-    budget, and with ``check_prediction`` the CPU prediction of the peak at the batch found and
-    its error against the measured peak (the predicted largest batch: run the same command with
-    ``--device cpu``).
+    allocator would count it). On a named ``card`` (``zoo.memory.cards``; ``h100`` when
+    ``device="cuda"`` is asked for on a machine without one): predicted with the card's kernels
+    and caching allocator capped at the budget, with the predicted samples/s on the card. On
+    CUDA: searched for with real steps on a device capped at the budget, and with
+    ``check_prediction`` the CPU prediction of the peak at the batch found and its error against
+    the measured peak (the predicted largest batch: run the same command with ``--device cpu``).
     """
-    dev = _device(device)
+    if card is None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        card = "h100"
+    dev = torch.device("cpu") if card is not None else _device(device)
     predictor = PeakPredictor(model, size, allocator if dev.type == "cpu" else "cuda",
                               **model_kwargs)
     meta = _model(model, torch.device("meta"), seed, **model_kwargs)  # names only, no memory
@@ -128,44 +134,79 @@ def run_max_batch(model: str | Callable[..., ZooModel], budgets: Sequence[int], 
         built = build_variants(base, names)
     rows: list[dict] = []
     for budget in budgets:
+        on_card = CardPredictor(model, budget, card, size, seed, **model_kwargs) \
+            if card is not None else None
         for i, name in enumerate(names):
             row: dict[str, Any] = {"budget": _budget_label(budget), "budget_bytes": budget,
                                    "variant": name}
-            if dev.type == "cpu":
+            if on_card is not None:
+                b, seen = _card_search(on_card, name, row, probes, max_batch)
+            elif dev.type == "cpu":
                 b, seen = search_largest_batch(lambda n, v=name: predictor(v, n), budget, probes,
-                                        max_batch)
+                                               max_batch)
                 row["method"] = f"predicted (FakeTensorMode, {predictor.allocator} allocator)"
             else:
-                v = built[i]
-                others = {id(w.model): w.model for w in built if w.model is not v.model}
-                for m in others.values():
-                    m.to("cpu")
-
-                def step_at(n: int, v: Variant = v) -> Any:
-                    return training_step(v, base.example_input(n, size).to(dev))
-                b, seen = search_largest_batch(cuda_peak(step_at, budget, dev), budget, probes,
-                                        max_batch)
-                for m in others.values():
-                    m.to(dev)
+                b, seen = _measured_search(built, i, base, size, dev, budget, probes, max_batch)
                 row["method"] = f"measured ({torch.cuda.get_device_name(dev)}, capped)"
                 if check_prediction and b > 0:
                     predicted = predictor(name, b)
                     row["predicted_peak_bytes"] = predicted
                     row["prediction_error"] = (predicted - seen[b]) / seen[b]
-            row["largest_batch"] = b
-            row["peak_bytes"] = seen.get(b) if b else None
-            row["next_peak_bytes"] = seen.get(b + 1)
-            row["probes"] = {str(k): (None if v == float("inf") else v)
-                             for k, v in sorted(seen.items())}
-            rows.append(row)
-        plain = next(r for r in rows if r["budget_bytes"] == budget and r["variant"] == PLAIN)
-        for r in rows:
-            if r["budget_bytes"] == budget:
-                r["batch_ratio"] = (r["largest_batch"] / plain["largest_batch"]
-                                    if plain["largest_batch"] else None)
+            rows.append(_found(row, b, seen))
+        _batch_ratios([r for r in rows if r["budget_bytes"] == budget])
+    settings = {"card": named_card(card).name} if card is not None else {}
     return _payload("max_batch", model, dev, rows, budgets=list(budgets), size=size,
                     allocator=predictor.allocator, probes=list(probes), max_batch=max_batch,
-                    seed=seed, model_kwargs=model_kwargs)
+                    seed=seed, model_kwargs=model_kwargs, **settings)
+
+
+def _card_search(on_card: CardPredictor, name: str, row: dict, probes: tuple[int, int],
+                 max_batch: int) -> tuple[int, dict[int, float]]:
+    """The largest batch on the card, its predicted samples/s and step time into ``row``."""
+    b, seen = search_largest_batch(lambda n: on_card.peak(name, n), on_card.budget, probes,
+                                   max_batch)
+    row["method"] = f"predicted ({on_card.card.name}, card model)"
+    row["card"] = on_card.card.name
+    step = on_card(name, b) if b else None
+    row["step_s"] = step.time.step if step else None
+    row["samples_per_s"] = b / step.time.step if step else None
+    return b, seen
+
+
+def _measured_search(built: list[Variant], i: int, base: ZooModel, size: int | None,
+                     dev: torch.device, budget: int, probes: tuple[int, int],
+                     max_batch: int) -> tuple[int, dict[int, float]]:
+    """Real steps of ``built[i]`` on ``dev`` capped at ``budget`` (the others moved off it)."""
+    v = built[i]
+    others = {id(w.model): w.model for w in built if w.model is not v.model}
+    for m in others.values():
+        m.to("cpu")
+
+    def step_at(n: int) -> Any:
+        return training_step(v, base.example_input(n, size).to(dev))
+    found = search_largest_batch(cuda_peak(step_at, budget, dev), budget, probes, max_batch)
+    for m in others.values():
+        m.to(dev)
+    return found
+
+
+def _found(row: dict, b: int, seen: dict[int, float]) -> dict:
+    """``row`` with the batch found, its peak, the next batch's (None: out of memory), probes."""
+    def finite(p: float | None) -> float | None:
+        return None if p is None or p == math.inf else p
+    row["largest_batch"] = b
+    row["peak_bytes"] = seen.get(b) if b else None
+    row["next_peak_bytes"] = finite(seen.get(b + 1))
+    row["probes"] = {str(k): finite(v) for k, v in sorted(seen.items())}
+    return row
+
+
+def _batch_ratios(rows: list[dict]) -> None:
+    """Each row's largest batch over plain's, under the same budget."""
+    plain = next(r for r in rows if r["variant"] == PLAIN)
+    for r in rows:
+        r["batch_ratio"] = (r["largest_batch"] / plain["largest_batch"]
+                            if plain["largest_batch"] else None)
 
 
 def _budget_label(budget: int) -> str:
