@@ -1,6 +1,6 @@
 """Memory and time against the number of segments of ``checkpoint_sequential``.
 
-Seed 000 saw "almost no memory improvement" and runtime growing with the number of segments.
+Users of torch.utils.checkpoint_sequential report "almost no memory improvement" and runtime growing with the number of segments.
 Two causes, both visible here on a model's chain of blocks:
 
 * ``torch.utils.checkpoint.checkpoint_sequential`` never checkpoints its last segment: with one

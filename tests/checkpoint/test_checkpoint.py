@@ -51,7 +51,7 @@ def test_same_outputs_and_gradients(images, input_requires_grad):
 
 
 def test_frozen_input_still_trains_parameters():
-    """Seed 001: reentrant checkpoint of a block whose input needs no grad trains nothing."""
+    """Reentrant checkpoint of a block whose input needs no grad trains nothing."""
     net = nn.Linear(4, 4)
     zoo.checkpoint(net, torch.randn(2, 4)).sum().backward()
     assert net.weight.grad is not None and net.weight.grad.abs().sum() > 0
