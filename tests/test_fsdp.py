@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import zoo
+from zoo.memory import default_loss
 
 try:  # torch >= 2.6 exports FSDP2 publicly; 2.4/2.5 keep it under _composable
     from torch.distributed.fsdp import fully_shard
@@ -104,7 +105,7 @@ def _train_sharded(case: int, x: torch.Tensor) -> dict[str, list]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     grads = []
     for _ in range(STEPS):
-        model(x).square().mean().backward()
+        default_loss(model(x)).backward()
         grads.append([full(p.grad).detach().clone() for p in model.parameters()])
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -131,7 +132,7 @@ def reference(case: int, x: torch.Tensor) -> dict[str, list]:
     grads = []
     for _ in range(STEPS):
         for rank, model in enumerate(copies):
-            model(x[rank * 2:rank * 2 + 2]).square().mean().backward()
+            default_loss(model(x[rank * 2:rank * 2 + 2])).backward()
         for p0, p1 in zip(*(m.parameters() for m in copies)):
             p0.grad = p1.grad = (p0.grad + p1.grad) / 2
         grads.append([p.grad.clone() for p in copies[0].parameters()])

@@ -15,14 +15,13 @@ from torch import nn
 
 import zoo
 from helpers import assert_same_training
-from zoo.memory import cpu_peak_bytes
+from zoo.memory import cpu_peak_bytes, default_loss, train_step
 
 
 def step_peak(model: nn.Module, forward: Callable, x: torch.Tensor) -> int:
     """Exact CPU peak (MemTracker) of one train step, the model's parameters counted."""
-    model.train()
     model.zero_grad(set_to_none=True)
-    peak = cpu_peak_bytes(lambda: forward(x).float().square().mean().backward(), track=(model,))
+    peak = cpu_peak_bytes(train_step(model, x, forward=forward), track=(model,))
     model.zero_grad(set_to_none=True)
     return peak
 
@@ -45,7 +44,7 @@ def recomputes_with_zoo(forward: Callable, x: torch.Tensor) -> bool:
     handle = nn.modules.module.register_module_forward_pre_hook(
         lambda m, a: seen.append(zoo.is_recomputing()))
     try:
-        forward(x).float().square().mean().backward()
+        default_loss(forward(x)).backward()
     finally:
         handle.remove()
     return any(seen)

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers import DDP_CONFIGS, run_gloo
+from helpers import DDP_CONFIGS, run_gloo, train_step_peak
 from zoo.checkpoint import is_recomputing
-from zoo.memory import count_flops, cpu_peak_bytes
+from zoo.memory import count_flops, cpu_peak_bytes, default_loss, train_step
 from zoo.reversible import (Coupling, from_fixed, grid_for, join, reversible_sequence, split,
                             to_fixed)
 from zoo.reversible.sources import source_of
@@ -81,7 +81,7 @@ def train(model: nn.Module, x: torch.Tensor, steps: int = 3, autocast: bool = Fa
         xs = x.detach().clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = model(xs)
-        out.float().square().mean().backward()
+        default_loss(out).backward()
         history.append([out.detach(), xs.grad, *[p.grad.clone() for p in model.parameters()]])
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -183,7 +183,7 @@ def test_activation_memory_does_not_grow_with_depth():
         x = torch.randn(8, 3, 16, 16)
         state = 2 * sum(p.numel() * p.element_size() for p in net.parameters()) + \
             sum(b.numel() * b.element_size() for b in net.buffers())
-        return cpu_peak_bytes(lambda: net(x).square().mean().backward(), (net,)) - state
+        return train_step_peak(net, x) - state
 
     assert activations(8, True) == activations(2, True)
     assert activations(8, False) > 3 * activations(2, False) / 2
@@ -196,8 +196,7 @@ def test_recompute_is_one_forward_of_the_blocks():
     streams = stored.stem(x).chunk(2, dim=1)
     blocks_forward = count_flops(lambda: reversible_sequence(stored.blocks, *streams,
                                                              rebuild=False))
-    extra = count_flops(lambda: rebuilt(x).square().mean().backward()) - \
-        count_flops(lambda: stored(x).square().mean().backward())
+    extra = count_flops(train_step(rebuilt, x)) - count_flops(train_step(stored, x))
     assert extra == blocks_forward > 0
 
 
@@ -238,7 +237,7 @@ def test_a_parameter_hook_fires_once_per_backward():
         net = rebuilt if rebuild else stored
         calls = []
         net.blocks[1].g[2].weight.register_hook(lambda g: calls.append(g))
-        net(images()).square().mean().backward()
+        default_loss(net(images())).backward()
         assert len(calls) == 1, rebuild
 
 
@@ -394,7 +393,7 @@ def test_a_lead_unit_keeps_no_float_copy_and_heads_are_made_again():
     assert kept(net(sources=False)) - kept(net()) == halves
 
     def peak(model: Staged) -> int:
-        return cpu_peak_bytes(lambda: model(x).square().mean().backward(), (model,))
+        return train_step_peak(model, x)
 
     assert peak(net()) < peak(net(split_heads=False))
 

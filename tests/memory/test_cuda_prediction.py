@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from zoo.memory import train_step
 from zoo.memory.cards import CARDS, Card, card, fit_host, op_seconds, step_time
 from zoo.memory.cuda_allocator import (CachingAllocator, SimulatedOutOfMemory, round_size,
                                        segment_size)
@@ -128,12 +129,7 @@ def test_two_cublas_workspaces_and_exact_linear_peak():
     with FakeTensorMode():
         model = nn.Linear(1024, 1024)
         x = torch.empty(512, 1024)
-
-        def step():
-            model.zero_grad(set_to_none=True)
-            model(x).square().mean().backward()
-
-        counter = run_counted(step, (model, x))
+        counter = run_counted(train_step(model, x), (model, x))
     assert counter.peak >= 2 * HOPPER_WORKSPACE
     assert counter.allocator.allocated >= 2 * HOPPER_WORKSPACE  # kept after the step
     mats = sum(r.op is torch.ops.aten.addmm or r.op is torch.ops.aten.mm

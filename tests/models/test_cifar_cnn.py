@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import zoo
-from helpers import assert_same_training
-from zoo.memory import cpu_peak_bytes
+from helpers import assert_same_training, train_step_peak
+from zoo.memory import default_loss
 from zoo.models.cifar_cnn import CifarCNN
 
 MODES = CifarCNN.checkpoint_modes
@@ -85,7 +85,7 @@ def test_dropout_and_batchnorm_run_again_inside_the_checkpoint_yet_count_once(mo
              for name, m in watched.items()]
     x = model.example_input(2)
     assert not x.requires_grad
-    model(x).square().mean().backward()
+    default_loss(model(x)).backward()
     for h in hooks:
         h.remove()
     # forward and recompute; ``nested`` runs its pool and dropout once, outside its region
@@ -108,7 +108,7 @@ def test_each_mode_reruns_exactly_the_convolutions_it_says(mode, runs):
     seen: Counter = Counter()
     hooks = [m.register_forward_hook(lambda m, a, o, name=name: seen.update([name]))
              for name, m in model.named_modules() if isinstance(m, nn.Conv2d)]
-    model(model.example_input(2)).square().mean().backward()
+    default_loss(model(model.example_input(2))).backward()
     for h in hooks:
         h.remove()
     assert seen == {f"cnn_block_{b}.{conv}": n for b in (1, 2) for conv, n in runs.items()}
@@ -123,7 +123,7 @@ def test_nested_mode_has_the_lowest_peak():
     def peak(mode: str | bool) -> int:
         torch.manual_seed(0)
         model = zoo.create_model("cifar_cnn", efficient=mode)
-        return cpu_peak_bytes(lambda: model(x).square().mean().backward(), track=(model,))
+        return train_step_peak(model, x)
 
     nested = peak("nested")
     assert all(nested < peak(mode) for mode in (False, "halves", "block", "bn_relu"))
@@ -134,14 +134,9 @@ def test_modes_lower_peak_memory(mode):
     torch.manual_seed(0)
     model = zoo.create_model("cifar_cnn")
     x = model.example_input(8)
-
-    def peak() -> int:
-        model.zero_grad(set_to_none=True)
-        return cpu_peak_bytes(lambda: model(x).square().mean().backward(), track=(model,))
-
-    plain = peak()
+    plain = train_step_peak(model, x)
     model.set_grad_checkpointing(mode)
-    assert peak() < plain
+    assert train_step_peak(model, x) < plain
 
 
 def test_planner_chain_trains_exactly_like_plain():

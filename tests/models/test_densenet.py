@@ -15,7 +15,7 @@ import torchvision
 import zoo
 from helpers import (assert_published_parameter_count, assert_same_training,
                      train_step_peak)
-from zoo.memory import count_flops, cpu_peak_bytes
+from zoo.memory import count_flops, cpu_peak_bytes, default_loss
 from zoo.models.densenet import DenseLayer, DenseNet
 
 # Millions of parameters, to the digits published: Huang et al. 2017, Table 2 (CIFAR), and
@@ -86,8 +86,8 @@ def test_torchvision_weights_load_strictly_and_give_the_same_outputs(mode):
     ours.train(), theirs.train()  # train: batch statistics, gradients and updated buffers
     out_ours, out_theirs = ours(x), theirs(x)
     torch.testing.assert_close(out_ours, out_theirs)
-    out_ours.square().mean().backward()
-    out_theirs.square().mean().backward()
+    default_loss(out_ours).backward()
+    default_loss(out_theirs).backward()
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}.grad: {m}")
     for (name, a), b in zip(ours.state_dict().items(), theirs.state_dict().values()):
@@ -150,7 +150,7 @@ def test_bottleneck_mode_recomputes_no_convolution_and_layer_mode_only_conv1():
 
     def flops(mode: str | bool) -> int:
         model.set_grad_checkpointing(mode)
-        return count_flops(lambda: model(x).square().mean().backward())
+        return count_flops(lambda: default_loss(model(x)).backward())
 
     plain = flops(False)
     assert flops("bottleneck") == plain

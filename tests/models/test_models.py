@@ -12,6 +12,7 @@ import torch
 
 import zoo
 from helpers import assert_same_training, train_step_peak
+from zoo.memory import default_loss
 
 # Big enough that CI time matters. They are marked slow (they still run in CI) and get the cheap
 # generic tests plus the equivalence test of their recommended (efficient=True) mode; every finer
@@ -93,7 +94,7 @@ def test_interface_forward_and_every_parameter_gets_a_gradient(name):
     out = model(x)
     assert out.shape[0] == 2 and out.shape[-1] == model.num_classes
     assert torch.isfinite(out).all()
-    out.float().square().mean().backward()
+    default_loss(out).backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None]
     assert missing == [], f"parameters without gradient: {missing[:5]}"
 

@@ -18,6 +18,7 @@ import torchvision
 import zoo
 from helpers import (assert_published_parameter_count, assert_same_training,
                      train_step_peak)
+from zoo.memory import default_loss
 from zoo.models.resnet import Bottleneck, CifarResNet, ResNet, ZeroPadShortcut
 
 # Millions of parameters to the published digits: He et al. 2016, Table 6 (CIFAR, option A
@@ -102,8 +103,8 @@ def test_torchvision_weights_load_strictly_and_give_the_same_outputs(name, mode)
     ours.train(), theirs.train()  # train: batch statistics, gradients and updated buffers
     out_ours, out_theirs = ours(x), theirs(x)
     torch.testing.assert_close(out_ours, out_theirs)
-    out_ours.square().mean().backward()
-    out_theirs.square().mean().backward()
+    default_loss(out_ours).backward()
+    default_loss(out_theirs).backward()
     for (key, p), q in zip(ours.named_parameters(), theirs.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{key}.grad: {m}")
     for (key, a), b in zip(ours.state_dict().items(), theirs.state_dict().values()):
@@ -152,7 +153,7 @@ def _conv_runs(model: torch.nn.Module, x: torch.Tensor) -> Counter:
     runs: Counter = Counter()
     hooks = [m.register_forward_hook(lambda m, a, o, name=name: runs.update([name]))
              for name, m in model.named_modules() if isinstance(m, torch.nn.Conv2d)]
-    model(x).square().mean().backward()
+    default_loss(model(x)).backward()
     for h in hooks:
         h.remove()
     return runs

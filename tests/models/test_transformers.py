@@ -17,7 +17,7 @@ from timm.models.vision_transformer import VisionTransformer as TimmViT
 
 import zoo
 from helpers import assert_same_training, train_step_peak
-from zoo.memory import count_flops
+from zoo.memory import count_flops, default_loss
 from zoo.models._transformer import TransformerModel, run_blocks_in_mode
 from zoo.models.bert import Bert
 from zoo.models.gpt2 import GPT2
@@ -147,8 +147,8 @@ def test_timm_vit_weights_load_strictly_and_train_the_same(mode, size):
     x = torch.randn(2, 3, size, size)
     out_ours, out_theirs = ours.train()(x), theirs.train()(x)
     torch.testing.assert_close(out_ours, out_theirs)
-    out_ours.square().mean().backward()
-    out_theirs.square().mean().backward()
+    default_loss(out_ours).backward()
+    default_loss(out_theirs).backward()
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}.grad: {m}")
 
@@ -247,7 +247,7 @@ def test_selective_recomputes_the_attention_core_and_no_linear(family):
 
     def flops(mode: str | bool) -> int:
         model.set_grad_checkpointing(mode)
-        return count_flops(lambda: model(x).float().square().mean().backward())
+        return count_flops(lambda: default_loss(model(x)).backward())
 
     plain = flops(False)
     assert flops("selective") - plain == 2 * 4 * 2 * tokens * tokens * 64
