@@ -21,7 +21,7 @@ from typing import Any
 from . import (chain, families, gpu, model_commands, outside, overhead, planner_levels,
                planner_modes, planner_promise, planner_time, planner_vs_compile, planner_vs_uniform, plots,
                primitive, reversible)
-from . import host_report, prediction
+from . import card_plan, host_report, prediction
 
 __all__ = ["SUBCOMMANDS", "usage", "main"]
 
@@ -47,6 +47,7 @@ SUBCOMMANDS: dict[str, Callable[..., Any]] = {
     "host-cost": host_report.run_host_cost,
     "reversible": reversible.reversible,
     "prediction": prediction.prediction,
+    "card-plan": card_plan.card_plan,
 }
 
 

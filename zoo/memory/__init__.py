@@ -59,15 +59,18 @@ def parse_bytes(value: int | float | str) -> int:
     return int(size)
 
 
-def parse_budget(value: int | float | str, device: torch.device | str | None = None
-                 ) -> int | float:
+def parse_budget(value: int | float | str, device: torch.device | str | None = None,
+                 total: int | None = None) -> int | float:
     """A memory budget in bytes: what :func:`parse_bytes` reads, and also ``inf`` (``float("inf")``
     or ``"inf"``: no limit, so nothing needs checkpointing, returned as ``math.inf``) and, for a
-    CUDA ``device``, a fraction of the device's total memory (``0.8`` or ``"80%"``).
+    CUDA ``device``, a fraction of the device's total memory (``0.8`` or ``"80%"``); ``total``:
+    the memory a fraction is of (a card that is not here), instead of ``device``'s.
 
     ``nan``, zero, negative and unreadable budgets raise a one-line ValueError.
     """
     size = _parse_size(value, allow_fraction=True)
+    if isinstance(size, _Fraction) and total is not None:
+        return int(size.fraction * total)
     if isinstance(size, _Fraction):
         dev = torch.device(device) if device is not None else torch.device("cpu")
         if dev.type != "cuda" or not torch.cuda.is_available():
@@ -210,6 +213,7 @@ def median_seconds(step: Callable[[], Any], repeats: int = 5, warmup: int = 2,
 
 # A step on a named CUDA card, predicted without one (zoo.memory.cards: the cards' numbers)
 from .card_step import CardStep, predict_step  # noqa: E402
+from .on_card import on_card  # noqa: E402
 from .cards import CARDS, Card, card  # noqa: E402
 
-__all__ += ["CardStep", "predict_step", "CARDS", "Card", "card"]
+__all__ += ["CardStep", "predict_step", "CARDS", "Card", "card", "on_card"]

@@ -18,11 +18,11 @@ from torch import nn
 
 from .cards import H100_ACHIEVED, H100_HOST, Achieved, Card, HostCost, StepTime, card, step_time
 from .. import _torch
-from .cuda_peak import run_counted
+from .cuda_peak import CudaCounter, run_counted
 from .fake import FakeStep
 from .training import default_loss
 
-__all__ = ["CardStep", "predict_step"]
+__all__ = ["CardStep", "predict_step", "run_on_card"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,17 @@ def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
     fractions of the card's peaks its kernels reach (both calibrated on an H100 machine);
     ``limit``: a cap on reserved bytes, as ``set_per_process_memory_fraction`` sets."""
     target = card(on)
+    counter = run_on_card(model, example_input, target, loss_fn, limit)
+    return CardStep(target, counter.peak,
+                    step_time(counter.records, counter.regions, target, host, achieved))
+
+
+def run_on_card(model: nn.Module, example_input: Any, on: str | Card,
+                loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                limit: int | None = None, counter: CudaCounter | None = None) -> CudaCounter:
+    """:func:`predict_step`'s fake step, the counter returned (its ``peak``, ``records`` and
+    ``regions``). ``counter``: a fresh one to count in, which ``model`` may read as it runs."""
+    target = card(on)
     loss_fn = loss_fn or default_loss
     fake = FakeStep(model, example_input)
 
@@ -59,10 +70,8 @@ def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
     try:
         with fake.mode, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
-            counter = run_counted(step, fake.tensors + [fake.input]
-                                  if isinstance(fake.input, torch.Tensor) else fake.tensors,
-                                  limit, workspace=target.workspace)
+            return run_counted(step, fake.tensors + [fake.input]
+                               if isinstance(fake.input, torch.Tensor) else fake.tensors,
+                               limit, workspace=target.workspace, counter=counter)
     finally:
         fake.clear()
-    return CardStep(target, counter.peak,
-                    step_time(counter.records, counter.regions, target, host, achieved))

@@ -26,12 +26,12 @@ import torch
 
 from .. import _torch
 from .._torch import tree_flatten
-from .cuda_allocator import CachingAllocator
+from .cuda_allocator import CachingAllocator, round_size
 from .cuda_ops import CudaKernels
 from .tracker import StepCounter
 
 __all__ = ["HOPPER_WORKSPACE", "OLDER_WORKSPACE", "OpRecord", "CudaCounter",
-           "predict_cuda_peak", "run_counted"]
+           "predict_cuda_peak", "run_counted", "regions_counted"]
 
 HOPPER_WORKSPACE = 32 << 20  # cuBLAS workspace, compute capability 9.x and newer
 OLDER_WORKSPACE = (4096 << 10) * 2 + (16 << 10) * 8  # ":4096:2:16:8" before
@@ -122,6 +122,26 @@ class CudaCounter(StepCounter):
         self.current = self.allocator.allocated
         self.peak = max(self.peak, self.allocator.peak)
 
+    def hold_workspaces(self) -> None:
+        """Allocate the forward's and the backward's cuBLAS workspaces now, as a step after the
+        first finds them: a step's figures then carry them from the start, not inside the block
+        that runs the first matmul (which a planner would take for that block's own bytes)."""
+        for backward in (False, True):
+            if backward not in self._workspaces and self.workspace:
+                self._workspaces[backward] = self.allocator.malloc(self.workspace)
+        self.current = self.allocator.allocated
+        self.peak = max(self.peak, self.allocator.peak)
+
+    def bytes_of(self, t: torch.Tensor) -> int:
+        """Bytes of the allocator's block that holds ``t``'s storage (a request's rounding,
+        and a cached block too small to split counted whole)."""
+        block = self._blocks.get(t.untyped_storage()._cdata)
+        return block.size if block is not None else self.request_bytes(
+            t.untyped_storage().nbytes(), t.device)
+
+    def request_bytes(self, nbytes: int, device: torch.device) -> int:
+        return round_size(nbytes) if nbytes > 0 else 0
+
     def _free(self, key: int) -> None:
         if self._live.pop(key, None) is not None:
             self.allocator.free(self._blocks.pop(key))
@@ -144,12 +164,14 @@ def predict_cuda_peak(step: Callable[[], Any], track: Any = (), limit: int | Non
 
 
 def run_counted(step: Callable[[], Any], track: Any = (), limit: int | None = None,
-                warmup: int = 0, workspace: int = HOPPER_WORKSPACE) -> CudaCounter:
+                warmup: int = 0, workspace: int = HOPPER_WORKSPACE,
+                counter: CudaCounter | None = None) -> CudaCounter:
     """:func:`predict_cuda_peak`'s run, the counter itself returned (its ``peak``, its
-    ``records`` of the last step)."""
-    counter = CudaCounter(CachingAllocator(limit), workspace)
+    ``records`` of the last step). ``counter``: a fresh one to count in (``step`` may then read
+    its records as it runs); ``limit`` and ``workspace`` are then its own."""
+    counter = counter or CudaCounter(CachingAllocator(limit), workspace)
     counter.track(*track) if isinstance(track, (list, tuple)) else counter.track(track)
-    with CudaKernels(), counter, _regions_counted(counter):
+    with CudaKernels(), counter, regions_counted(counter):
         for _ in range(warmup):
             step()
         counter.reset_peak()
@@ -160,7 +182,7 @@ def run_counted(step: Callable[[], Any], track: Any = (), limit: int | None = No
 
 
 @contextlib.contextmanager
-def _regions_counted(counter: CudaCounter) -> Iterator[None]:
+def regions_counted(counter: CudaCounter) -> Iterator[None]:
     """Counts into ``counter.regions`` every ``saved_tensors_hooks`` entered in a forward:
     each checkpointed region enters one (the zoo's and ``torch.utils.checkpoint``'s
     non-reentrant one alike); its recompute enters more, in the backward, not counted. Keeps

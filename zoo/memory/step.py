@@ -18,6 +18,7 @@ from torch import nn
 
 from .fake import FakeStep
 from .training import default_loss
+from .on_card import step_counter
 from .tracker import StepCounter
 
 __all__ = ["measure_step", "peak_bytes"]
@@ -34,12 +35,12 @@ def measure_step(model: nn.Module, example_input: torch.Tensor,
     loss_fn = loss_fn or default_loss
     fake = fake or FakeStep(model, example_input)
     fake.clear()
-    counter = StepCounter()
+    counter, kernels = step_counter()  # the CPU's, or a card's under zoo.memory.on_card
     counter.track(fake.tensors)
     try:
         with fake.mode, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
-            with counter, _reparametrize_module(model, fake.state):
+            with kernels, counter, _reparametrize_module(model, fake.state):
                 loss_fn(model(fake.input)).backward()
     finally:
         fake.clear()

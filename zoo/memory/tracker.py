@@ -89,6 +89,15 @@ class StepCounter(TorchDispatchMode):
                            self._made)
         self.current += nbytes
 
+    def bytes_of(self, t: torch.Tensor) -> int:
+        """Bytes ``t``'s storage counts for here (as counted when it was made, if it was)."""
+        entry = self._live.get(storage_key(t))
+        return entry[0] if entry is not None else storage_bytes(t)
+
+    def request_bytes(self, nbytes: int, device: torch.device) -> int:
+        """Bytes a new storage of ``nbytes`` on ``device`` would count for here."""
+        return -(-nbytes // 512) * 512 if device.type == "cuda" else nbytes
+
     def key(self, t: torch.Tensor) -> int:
         """An identity of ``t``'s storage that no other storage of the step shares, unlike its
         address (``storage_key``), which a storage made after this one is freed may reuse: the

@@ -26,7 +26,9 @@ import torch
 from torch import nn
 
 from ..memory import parse_budget
+from ..memory.cards import Card
 from ..memory.fake import FakeStep, collector_paused
+from ..memory.on_card import on_card
 from .errors import BudgetTooSmallError
 from .modules.plan_module import ModulePlan, plan_module
 from .modules.spine import Spine, clear_spine, find_spine
@@ -256,7 +258,8 @@ def spine_planner(model: nn.Module, example_input: Any,
 def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | float | str, *,
          loss_fn: Callable[[Any], torch.Tensor] | None = None, apply: bool = True,
          modes: bool = True, block_modes: bool = True,
-         modules: Any = None, cost: str = "flops", compiled: bool = False) -> Plan | ModulePlan:
+         modules: Any = None, cost: str = "flops", compiled: bool = False,
+         device: str | Card | None = None) -> Plan | ModulePlan:
     """Checkpoint ``model`` so one training step fits ``memory_budget`` with the least
     recompute, and return the :class:`Plan` (``print`` it for a table).
 
@@ -278,9 +281,10 @@ def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | flo
             of the prediction, usually negligible).
         apply: make the model run the result (default True).
         cost: ``"flops"`` (default, exact) or ``"time"``: each block's forward timed on the
-            input's device, and the chain planned for least recompute time (the plan's
-            ``recompute_flops`` and ``step_flops`` are then nanoseconds, ``plan.cost ==
-            "time"``; hand modes and per-block modes are left out of that search).
+            input's device (or predicted on ``device``'s card), and the chain planned for
+            least recompute time (the plan's ``recompute_flops`` and ``step_flops`` are then
+            nanoseconds, ``plan.cost == "time"``; hand modes and per-block modes are left out
+            of that search).
         modes: measure the model's own checkpoint modes too and take one where it is the
             cheapest that fits (default True).
         block_modes: also profile the chain with every block in each of those modes and save
@@ -288,39 +292,60 @@ def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | flo
             level of the schedule, and search those schedules (default True).
         compiled: the model will run under ``torch.compile``: plan only what AOTAutograd's
             partitioner keeps (one-level schedules of plain blocks; see :class:`Planner`).
+        device: plan for a CUDA card that is not here: a name of ``zoo.memory.cards.CARDS``
+            (``"h100"``, ``"a100"``, ``"l4"``, ``"rtx4090"``) or a ``Card`` of your own
+            numbers. Every step is measured with the card's kernels and caching allocator
+            (``zoo.memory.on_card``) on the input as it is (a CPU input is fine), a fraction
+            budget is of the card's memory, and ``cost="time"`` prices blocks by their
+            predicted time on the card. Default: the input's own device.
 
     A budget at or above the plain model's peak checkpoints nothing. A budget below the lowest
     peak any schedule reaches raises :class:`BudgetTooSmallError` naming that peak; nan,
     negative or unreadable budgets raise a one-line ValueError.
     """
-    device = example_input.device if isinstance(example_input, torch.Tensor) else None
-    budget = parse_budget(memory_budget, device)
     if cost not in ("flops", "time"):
         raise ValueError(f"cost must be 'flops' or 'time', got {cost!r}")
-    with collector_paused():
-        if hasattr(model, "checkpoint_chain") and modules is None:
-            with plan_set_aside(model):  # a plan applied before is not the plain step's
-                result = _plan_zoo_model(model, example_input, budget, loss_fn, cost, modes,
-                                         block_modes, compiled)
-        else:
-            spine = spine_planner(model, example_input, loss_fn, compiled=compiled) \
-                if modules is None else None
-            result = spine.plan(budget) if spine is not None else \
-                plan_module(model, example_input, budget, loss_fn, modules)
+    if device is not None:
+        with on_card(device) as target:
+            budget = parse_budget(memory_budget, total=target.memory)
+            result = _plan(model, example_input, budget, loss_fn, modes, block_modes, modules,
+                           cost, compiled, target)
+    else:
+        here = example_input.device if isinstance(example_input, torch.Tensor) else None
+        result = _plan(model, example_input, parse_budget(memory_budget, here), loss_fn, modes,
+                       block_modes, modules, cost, compiled, None)
     if apply:
         result.apply(model)
     return result
 
 
+def _plan(model: nn.Module, example_input: torch.Tensor, budget: float,
+          loss_fn: Callable[[Any], torch.Tensor] | None, modes: Any, block_modes: Any,
+          modules: Any, cost: str, compiled: bool, on: Card | None) -> Plan | ModulePlan:
+    """:func:`plan`'s choice, not applied; ``on``: the card timed for ``cost="time"``."""
+    with collector_paused():
+        if hasattr(model, "checkpoint_chain") and modules is None:
+            with plan_set_aside(model):  # a plan applied before is not the plain step's
+                return _plan_zoo_model(model, example_input, budget, loss_fn, cost, modes,
+                                       block_modes, compiled, on)
+        if cost == "time":
+            raise ValueError(f"cost='time' plans a zoo model's chain of blocks; "
+                             f"{type(model).__name__} has none: use cost='flops'")
+        spine = spine_planner(model, example_input, loss_fn, compiled=compiled) \
+            if modules is None else None
+        return spine.plan(budget) if spine is not None else \
+            plan_module(model, example_input, budget, loss_fn, modules)
+
+
 def _plan_zoo_model(model: nn.Module, example_input: torch.Tensor, budget: float,
                     loss_fn: Callable[[Any], torch.Tensor] | None, cost: str, modes: Any,
-                    block_modes: Any, compiled: bool) -> Plan:
+                    block_modes: Any, compiled: bool, on: Card | None) -> Plan:
     """:func:`plan` for a model with the zoo's chain, with no plan applied to it."""
     if budget == float("inf"):
         return _no_limit(model, example_input, loss_fn)
     if cost == "time":
         profile = time_profile(model, example_input, profile_chain(model, example_input, loss_fn),
-                               loss_fn)
+                               loss_fn, on=on)
         return dataclasses.replace(solve_profile(profile, budget), cost="time")
     return Planner(model, example_input, loss_fn, modes=modes, block_modes=block_modes,
                    compiled=compiled).plan(budget)

@@ -58,6 +58,8 @@ class TrainConfig:
     batch_size: int | str = 64           # global batch, split over DDP processes; "auto": the
                                          # largest that fits memory_budget (zoo.plan)
     memory_budget: int | str | None = None  # bytes or "10GB" per device: zoo.plan checkpoints to fit
+    card: str | None = None              # size memory_budget for this CUDA card, predicted here
+                                         # (h100, a100, l4, rtx4090); training runs on --device
     optimizer: str = "sgd"               # sgd or adamw
     lr: float = 0.1
     momentum: float = 0.9                # SGD momentum (AdamW: beta1)
@@ -91,6 +93,7 @@ class TrainConfig:
                 parse_bytes(self.memory_budget)
             except ValueError as e:
                 raise ConfigError(f"memory_budget: {e}") from None
+        self._validate_card()
         positive = {"epochs": self.epochs} if self.batch_size == "auto" else {
             "epochs": self.epochs, "batch_size": self.batch_size}
         for key, value in positive.items():
@@ -126,6 +129,22 @@ class TrainConfig:
                                   f"({', '.join(list_backends())}), got {self.compile!r}{hint}")
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise ConfigError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+
+    def _validate_card(self) -> None:
+        """``--card``: a known card, with a memory budget to size for, that the card holds."""
+        if self.card is None:
+            return
+        from ..memory import card, format_bytes, parse_bytes
+        if self.memory_budget is None:
+            raise ConfigError(f"--card {self.card} sizes the step for a memory budget on that card: "
+                              f"give one, e.g. --memory_budget 10GB")
+        try:
+            target = card(self.card)
+        except ValueError as e:
+            raise ConfigError(f"card: {e}") from None
+        if parse_bytes(self.memory_budget) > target.memory:
+            raise ConfigError(f"memory_budget {self.memory_budget} is more than the "
+                              f"{format_bytes(target.memory)} of a {target.name}; give a smaller one")
 
     def _validate_numbers(self) -> None:
         """Finite numbers in their ranges: ``--lr nan`` or ``--momentum 1.5`` never start a run."""

@@ -131,8 +131,10 @@ def plan_memory(cfg: TrainConfig, model: nn.Module, world_size: int, side: int,
     """``--memory_budget``: checkpoint the model's chain so a training step fits (``zoo.plan``);
     with ``--batch_size auto`` first pick the largest batch that fits. Returns ``cfg`` with the
     batch resolved. The optimizer's state (SGD momentum: one copy of the parameters, AdamW two)
-    is taken off the budget first: the planner counts parameters, gradients and activations."""
-    from ..memory import format_bytes, parse_bytes
+    is taken off the budget first: the planner counts parameters, gradients and activations.
+    ``--card``: every step is sized with that card's kernels and allocator (predicted here,
+    ``zoo.memory.on_card``), and its predicted time is said."""
+    from ..memory import format_bytes, on_card, parse_bytes
     from ..planner import BudgetTooSmallError, largest_batch, plan, solve_profile
 
     budget = parse_bytes(cfg.memory_budget)
@@ -150,10 +152,11 @@ def plan_memory(cfg: TrainConfig, model: nn.Module, world_size: int, side: int,
     def loss_fn(out: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out, torch.zeros(out.shape[0], dtype=torch.long, device=out.device))
 
-    amp = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.amp and device.type == "cpu" \
+    amp = torch.autocast(device.type, dtype=torch.bfloat16) \
+        if cfg.amp and device.type == "cpu" and cfg.card is None \
         else contextlib.nullcontext()  # (CUDA AMP: planned in float32, a safe over-estimate)
     model.train()
-    with amp:
+    with amp, on_card(cfg.card) if cfg.card else contextlib.nullcontext():
         if cfg.batch_size == "auto":
             per_rank, profile = largest_batch(model, make_input, room, loss_fn)
             if per_rank == 0:
@@ -177,9 +180,24 @@ def plan_memory(cfg: TrainConfig, model: nn.Module, world_size: int, side: int,
                     f"optimizer state; plain training needs {format_bytes(e.plain + state)}). "
                     f"Give --memory_budget {least} or more, a smaller --batch_size, or "
                     f"--batch_size auto") from None
-    say(f"memory plan for memory_budget {format_bytes(budget)} ({format_bytes(state)} optimizer "
-        f"state, {format_bytes(room)} for the step):\n{result}")
+    where = f" on a {cfg.card} card (predicted here)" if cfg.card else ""
+    say(f"memory plan for memory_budget {format_bytes(budget)}{where} ({format_bytes(state)} "
+        f"optimizer state, {format_bytes(room)} for the step):\n{result}")
+    if cfg.card:
+        _say_card_speed(cfg, model, make_input(cfg.batch_size // world_size), loss_fn, say)
     return cfg
+
+
+def _say_card_speed(cfg: TrainConfig, model: nn.Module, x: torch.Tensor,
+                    loss_fn: Callable[[torch.Tensor], torch.Tensor],
+                    say: Callable[[str], None]) -> None:
+    """The planned step's peak and time on ``--card``, predicted (``zoo.memory.predict_step``)."""
+    from ..memory import format_bytes, predict_step
+
+    step = predict_step(model, x, cfg.card, loss_fn)
+    say(f"predicted on a {step.card.name}: a step of {x.shape[0]} per device peaks at "
+        f"{format_bytes(step.peak)} and takes {1e3 * step.time.step:.1f} ms "
+        f"({x.shape[0] / step.time.step:,.0f} samples/s per device)")
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:

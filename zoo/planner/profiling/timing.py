@@ -6,6 +6,11 @@ on ``example_input``'s device (median of ``repeats`` runs after one warm-up, syn
 CUDA), and a copy of the profile carries nanoseconds where it carried FLOPs, so the same dynamic
 programme plans for least recompute time. A block that stops its recompute early (torch stops at
 the last saved tensor) is charged the same share of its time as of its FLOPs.
+
+For a named CUDA card (``on``), nothing runs for real: one fake step runs the card's kernels
+(``zoo.memory.card_step``), and each block's forward is priced as ``zoo.memory.cards`` prices
+ops, the larger of its kernels' time on the card and the host's time to issue them (a
+recompute issues them from Python again); the step's time is the whole predicted step's.
 """
 from __future__ import annotations
 
@@ -18,6 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...memory.card_step import run_on_card
+from ...memory.cards import Card, step_time
+from ...memory.cuda_allocator import CachingAllocator
+from ...memory.cuda_peak import CudaCounter
 from .profile import ChainProfile
 
 __all__ = ["time_profile"]
@@ -54,19 +63,52 @@ def _block_seconds(model: nn.Module, example_input: torch.Tensor, n_blocks: int,
     return [statistics.median(t[1:]) for t in times]
 
 
+def _card_seconds(model: nn.Module, example_input: torch.Tensor, n_blocks: int,
+                  loss_fn: Callable[[Any], torch.Tensor] | None, on: Card
+                  ) -> tuple[list[float], float]:
+    """Each chain block's forward and the whole plain step, predicted on card ``on``."""
+    counter = CudaCounter(CachingAllocator(), on.workspace)
+    spans: list[tuple[int, int]] = []
+
+    def run_chain(blocks: Sequence[Callable], h: torch.Tensor) -> torch.Tensor:
+        for block in blocks:
+            start = len(counter.records)
+            h = block(h)
+            spans.append((start, len(counter.records)))
+        return h
+
+    previous = model.checkpoint_plan
+    model.set_checkpoint_plan([(0, n_blocks, False)])
+    model.run_chain = run_chain  # instance attribute: shadows the class's for this step
+    try:
+        run_on_card(model, example_input, on, loss_fn, counter=counter)
+    finally:
+        del model.run_chain
+        model.set_checkpoint_plan(previous)
+    records = counter.records
+    blocks = [step_time(records[a:b], 0, on).step for a, b in spans]
+    return blocks, step_time(records, counter.regions, on).step
+
+
 def time_profile(model: nn.Module, example_input: torch.Tensor, profile: ChainProfile,
                  loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                 repeats: int = 3) -> ChainProfile:
+                 repeats: int = 3, on: Card | None = None) -> ChainProfile:
     """``profile`` with ``flops``, ``recompute_flops`` and ``step_flops`` in nanoseconds of
-    ``example_input``'s device (a plain step's time for ``step_flops``). Runs the model for
-    real: the input must fit on its device."""
+    ``example_input``'s device (a plain step's time for ``step_flops``), or of card ``on``,
+    predicted. On the input's device the model runs for real: the input must fit there."""
+    if on is not None:
+        blocks, seconds = _card_seconds(model, example_input, profile.n_blocks, loss_fn, on)
+        return _in_nanoseconds(profile, blocks, seconds)
+    blocks = _block_seconds(model, example_input, profile.n_blocks, repeats)
+    seconds = _step_seconds(model, example_input, loss_fn, repeats)
+    return _in_nanoseconds(profile, blocks, seconds)
+
+
+def _step_seconds(model: nn.Module, example_input: torch.Tensor,
+                  loss_fn: Callable[[Any], torch.Tensor] | None, repeats: int) -> float:
+    """Median seconds of a plain training step of ``model`` on ``example_input``, for real."""
     from ...memory import median_seconds
     from ...memory.training import default_loss
-
-    blocks = _block_seconds(model, example_input, profile.n_blocks, repeats)
-    unit_ns = [round(1e9 * sum(blocks[a:b])) for a, b in profile.units]
-    recompute = [t if f == 0 else round(t * r / f)
-                 for t, f, r in zip(unit_ns, profile.flops, profile.recompute_flops)]
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
@@ -75,5 +117,14 @@ def time_profile(model: nn.Module, example_input: torch.Tensor, profile: ChainPr
     seconds, _ = median_seconds(step, repeats=repeats, warmup=1,
                                 cuda=example_input.device.type == "cuda")
     model.zero_grad(set_to_none=True)
+    return seconds
+
+
+def _in_nanoseconds(profile: ChainProfile, blocks: list[float], seconds: float) -> ChainProfile:
+    """``profile`` with each unit's cost the nanoseconds of its ``blocks`` (seconds each), and
+    ``seconds`` for the plain step."""
+    unit_ns = [round(1e9 * sum(blocks[a:b])) for a, b in profile.units]
+    recompute = [t if f == 0 else round(t * r / f)
+                 for t, f, r in zip(unit_ns, profile.flops, profile.recompute_flops)]
     return dataclasses.replace(profile, flops=unit_ns, recompute_flops=recompute,
                                step_flops=round(1e9 * seconds), inner_flops=0)

@@ -2,7 +2,8 @@
 
 The step (forward, loss, backward) runs under ``FakeTensorMode`` (no kernel runs, so a model or
 batch too large for the machine costs next to nothing) inside a :class:`~.tracker.StepCounter`
-(live bytes after every op, as ``MemTracker`` counts them, and FLOPs). The chain's blocks run in
+(live bytes after every op, as ``MemTracker`` counts them, and FLOPs; inside
+``zoo.memory.on_card``, the card's kernels and caching allocator's bytes). The chain's blocks run in
 an ``order`` (the whole chain, or a subset of it whose skipped blocks keep the shape), grouped by
 ``segments`` of positions in that order, stored or checkpointed with ``zoo.checkpoint`` as a
 plan would run them. Hooks mark where each block's forward starts (``("F", i)``), where it ends
@@ -24,17 +25,18 @@ from torch import nn
 
 from ...checkpoint import checkpoint, is_recomputing, region
 from ...memory.fake import FakeStep
-from ...memory.tracker import StepCounter, storage_bytes
+from ...memory.on_card import step_counter
+from ...memory.tracker import StepCounter
 
 __all__ = ["Trace", "traced_step", "grad_bytes"]
 
 
-def grad_bytes(t: torch.Tensor) -> int:
-    """Bytes of a gradient of ``t`` (none for integer tensors)."""
+def grad_bytes(t: torch.Tensor, counter: StepCounter | None = None) -> int:
+    """Bytes of a gradient of ``t`` (none for integer tensors), as ``counter`` would count a
+    new one (the CPU's by default)."""
     if not (t.is_floating_point() or t.is_complex()):
         return 0
-    n = t.numel() * t.element_size()
-    return -(-n // 512) * 512 if t.device.type == "cuda" else n
+    return (counter or StepCounter()).request_bytes(t.numel() * t.element_size(), t.device)
 
 
 class Trace:
@@ -93,7 +95,7 @@ class Trace:
             self.at_last_pack[i] = self.peak.get(self.phase, self.counter.current)
             key = self.counter.key(t)
             if key not in self.param_keys:
-                self.saved.setdefault(i, {})[key] = storage_bytes(t)
+                self.saved.setdefault(i, {})[key] = self.counter.bytes_of(t)
         return t
 
     def region_inputs(self, args: tuple, kwargs: dict) -> None:
@@ -107,12 +109,12 @@ class Trace:
                 {self.counter.key(t) for t in tensors if t.requires_grad})
 
     def note_grad(self, g: torch.Tensor) -> None:
-        self.grads[self.phase] = self.grads.get(self.phase, 0) + grad_bytes(g)
+        self.grads[self.phase] = self.grads.get(self.phase, 0) + grad_bytes(g, self.counter)
 
     def call_block(self, i: int, block: Callable, x: torch.Tensor) -> torch.Tensor:
         if is_recomputing():  # a recompute runs inside the segment's backward phase
             return block(x)
-        self.in_key[i], self.in_bytes[i] = self.counter.key(x), storage_bytes(x)
+        self.in_key[i], self.in_bytes[i] = self.counter.key(x), self.counter.bytes_of(x)
         if i == 0 and x.requires_grad:
             x.register_hook(lambda g: self.enter(("tail",)))
         self.enter(("F", i))
@@ -120,8 +122,8 @@ class Trace:
         if not isinstance(y, torch.Tensor):
             raise TypeError(f"chain block {i} returned {type(y).__name__}; the planner needs "
                             "blocks that take and return one tensor")
-        self.out_key[i], self.out_bytes[i] = self.counter.key(y), storage_bytes(y)
-        self.out_dgrad[i] = grad_bytes(y) if y.requires_grad else 0
+        self.out_key[i], self.out_bytes[i] = self.counter.key(y), self.counter.bytes_of(y)
+        self.out_dgrad[i] = grad_bytes(y, self.counter) if y.requires_grad else 0
         self.meta[i] = ((tuple(x.shape), x.dtype), (tuple(y.shape), y.dtype))
         self.alias[i] = self.out_key[i] == self.in_key[i]
         if y.requires_grad:
@@ -153,7 +155,7 @@ def traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torc
     fake = fake or FakeStep(model, x)
     tensors, fx = fake.tensors, fake.input
     fake.clear()
-    counter = StepCounter()
+    counter, kernels = step_counter()  # the CPU's, or a card's under zoo.memory.on_card
     counter.track(tensors)
     trace = Trace(counter, {counter.key(t) for t in tensors})
     counter.on_op = trace.op_done
@@ -201,6 +203,7 @@ def traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torc
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(fake.mode)
+            stack.enter_context(kernels)
             stack.enter_context(counter)
             if saves:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(trace.pack, _same))

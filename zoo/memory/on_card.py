@@ -1,0 +1,55 @@
+"""Measure fake steps as a named CUDA card would run them: ``with on_card("h100"): ...``.
+
+Every fake step :mod:`zoo.memory` and the planner measure inside the block counts the card's
+bytes instead of the CPU's: the ops CUDA's kernels would run (:class:`~.cuda_ops.CudaKernels`:
+fused attention, one-byte dropout masks) and the caching allocator's blocks
+(:class:`~.cuda_peak.CudaCounter`, a cuBLAS workspace of the card's size included). This is how
+``zoo.plan(..., device="h100")`` and ``train.py --card h100`` size a step for a card on a
+machine without one; outside the block nothing changes.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+
+from .cards import Card, card
+from .cuda_allocator import CachingAllocator
+from .cuda_ops import CudaKernels
+from .cuda_peak import CudaCounter, regions_counted
+from .tracker import StepCounter
+
+__all__ = ["on_card", "current_card", "step_counter"]
+
+_CARD: ContextVar[Card | None] = ContextVar("zoo_card", default=None)
+
+
+@contextlib.contextmanager
+def on_card(name: str | Card) -> Iterator[Card]:
+    """Fake steps measured inside count as on card ``name`` (a key of
+    :data:`~.cards.CARDS` or a :class:`~.cards.Card`); yields the card."""
+    token = _CARD.set(card(name))
+    try:
+        yield _CARD.get()
+    finally:
+        _CARD.reset(token)
+
+
+def current_card() -> Card | None:
+    """The card of the innermost :func:`on_card` block, None outside any."""
+    return _CARD.get()
+
+
+def step_counter() -> tuple[StepCounter, contextlib.ExitStack]:
+    """A counter for one fake step, and the modes to enter between the fake mode and the
+    counter: the CPU's :class:`~.tracker.StepCounter` and nothing outside :func:`on_card`; the
+    card's :class:`~.cuda_peak.CudaCounter` and its kernels inside."""
+    stack = contextlib.ExitStack()
+    on = _CARD.get()
+    if on is None:
+        return StepCounter(), stack
+    counter = CudaCounter(CachingAllocator(), on.workspace)
+    counter.hold_workspaces()
+    stack.enter_context(CudaKernels())
+    stack.enter_context(regions_counted(counter))
+    return counter, stack
