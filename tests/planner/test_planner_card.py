@@ -94,8 +94,8 @@ def test_train_batch_size_auto_for_a_card_picks_what_the_card_fits(capsys, tmp_p
                                   out_dir=str(tmp_path / "card"))
     assert code in (0, None), err
     on_card_batch = _chosen(out)
-    assert "on a h100 card (predicted here)" in out
-    assert "predicted on a NVIDIA H100 SXM5 80GB: a step of" in out and "samples/s" in out
+    assert "on the NVIDIA H100 SXM5 80GB (predicted here)" in out
+    assert "predicted on the NVIDIA H100 SXM5 80GB: a step of" in out and "samples/s" in out
     code, out, err = call_command(main, capsys, **TINY, memory_budget="300MB",
                                   out_dir=str(tmp_path / "cpu"))
     assert code in (0, None), err

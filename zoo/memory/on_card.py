@@ -40,16 +40,20 @@ def current_card() -> Card | None:
     return _CARD.get()
 
 
-def step_counter() -> tuple[StepCounter, contextlib.ExitStack]:
+def step_counter() -> tuple[StepCounter, contextlib.AbstractContextManager]:
     """A counter for one fake step, and the modes to enter between the fake mode and the
-    counter: the CPU's :class:`~.tracker.StepCounter` and nothing outside :func:`on_card`; the
-    card's :class:`~.cuda_peak.CudaCounter` and its kernels inside."""
-    stack = contextlib.ExitStack()
+    counter: the CPU's :class:`~.tracker.StepCounter` and nothing outside :func:`on_card`;
+    inside, the card's :class:`~.cuda_peak.CudaCounter` (its cuBLAS workspaces held from the
+    start: :meth:`~.cuda_peak.CudaCounter.hold_workspaces`) and the card's kernels."""
     on = _CARD.get()
     if on is None:
-        return StepCounter(), stack
+        return StepCounter(), contextlib.nullcontext()
     counter = CudaCounter(CachingAllocator(), on.workspace)
     counter.hold_workspaces()
-    stack.enter_context(CudaKernels())
-    stack.enter_context(regions_counted(counter))
-    return counter, stack
+    return counter, _card_kernels(counter)
+
+
+@contextlib.contextmanager
+def _card_kernels(counter: CudaCounter) -> Iterator[None]:
+    with CudaKernels(), regions_counted(counter):
+        yield

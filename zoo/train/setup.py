@@ -134,7 +134,7 @@ def plan_memory(cfg: TrainConfig, model: nn.Module, world_size: int, side: int,
     is taken off the budget first: the planner counts parameters, gradients and activations.
     ``--card``: every step is sized with that card's kernels and allocator (predicted here,
     ``zoo.memory.on_card``), and its predicted time is said."""
-    from ..memory import format_bytes, on_card, parse_bytes
+    from ..memory import card, format_bytes, on_card, parse_bytes
     from ..planner import BudgetTooSmallError, largest_batch, plan, solve_profile
 
     budget = parse_bytes(cfg.memory_budget)
@@ -180,7 +180,7 @@ def plan_memory(cfg: TrainConfig, model: nn.Module, world_size: int, side: int,
                     f"optimizer state; plain training needs {format_bytes(e.plain + state)}). "
                     f"Give --memory_budget {least} or more, a smaller --batch_size, or "
                     f"--batch_size auto") from None
-    where = f" on a {cfg.card} card (predicted here)" if cfg.card else ""
+    where = f" on the {card(cfg.card).name} (predicted here)" if cfg.card else ""
     say(f"memory plan for memory_budget {format_bytes(budget)}{where} ({format_bytes(state)} "
         f"optimizer state, {format_bytes(room)} for the step):\n{result}")
     if cfg.card:
@@ -195,7 +195,7 @@ def _say_card_speed(cfg: TrainConfig, model: nn.Module, x: torch.Tensor,
     from ..memory import format_bytes, predict_step
 
     step = predict_step(model, x, cfg.card, loss_fn)
-    say(f"predicted on a {step.card.name}: a step of {x.shape[0]} per device peaks at "
+    say(f"predicted on the {step.card.name}: a step of {x.shape[0]} per device peaks at "
         f"{format_bytes(step.peak)} and takes {1e3 * step.time.step:.1f} ms "
         f"({x.shape[0] / step.time.step:,.0f} samples/s per device)")
 
