@@ -27,7 +27,7 @@ GIANTS = {"densenet_bc_190", "densenet_bc_250", "densenet161", "densenet201", "d
 # Their block code is exercised in the fast lane by the CIFAR models of the same family
 # (ResNet-18 and ResNet-50 stay there: the ImageNet basic and bottleneck blocks).
 LARGE = {"densenet121", "densenet169", "resnet34", "vit_small_patch16_224",
-         "rev_vit_small_patch16_224"}
+         "rev_vit_small_patch16_224", "resnet110", "revnet110"}  # (resnet56, revnet38: same blocks)
 REQUIRED = ["densenet40", "densenet_bc_100", "densenet_bc_190", "densenet_bc_250", "densenet121",
             "densenet161", "densenet169", "densenet201", "densenet264", "resnet20", "resnet32",
             "resnet44", "resnet56", "resnet110", "resnet1202", "resnet18", "resnet34", "resnet50",

@@ -230,7 +230,7 @@ def profiled_model(name: str) -> tuple[ZooModel, torch.Tensor, ChainProfile]:
     return _PROFILED[name]
 
 
-@pytest.fixture(params=["resnet110", "densenet_bc_100"])
+@pytest.fixture(params=["resnet110", pytest.param("densenet_bc_100", marks=pytest.mark.slow)])
 def profiled(request) -> tuple[ZooModel, torch.Tensor, ChainProfile]:
     return profiled_model(request.param)
 

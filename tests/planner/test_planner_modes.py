@@ -82,7 +82,7 @@ def test_a_mode_below_every_chain_schedule_lowers_the_smallest_peak():
     assert model.checkpoint_plan is None
     assert measure_step(model, x)[0] == chosen.predicted_peak <= lowest.peak
     assert chosen.smallest_peak == lowest.peak and "own checkpoint mode" in str(chosen)
-    with pytest.raises(zoo.planner.BudgetTooSmallError, match=f"at least {lowest.peak} bytes"):
+    with pytest.raises(BudgetTooSmallError, match=f"at least {lowest.peak} bytes"):
         zoo.plan(model, x, lowest.peak - 1, block_modes=False)
     model.set_grad_checkpointing(False)
     # with the modes as per-block options the chain reaches that peak too, for less

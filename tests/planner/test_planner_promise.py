@@ -102,14 +102,11 @@ def test_memtrackers_module_hooks_are_what_it_adds_to_a_dense_layers_step(monkey
     MemTracker, and without the ``"all"``-mode gradient hooks it puts on each module's inputs,
     exactly the step."""
     import torch.distributed._tools.mod_tracker as mod_tracker
-    from zoo.memory import cpu_peak_bytes
+    from zoo.memory import cpu_peak_bytes, train_step
     from zoo.memory.tracker import StepCounter
 
     model, x = zoo_model("densenet40", 2, efficient="bottleneck")
-
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        model(x).float().pow(2).mean().backward()
+    step = train_step(model, x)
 
     def hooked() -> int:
         model.zero_grad(set_to_none=True)

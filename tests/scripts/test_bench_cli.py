@@ -14,6 +14,8 @@ import torch
 
 from bench import cli
 
+pytestmark = pytest.mark.slow  # a benchmark command's code, end to end: the whole suite's lane
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -28,6 +28,8 @@ from bench.variants import Variant, build_variant, canonical_name
 from zoo.memory import cpu_peak_bytes
 from zoo.models.densenet import DenseNet
 
+pytestmark = pytest.mark.slow  # a benchmark command's code, end to end: the whole suite's lane
+
 MODEL = "cifar_cnn"
 EFFICIENT = "zoo halves"
 VARIANTS = ("plain", "official", EFFICIENT)

@@ -16,6 +16,8 @@ from bench.variants import build_variant
 from zoo.memory.card_step import predict_step
 from zoo.memory.cuda_allocator import SimulatedOutOfMemory
 
+pytestmark = pytest.mark.slow  # a benchmark command's code, end to end: the whole suite's lane
+
 MODEL = "cifar_cnn"
 EFFICIENT = "zoo halves"
 BUDGET = 110 * 10**6  # two cuBLAS workspaces (64 MiB) and the model leave room for ~10 images

@@ -1,10 +1,14 @@
 """``python scripts/benchmark.py card-plan``: plans for a card made here, predicted on the card."""
 from __future__ import annotations
 
+import pytest
+
 import json
 from pathlib import Path
 
 from bench import cli
+
+pytestmark = pytest.mark.slow  # a benchmark command's code, end to end: the whole suite's lane
 
 
 def test_card_plan_rows_keep_the_budget_on_the_card(tmp_path: Path) -> None:

@@ -16,6 +16,8 @@ import torch
 import zoo
 from bench import cli
 
+pytestmark = pytest.mark.slow  # a benchmark command's code, end to end: the whole suite's lane
+
 
 def bench(*args: object) -> None:
     """``python scripts/benchmark.py ARGS`` in this process; it must succeed."""

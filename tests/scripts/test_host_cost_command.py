@@ -10,7 +10,7 @@ import torch
 
 from bench import cli
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 def test_host_cost_writes_every_variant_with_its_floor(tmp_path: Path) -> None:

@@ -15,7 +15,8 @@ import torch
 from bench import cli
 from zoo.models.cifar_cnn import CifarCNN
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # small CPU steps: one thread is fastest
+pytestmark = [pytest.mark.slow,  # benchmark commands end to end: the whole suite's lane
+              pytest.mark.usefixtures("one_thread")]  # small CPU steps: one thread is fastest
 
 
 @pytest.fixture(autouse=True)

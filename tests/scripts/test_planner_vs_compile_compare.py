@@ -15,7 +15,7 @@ from zoo.models.vit import VisionTransformer
 
 from bench.planner_vs_compile import compare, markdown
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
 def test_compare_reports_both_sides() -> None:

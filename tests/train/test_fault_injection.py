@@ -97,7 +97,7 @@ def straight(tmp_path_factory) -> Callable[[str], Path]:
 
 @pytest.mark.parametrize("model, point, epoch", [
     ("cnn", "tmp_written", 2), ("cnn", "renamed", 2), ("cnn", "metrics_appended", 1),
-    ("cnn", "renamed", 1)])
+    pytest.param("cnn", "renamed", 1, marks=pytest.mark.slow)])  # the point again, epoch 1
 def test_sigkill_on_the_save_path_then_resume_is_bitwise_the_straight_run(
         tmp_path, straight, model, point, epoch):
     run = tmp_path / "run"
@@ -127,9 +127,10 @@ def test_sigkill_mid_epoch_then_resume_is_bitwise_the_straight_run(tmp_path, str
     assert_same_run(run, straight(model))
 
 
-@pytest.mark.parametrize("model, sig, code, step", [("cnn", "SIGTERM", 143, 4),
-                                                    ("cnn", "SIGINT", 130, 2),
-                                                    ("revnet38", "SIGTERM", 143, 4)])
+@pytest.mark.parametrize("model, sig, code, step", [  # the fast lane: one signal, one model
+    ("cnn", "SIGTERM", 143, 4),
+    pytest.param("cnn", "SIGINT", 130, 2, marks=pytest.mark.slow),
+    pytest.param("revnet38", "SIGTERM", 143, 4, marks=pytest.mark.slow)])
 def test_a_signal_saves_at_the_next_step_and_resume_is_bitwise(tmp_path, straight, model, sig,
                                                                 code, step):
     run = tmp_path / "run"
