@@ -69,13 +69,15 @@ def test_a_card_budget_is_a_fraction_of_the_cards_memory(bert):
         zoo.plan(model, x, "1MB", device="h100", apply=False)
 
 
-def test_bad_card_requests_are_one_line_errors(bert):
+def test_bad_card_requests_are_one_line_errors_and_time_without_a_chain_is_said(bert):
     model, x = bert
     with pytest.raises(ValueError, match="unknown card 'h1000'; expected one of h100"):
         zoo.plan(model, x, "1GB", device="h1000")
     outside = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
-    with pytest.raises(ValueError, match="cost='time' plans a zoo model's chain"):
-        zoo.plan(outside, torch.zeros(2, 4), "1GB", cost="time", device="h100")
+    with pytest.warns(UserWarning, match="has none, so it is planned by FLOPs"):
+        result = zoo.plan(outside, torch.zeros(2, 4), "1GB", cost="time", device="h100",
+                          apply=False)
+    assert result.budget == 10**9
 
 
 # ---- train.py --card ----

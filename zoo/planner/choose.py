@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -284,7 +285,7 @@ def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | flo
             input's device (or predicted on ``device``'s card), and the chain planned for
             least recompute time (the plan's ``recompute_flops`` and ``step_flops`` are then
             nanoseconds, ``plan.cost == "time"``; hand modes and per-block modes are left out
-            of that search).
+            of that search; a module without a zoo chain is planned by FLOPs, with a warning).
         modes: measure the model's own checkpoint modes too and take one where it is the
             cheapest that fits (default True).
         block_modes: also profile the chain with every block in each of those modes and save
@@ -328,9 +329,10 @@ def _plan(model: nn.Module, example_input: torch.Tensor, budget: float,
             with plan_set_aside(model):  # a plan applied before is not the plain step's
                 return _plan_zoo_model(model, example_input, budget, loss_fn, cost, modes,
                                        block_modes, compiled, on)
-        if cost == "time":
-            raise ValueError(f"cost='time' plans a zoo model's chain of blocks; "
-                             f"{type(model).__name__} has none: use cost='flops'")
+        if cost == "time":  # said, not refused: the plan by FLOPs is still a correct plan
+            warnings.warn(f"zoo.plan: cost='time' times a zoo model's chain of blocks; "
+                          f"{type(model).__name__} has none, so it is planned by FLOPs",
+                          UserWarning, stacklevel=3)
         spine = spine_planner(model, example_input, loss_fn, compiled=compiled) \
             if modules is None else None
         return spine.plan(budget) if spine is not None else \
