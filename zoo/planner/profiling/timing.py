@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ...memory.card_step import run_on_card
-from ...memory.cards import Card, step_time
+from ...memory.cards import H100_ACHIEVED, Card, step_time
 from ...memory.cuda_allocator import CachingAllocator
 from ...memory.cuda_peak import CudaCounter
 from .profile import ChainProfile
@@ -85,9 +85,9 @@ def _card_seconds(model: nn.Module, example_input: torch.Tensor, n_blocks: int,
     finally:
         del model.run_chain
         model.set_checkpoint_plan(previous)
-    records = counter.records
-    blocks = [step_time(records[a:b], 0, on).step for a, b in spans]
-    return blocks, step_time(records, counter.regions, on).step
+    records = counter.records  # priced as predict_step prices a step (H100-fitted fractions)
+    blocks = [step_time(records[a:b], 0, on, achieved=H100_ACHIEVED).step for a, b in spans]
+    return blocks, step_time(records, counter.regions, on, achieved=H100_ACHIEVED).step
 
 
 def time_profile(model: nn.Module, example_input: torch.Tensor, profile: ChainProfile,
