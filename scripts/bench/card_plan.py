@@ -2,8 +2,9 @@
 
     python scripts/benchmark.py card-plan --card h100 --workloads bert_base:64,densenet_bc_100:64
 
-Per workload (``model:batch``, at the size the recorded H100 runs used) and budget (``--fractions``
-of the plain peak the H100 measured for it, docs/results/, the GPU suite's record where there is one), three plans made on this machine:
+Per workload (``model:batch``, at the size the recorded H100 runs used) and budget
+(``--fractions`` of the plain peak the H100 measured for it in docs/results/, the GPU suite's
+record where there is one), three plans made on this machine:
 ``zoo.plan`` as the CPU's kernels see the step (the CPU's attention and dropout, its allocator),
 ``zoo.plan(..., device=card)`` (the card's kernels and caching allocator) and
 ``zoo.plan(..., cost="time", device=card)`` (blocks priced by their predicted time on the card).
@@ -98,6 +99,6 @@ def card_plan(card: str = "h100", workloads: str = "bert_base:64,densenet_bc_100
         rows += plan_rows(name, int(batch), card, fs)
     print(markdown(rows, card))
     write_json(json_out or f"docs/results/card_plan_{card}.json",
-               {"command": command_line(), "machine": machine_info(torch.device("cpu")), "card": card,
-                "rows": rows})
+               {"command": command_line(), "machine": machine_info(torch.device("cpu")),
+                "card": card, "rows": rows})
     return rows

@@ -28,7 +28,7 @@ from .. import _torch
 from .._torch import tree_flatten
 from .cuda_allocator import CachingAllocator, round_size
 from .cuda_ops import CudaKernels
-from .tracker import StepCounter
+from .tracker import StepCounter, storage_key
 
 __all__ = ["HOPPER_WORKSPACE", "OLDER_WORKSPACE", "OpRecord", "CudaCounter",
            "predict_cuda_peak", "run_counted", "regions_counted"]
@@ -135,11 +135,12 @@ class CudaCounter(StepCounter):
     def bytes_of(self, t: torch.Tensor) -> int:
         """Bytes of the allocator's block that holds ``t``'s storage (a request's rounding,
         and a cached block too small to split counted whole)."""
-        block = self._blocks.get(t.untyped_storage()._cdata)
+        block = self._blocks.get(storage_key(t))
         return block.size if block is not None else self.request_bytes(
             t.untyped_storage().nbytes(), t.device)
 
-    def request_bytes(self, nbytes: int, device: torch.device) -> int:
+    @staticmethod
+    def request_bytes(nbytes: int, device: torch.device) -> int:
         return round_size(nbytes) if nbytes > 0 else 0
 
     def _free(self, key: int) -> None:

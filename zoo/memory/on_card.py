@@ -19,7 +19,7 @@ from .cuda_ops import CudaKernels
 from .cuda_peak import CudaCounter, regions_counted
 from .tracker import StepCounter
 
-__all__ = ["on_card", "current_card", "step_counter"]
+__all__ = ["on_card", "step_counter"]
 
 _CARD: ContextVar[Card | None] = ContextVar("zoo_card", default=None)
 
@@ -33,11 +33,6 @@ def on_card(name: str | Card) -> Iterator[Card]:
         yield _CARD.get()
     finally:
         _CARD.reset(token)
-
-
-def current_card() -> Card | None:
-    """The card of the innermost :func:`on_card` block, None outside any."""
-    return _CARD.get()
 
 
 def step_counter() -> tuple[StepCounter, contextlib.AbstractContextManager]:

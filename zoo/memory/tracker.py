@@ -94,7 +94,8 @@ class StepCounter(TorchDispatchMode):
         entry = self._live.get(storage_key(t))
         return entry[0] if entry is not None else storage_bytes(t)
 
-    def request_bytes(self, nbytes: int, device: torch.device) -> int:
+    @staticmethod
+    def request_bytes(nbytes: int, device: torch.device) -> int:
         """Bytes a new storage of ``nbytes`` on ``device`` would count for here."""
         return -(-nbytes // 512) * 512 if device.type == "cuda" else nbytes
 

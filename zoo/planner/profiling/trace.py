@@ -36,7 +36,7 @@ def grad_bytes(t: torch.Tensor, counter: StepCounter | None = None) -> int:
     new one (the CPU's by default)."""
     if not (t.is_floating_point() or t.is_complex()):
         return 0
-    return (counter or StepCounter()).request_bytes(t.numel() * t.element_size(), t.device)
+    return (counter or StepCounter).request_bytes(t.numel() * t.element_size(), t.device)
 
 
 class Trace:
