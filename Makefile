@@ -6,6 +6,7 @@
 # Both run on WORKERS pytest processes (pytest-xdist; default 2, one torch thread each):
 # `make test WORKERS=8` on a larger machine, `WORKERS=0` for one process.
 # and for the project's own checks:
+#   make hooks          -> git refuses commit subjects over 72 characters (.githooks/commit-msg)
 #   make docs           -> the docs site with the API reference (site/), warnings as errors
 #   make package-check  -> builds the wheel and sdist, installs the wheel in a fresh environment
 #                          outside the checkout, trains one tiny epoch with `zoo-train`, make docs
@@ -15,7 +16,7 @@ WORKERS ?= 2
 PARALLEL := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist worksteal)
 TRAIN_ARGS ?= --model densenet --efficient True --dataset shapes --image_size 16 --epochs 3
 
-.PHONY: train test test-all install docs package-check
+.PHONY: train test test-all install docs package-check hooks
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml setup.py
@@ -41,3 +42,6 @@ docs: $(VENV)/.docs-installed
 
 package-check: install
 	bash .ci/package_check.sh $(VENV)
+
+hooks:
+	git config core.hooksPath .githooks
