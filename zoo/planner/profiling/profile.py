@@ -1,41 +1,20 @@
 """Profile a model's chain of blocks for the planner: bytes, FLOPs, and when memory rises.
 
-Training steps (forward, loss, backward) run under ``FakeTensorMode`` (:mod:`.trace`), so no
-kernel runs and a model or batch too large for the machine costs next to nothing to profile,
-while every tensor is counted as ``MemTracker`` counts it and every FLOP as ``FlopCounterMode``:
+Training steps run under ``FakeTensorMode`` (:mod:`.trace`), every tensor counted as
+``MemTracker`` counts it and every FLOP as ``FlopCounterMode``:
 
-1. the chain stored plainly: for each block, the storages autograd saves for backward (through
-   ``saved_tensors_hooks``, unique storages, parameters excluded, the ones shared with the block's
-   input or output flagged; what a block keeps out of the hooks' sight, such as the outputs a
-   selective checkpoint caches, is read off the memory level), the bytes at each boundary, the
-   forward FLOPs, and how far memory rises above its level at the block's start in forward and
-   in backward;
-2. four runs of a nested pattern (:func:`.contexts.nested_pattern`), shifted by one unit, so
-   that every unit is seen first in a checkpointed region, recomputed after an inner region,
-   recomputed after a stored unit, and stored after a checkpointed segment: how far the
-   no-saving forward rises, the FLOPs its recompute costs when it ends one (torch stops a
-   recompute once it has rebuilt the last saved tensor), and how far its backward rises in each
-   context. A unit's backward depends on two things beyond itself: whether its saved tensors
-   were recomputed (each is then freed as soon as its node has used it, not when the node is
-   released) and who else holds the unit's input (the unit before it: the input outlives the
-   unit's backward; the enclosing region, or nobody: it is freed inside, at different points).
-   Where no unit's input is held by the unit before (a DenseNet, whose layers read the
-   concatenation), two runs show all the contexts there are; where no unit can run in a
-   context the plain step did not show (every unit with a save set: stored at the top level
-   only), none runs.
+1. the chain stored plainly: per block, the storages autograd saves (``saved_tensors_hooks``,
+   parameters excluded; what a block keeps out of the hooks' sight, as a selective checkpoint's
+   cache, read off the memory level), the bytes at each boundary, the forward FLOPs, and how far
+   memory rises in forward and backward;
+2. up to four runs of a nested pattern (:mod:`.contexts`) showing every unit in every context a
+   schedule can put it in, for the rises and recompute FLOPs of each.
 
-Outside the chain (stem, head, loss) nothing is modelled: the memory levels there are read off
-the first run and enter the planner as constants. A block whose output shares its input's
-storage (an in-place ReLU) is merged with the block before it into one *unit*: the planner never
-cuts between them (cutting there saves nothing: both are the same memory).
-
-The memory model is rotor's (Beaumont et al. 2019, "Optimal checkpointing for heterogeneous
-chains: how to train deep neural networks with limited memory", arXiv:1911.13214): these per-unit
-figures are what ``search.one_level`` (one level) and ``search.multi_level`` (checkpoints inside
-recomputes, as ``ZooModel.set_checkpoint_plan`` runs them) need. A block running its own checkpoints
-(``block_mode``) keeps their inputs in the regions, not as autograd saved tensors; the profiler
-counts them too (``zoo.checkpoint.region.observers``).
-"""
+Outside the chain (stem, head, loss) the levels of the first run enter as constants. A block
+whose output shares its input's storage (an in-place ReLU) joins the block before into one
+*unit*: cutting there saves nothing. The memory model is rotor's (Beaumont et al. 2019,
+arXiv:1911.13214); a block's own checkpoints are counted through
+``zoo.checkpoint.region.observers``. Design: docs/planner.md ("How a zoo model is planned")."""
 from __future__ import annotations
 
 import dataclasses
