@@ -163,23 +163,14 @@ def _calls(call: _Call) -> list[_Call]:
     return [call, *(c for k in call.children for c in _calls(k))]
 
 
-# ------------------------------------------------------------------------------------------------
-# Running a plan over the spine.
-# ------------------------------------------------------------------------------------------------
+# ---- Running a plan over the spine.
 class SpineStep:
     """One spine module, called as a module (its hooks run, the checkpoint's normalisation
     guard among them) but past the pass-through the plan puts on it; ``name``: its dotted name,
-    for the planner's table.
-
-    An in-place activation (``nn.ReLU(inplace=True)`` and its kind: a bool ``inplace`` and no
-    randomness) runs out of place here, to the same values and gradients: its input and output
-    are then two boundaries, and the planner may cut between them. That is what lets a stem's
-    ``conv1, bn1`` be one region inside another over ``conv1 ... maxpool``: the ReLU's backward
-    runs before BatchNorm's input is made again, so the two are never held together with two
-    gradients. Its input is freed at once (no module after it on the spine reads it), so a
-    stored step costs only the moment both exist. ``out_of_place=False`` keeps it in place: a
-    plan for ``torch.compile``, whose partitioner does not keep a region that ends just before
-    such a step (the compiled step holds more than the eager plan)."""
+    for the planner's table. An in-place activation (a bool ``inplace``, no randomness) runs out
+    of place, to the same values and gradients, so the planner may cut between its input and
+    output (docs/planner.md, "Any other module"); ``out_of_place=False`` keeps it in place, for
+    ``torch.compile``, whose partitioner does not keep a region ending just before it."""
 
     def __init__(self, module: nn.Module, name: str, out_of_place: bool = True) -> None:
         self.module, self.name = module, name

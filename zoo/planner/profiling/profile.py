@@ -53,19 +53,16 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
                   max_units: int | None = None) -> ChainProfile | None:
     """Profile ``model``'s chain (``checkpoint_chain``) on ``example_input`` for the planner.
 
-    Runs up to five training steps under ``FakeTensorMode`` (nothing is computed, nothing is
-    changed in ``model``: parameters, buffers and its checkpoint plan are left as they were): a
-    plain one of the whole chain, then up to four of its kept units only
-    (``zoo.planner.profiling.repeats``: a run of identical units is profiled on its first three; the
-    module docstring says when fewer are needed). ``block_mode``: every block runs in that
-    intra-block checkpoint mode (``model.run_chain_block``) or, for a save set's name
-    (``zoo.planner.search.savesets``), checkpointed with it, stored at the top level only;
-    ``like``: the plain profile of the same chain, whose kept units then serve for the
-    plain step too. ``whole=False``: None for a mode that checkpoints each unit whole and
-    nothing else (a one-unit checkpointed segment already does that). ``fake``: fake copies of
-    the model's state to run on (made here when not given). ``max_units``: a chain of more
-    units has them joined, run by run of identical units, into at most half as many
-    (``repeats.joined``; ``ChainProfile.joined`` is then True), so that the nested search,
+    Runs up to five fake training steps, leaving ``model`` (parameters, buffers, checkpoint
+    plan) as it was: a plain one of the whole chain, then up to four of its kept units only
+    (``repeats``: a run of identical units is profiled on its first three). ``block_mode``:
+    every block runs in that intra-block mode (``model.run_chain_block``) or, for a save set
+    (``search.savesets``), checkpointed with it, stored at the top level only. ``like``: the
+    plain profile of the same chain, whose kept units then serve for the plain step too.
+    ``whole=False``: None for a mode that checkpoints each unit whole and nothing else (a
+    one-unit checkpointed segment does that). ``fake``: the fake state to run on (made here when
+    not given). ``max_units``: a chain of more units has runs of identical units joined into at
+    most half as many (``repeats.joined``, ``ChainProfile.joined``), so that the nested search,
     cubic in the units, stays within seconds.
     """
     chain = list(model.checkpoint_chain())

@@ -170,9 +170,7 @@ def chain_floor(p: ChainProfile) -> int:
     return least_peak([p]) if p.n_units <= MAX_UNITS else smallest_peak(p)
 
 
-# ------------------------------------------------------------------------------------------------
-# One schedule's need and cost, segment by segment (the reference the solver is tested against).
-# ------------------------------------------------------------------------------------------------
+# ---- One schedule's need and cost, segment by segment: the reference the solver is tested on.
 def schedule_cost(m: NestedModel, schedule: Nested, variants: Sequence[int],
                   e: int | None = None, s: int = NOT_HELD) -> tuple[float, int]:
     """(need above ``base``, cost) of ``schedule`` (top level, or the recompute of a segment

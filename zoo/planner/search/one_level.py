@@ -119,9 +119,7 @@ def _held_by(p: ChainProfile, u: int, a: int, ck: bool, before: bool) -> int:
     return 2 if ck else int(before)
 
 
-# ------------------------------------------------------------------------------------------------
-# The dynamic programme.
-# ------------------------------------------------------------------------------------------------
+# ---- The dynamic programme.
 def _segment_terms(p: ChainProfile, a: int, b: int, ck: bool, held_before: bool,
                    grads_after: int) -> tuple[int, int, bool]:
     """(bytes the segment holds for later, its local peak above ``base`` + what earlier
