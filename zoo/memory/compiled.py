@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from torch import nn
 from zoo import _torch
-from zoo._torch import TorchDispatchMode
 
 from zoo.memory.host import OpCounter
 from zoo.memory.tracker import StepCounter

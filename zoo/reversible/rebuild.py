@@ -3,7 +3,7 @@ block's inputs from its outputs, recomputing ``G`` then ``F`` once each."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
