@@ -120,12 +120,10 @@ def find_blocks(model: nn.Module, modules: Iterable[type | str] | type | str | N
     return _outermost(found)
 
 
-# --------------------------------------------------------------------------------------------
 # Checkpointing a module in place: its class is swapped for a cached subclass whose forward runs
 # the original forward through zoo.checkpoint. A class swap (not an instance attribute) keeps
 # deepcopy, state_dict, hooks and parameter identity intact, and every call of the module (a
 # block called twice) is its own checkpointed region.
-# --------------------------------------------------------------------------------------------
 _CHECKPOINTED: dict[type, type] = {}
 
 

@@ -1,29 +1,16 @@
 """One call that checkpoints any model exactly: ``zoo.set_grad_checkpointing(model)``.
 
-Users bring models from everywhere; each family already has a way to switch checkpointing on,
-and each of those ways recomputes with ``torch.utils.checkpoint``, so BatchNorm counts every batch
-twice (pytorch/pytorch#96136) and nothing else of the zoo's contract holds. This module switches
-each family on *through its own hook* with ``zoo.checkpoint`` in place of torch's:
-
-* zoo models: their own checkpointing modes (``model.set_grad_checkpointing``).
-* timm models: timm's ``set_grad_checkpointing(True)``. timm's models call the ``checkpoint`` and
-  ``checkpoint_seq`` helpers of ``timm.models._manipulate`` that their module imported; those
-  names are replaced, once per timm module, by dispatchers that send the calls of modules marked
-  by this call to ``zoo.checkpoint`` and every other call to timm's own helper unchanged. Models
-  whose ``set_grad_checkpointing`` refuses (timm's CSPNets) get the repeated-block rule below.
-* Hugging Face ``PreTrainedModel``: ``_set_gradient_checkpointing`` with ``zoo.checkpoint`` as
-  HF's ``_gradient_checkpointing_func``. A later ``gradient_checkpointing_enable()`` /
-  ``activation_checkpointing_enable()`` keeps zoo's: the model's ``_set_gradient_checkpointing``
-  is intercepted to swap torch's checkpoint for zoo's, torch's keywords kept (with
-  ``offload=True`` HF's own function is kept, with a warning).
-* anything else (torchvision, a user's network): the members of its largest containers of
-  same-type blocks (:func:`zoo.blocks.find_blocks`) run through ``zoo.checkpoint`` on every call
-  (:func:`zoo.blocks.checkpoint_module`), so a block called twice is two regions.
-
-timm and HF models also get recompute-safe BatchNorm (:func:`zoo.nn.convert_batchnorm`), which
-keeps them exact even where a path of theirs still reaches torch's checkpoint. ``enable=False``
-puts back the plain model: same classes, same state_dict, same outputs.
-"""
+Each family already has a switch for checkpointing, and each recomputes with
+``torch.utils.checkpoint``, so BatchNorm counts every batch twice (pytorch/pytorch#96136) and
+nothing else of the zoo's contract holds. This module turns each family on *through its own
+switch* with ``zoo.checkpoint`` in place of torch's: a zoo model's own modes; timm's
+``set_grad_checkpointing(True)``, with the ``checkpoint``/``checkpoint_seq`` helpers its modules
+imported replaced by dispatchers that send only this model's calls to ``zoo.checkpoint``; a
+Hugging Face ``PreTrainedModel``'s ``_gradient_checkpointing_func``, kept through a later
+``gradient_checkpointing_enable()``; anything else through its repeated blocks
+(:func:`zoo.blocks.find_blocks`, :func:`zoo.blocks.checkpoint_module`). timm and HF models also
+get recompute-safe BatchNorm (:func:`zoo.nn.convert_batchnorm`). ``enable=False`` puts back the
+plain model. What holds for each family: docs/outside-models.md."""
 from __future__ import annotations
 
 import functools
@@ -48,10 +35,8 @@ _STATE = "_zoo_grad_checkpointing"  # on the model: how this call switched it on
 _ROUTED = "_zoo_routed"  # on each module of a timm model: its checkpoint calls go to zoo
 
 
-# --------------------------------------------------------------------------------------------
 # zoo.checkpoint takes torch.utils.checkpoint's keywords (use_reentrant=False, ...) and hands
 # every other keyword to the function, so it is called exactly where torch's would be.
-# --------------------------------------------------------------------------------------------
 def _is_checkpoint(fn: Any, target: Callable) -> bool:
     """Whether ``fn`` is ``target`` or a ``functools.partial`` of it (HF passes partials)."""
     while isinstance(fn, functools.partial):
@@ -59,9 +44,7 @@ def _is_checkpoint(fn: Any, target: Callable) -> bool:
     return fn is target
 
 
-# --------------------------------------------------------------------------------------------
-# timm: dispatchers in place of timm's checkpoint helpers, per timm module.
-# --------------------------------------------------------------------------------------------
+# ---- timm: dispatchers in place of timm's checkpoint helpers, per timm module.
 def _owner(fn: Any) -> nn.Module | None:
     """The module a checkpointed callable belongs to: itself, a bound method's object, or the
     module a closure captured (timm's DenseNet checkpoints ``closure`` over ``self``)."""
@@ -160,9 +143,7 @@ def _disable_timm(model: nn.Module) -> None:
         m.__dict__.pop(_ROUTED, None)
 
 
-# --------------------------------------------------------------------------------------------
-# Hugging Face: the _gradient_checkpointing_func hook, kept through later enable calls.
-# --------------------------------------------------------------------------------------------
+# ---- Hugging Face: the _gradient_checkpointing_func hook, kept through later enable calls.
 def _is_hf(model: nn.Module) -> bool:
     transformers = sys.modules.get("transformers")  # not imported: cannot be one of its models
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
@@ -213,9 +194,7 @@ def _disable_hf(model: nn.Module) -> None:
         type(model)._set_gradient_checkpointing(model, enable=False)
 
 
-# --------------------------------------------------------------------------------------------
-# The one call.
-# --------------------------------------------------------------------------------------------
+# ---- The one call.
 def _unwrap(model: nn.Module) -> nn.Module:
     wrappers = (nn.DataParallel, nn.parallel.DistributedDataParallel)
     return model.module if isinstance(model, wrappers) else model

@@ -1,25 +1,23 @@
 """Measurement: peak memory (exact on CPU, allocator figures on CUDA), FLOPs, and step time.
 
-The project's figures all come from here, so the planner, the benchmarks and the tests measure
+Every figure of the project comes from here, so the planner, the benchmarks and the tests measure
 the same way, on the same step (:func:`train_step`: forward, :func:`default_loss`, backward):
 
 * CPU peak memory with ``torch.distributed._tools.mem_tracker.MemTracker`` (:func:`cpu_peak_bytes`,
-  :func:`step_cost`): it accounts every storage allocated while it is active plus the modules and
-  optimizers given to it, byte for byte, so two runs give the same figure (and it works under
-  ``FakeTensorMode``, so a model too big for this machine is measured without being run).
+  :func:`step_cost`): byte for byte, so two runs give the same figure, and under
+  ``FakeTensorMode`` too, so a model too big for this machine is measured without being run.
 * CUDA peak memory with ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``.
 * FLOPs with ``torch.utils.flop_counter.FlopCounterMode`` over forward + backward: recompute shows
   up as extra forward FLOPs, exactly.
-* Time as the median of several steps after warm-up, synchronised on CUDA. Times are noisy on a
-  shared machine: report them as ratios to the plain model measured in the same run.
+* Time as the median of several steps after warm-up, synchronised on CUDA: report it as a ratio
+  to the plain model measured in the same run.
 * BatchNorm state against the plain model's (:func:`bn_state`, :func:`bn_difference`).
 
-Files: ``training.py`` (the step and its loss), ``batchnorm.py`` (BatchNorm state compared),
-``host.py`` (the aten ops a step dispatches, its host time on ``meta``), ``tracker.py`` (the
-planner's op-by-op byte and FLOP counter), ``fake_mode.py`` and ``fake.py`` (fake state for a step
-under ``FakeTensorMode``), ``step.py`` (one fake step's peak and FLOPs: ``measure_step``),
-``compiled.py`` (compiled graphs replayed under the byte counter).
-"""
+Files: ``training.py`` (the step, its loss), ``batchnorm.py``, ``host.py`` (dispatched ops, host
+time on ``meta``), ``tracker.py`` (op-by-op bytes and FLOPs), ``fake_mode.py`` and ``fake.py``
+(fake state), ``step.py`` (one fake step: ``measure_step``), ``compiled.py`` (compiled graphs
+replayed), and for a CUDA card that is not here ``cuda_ops.py``, ``cuda_allocator.py``,
+``cuda_peak.py``, ``cards.py``, ``card_step.py`` and ``on_card.py``."""
 from __future__ import annotations
 
 import functools
@@ -70,23 +68,19 @@ def parse_budget(value: int | float | str, device: torch.device | str | None = N
     """
     size = _parse_size(value, allow_fraction=True)
     if isinstance(size, _Fraction) and total is not None:
-        return int(size.fraction * total)
+        return int(size * total)
     if isinstance(size, _Fraction):
         dev = torch.device(device) if device is not None else torch.device("cpu")
         if dev.type != "cuda" or not torch.cuda.is_available():
             raise ValueError(f"memory budget {value!r} is a fraction of a GPU's memory, but the "
                              f"model's input is on {dev.type}; give bytes instead, like 2GB")
         total = torch.cuda.get_device_properties(dev).total_memory
-        return int(size.fraction * total)
+        return int(size * total)
     return size if math.isinf(size) else int(size)
 
 
 class _Fraction(float):
     """A budget given as a fraction of a device's memory (``0.8``, ``"80%"``)."""
-
-    @property
-    def fraction(self) -> float:
-        return float(self)
 
 
 def _parse_size(value: int | float | str, allow_fraction: bool) -> float:

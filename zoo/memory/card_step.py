@@ -33,10 +33,6 @@ class CardStep:
     peak: int
     time: StepTime
 
-    @property
-    def samples_per_second(self) -> Callable[[int], float]:
-        return lambda batch: batch / self.time.step
-
 
 def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
                  loss_fn: Callable[[Any], torch.Tensor] | None = None,

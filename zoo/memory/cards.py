@@ -1,28 +1,13 @@
 """A training step's time on a named CUDA card, predicted from the ops a fake step dispatches.
 
-Per op (:class:`~zoo.memory.cuda_peak.OpRecord`), the device time is the larger of its FLOPs
-over the card's peak for the op's arithmetic and its bytes read and written over the card's
-memory bandwidth (a roofline):
-
-* matmuls (``mm``, ``addmm``, ``bmm``, ``baddbmm``) and attention: float32 on the CUDA cores
-  (``torch.backends.cuda.matmul.allow_tf32`` is off by default), half precision on the tensor
-  cores;
-* convolutions: float32 as TF32 on the tensor cores (``torch.backends.cudnn.allow_tf32`` is on
-  by default), half precision on the tensor cores;
-* views (no kernel) take nothing.
-
-The host issues every op and runs each checkpointed region's Python: ``python_ops x per_op +
-engine_ops x per_engine_op + regions x per_region`` (:class:`HostCost`; the forward's and a
-recompute's ops are issued from Python, the backward's own by the autograd engine in C++),
-three constants calibrated once, by least squares, on the host-cost rows a machine recorded
-(:func:`fit_host`). The kernels reach a fraction of the data sheet's peaks
-(:class:`Achieved`, fitted once by :func:`fit_achieved`; 1.0 throughout is the plain roofline).
-The step takes the larger of the device's sum and the host's: whichever runs behind sets the
-pace.
-
-Cards (:data:`CARDS`) carry their published dense peaks and bandwidth; a user's own card is a
-:class:`Card` of its own numbers.
-"""
+Per op (:class:`~zoo.memory.cuda_peak.OpRecord`), a roofline: the larger of its FLOPs over the
+card's peak for its arithmetic and its bytes over the bandwidth; views cost nothing. The host's
+time is ``python_ops x per_op + engine_ops x per_engine_op + regions x per_region``
+(:class:`HostCost`, fitted by least squares on recorded host-cost rows: :func:`fit_host`); the
+kernels reach a fraction of the data sheet's peaks (:class:`Achieved`, :func:`fit_achieved`).
+The step takes the larger of the device's sum and the host's. Cards (:data:`CARDS`) carry their
+published peaks; a :class:`Card` of your own numbers works the same. Which peak each op runs at,
+and the cards' table: docs/benchmarks/prediction.md."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence

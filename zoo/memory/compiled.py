@@ -1,37 +1,21 @@
-"""A training step compiled under ``torch._functorch.config.activation_memory_budget``, measured
-exactly on the CPU: the figures zoo.plan is compared with.
+"""A training step compiled under ``activation_memory_budget``, measured exactly on the CPU: the
+figures zoo.plan is compared with (docs/benchmarks/planner-vs-compile.md).
 
-torch.compile's answer to "fit this budget" lives in AOTAutograd's partitioner
-(``min_cut_rematerialization_partition``, the one inductor uses): given a fraction ``f`` of the
-activation memory its default partition saves for the backward, it solves a 0-1 knapsack
-(``activation_memory_budget_solver``, default ``"dp"``; runtimes estimated from FLOPs) over the
-recomputable forward ops and saves the rest. Which ops run, and what they keep, is decided there;
-inductor only generates kernels for those graphs afterwards. Two things inductor does to the
-graphs are done here too, so that a BatchNorm step is measured as inductor runs it: its
-decomposed BatchNorm backward takes no running statistics in training
-(:func:`_batch_norm_backward`: the partition keeps no copy of them), and it writes the new running
-statistics into the buffers as they are made (:func:`_mutations_in_place`), where AOTAutograd's
-graph copies them at the forward's end. A compiled plain step then peaks where the eager one does.
+torch.compile fits a budget in AOTAutograd's partitioner (``min_cut_rematerialization_partition``:
+a knapsack over the recomputable forward ops); inductor only generates kernels for the graphs it
+returns. Here those partitioned graphs are replayed through ``torch.fx.Interpreter`` (each value
+freed after its last use, as inductor's code frees them) under the planner's counter
+(``zoo.memory.tracker.StepCounter``), op by op. Dynamo will not run compiled code under a
+dispatch mode, so the graph's callable is replayed outside Dynamo on the inputs Dynamo gave it;
+counters on the graphs prove they ran. Two things inductor does are done here too, so a
+BatchNorm step is measured as inductor runs it: its decomposed BatchNorm backward takes no
+running statistics in training (:func:`_batch_norm_backward`), and the new statistics are
+written into the buffers as they are made (:func:`_mutations_in_place`).
 
-Here the partitioned forward and backward graphs run through ``torch.fx.Interpreter`` with the
-boxed calling convention (every value, inputs included, freed after its last use, as inductor's
-code frees them), so every op goes through the dispatcher and the planner's counter
-(``zoo.memory.tracker.StepCounter``: MemTracker's bytes, FlopCounterMode's FLOPs) sees a real
-step op by op. Dynamo refuses to run compiled
-code under a dispatch mode (it falls back to eager), so the step is measured by replaying the
-compiled graph's callable on the inputs Dynamo gave it on the first call (the model's parameters,
-buffers and the batch: the same tensors), outside Dynamo's frame evaluation. Counters on the
-graphs prove the compiled graphs, not eager code, ran in the measured step.
-
-With ``fake=True`` the model and the batch go to the ``meta`` device first: Dynamo traces and
-the partitioner decides as on the CPU, and the replayed step runs no kernel, so a large model
-(BERT-base at sequence 128, batch 32: 2.1 TFLOP a step) is measured in seconds. Bytes and FLOPs
-are the CPU's to the byte and FLOP (tests/scripts/test_planner_vs_compile_compare.py checks both
-on a small BERT at every fraction), as zoo's own fake steps are, wherever the model dispatches
-the same aten ops on the meta device as on the CPU: :func:`check_meta_like_cpu` refuses a model
-that does not (SDPA without attention dropout runs PyTorch's fused CPU kernel on the CPU and its
-math path on meta: a ViT's figures would not be the CPU's).
-"""
+``fake=True`` moves the model and batch to ``meta`` first, so a large model is measured in
+seconds, to the CPU's byte and FLOP wherever it dispatches the same aten ops on meta as on the
+CPU; :func:`check_meta_like_cpu` refuses one that does not (SDPA runs a fused kernel on the CPU
+and its math path on meta)."""
 from __future__ import annotations
 
 import collections
@@ -43,7 +27,6 @@ from typing import Any
 import torch
 from torch import nn
 from zoo import _torch
-from zoo._torch import TorchDispatchMode
 
 from zoo.memory.host import OpCounter
 from zoo.memory.tracker import StepCounter

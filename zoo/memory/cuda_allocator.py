@@ -1,27 +1,14 @@
 """The CUDA caching allocator's arithmetic, replayed on a machine without a GPU.
 
-``torch.cuda.max_memory_allocated`` counts *blocks*, not the bytes a tensor asked for. What
-c10/cuda/CUDACachingAllocator.cpp does with a request (default settings: no
-``max_split_size_mb``, no ``roundup_power2_divisions``, no expandable segments, one stream):
-
-* the size is rounded up to a multiple of 512 bytes (``kMinBlockSize``), 512 at least;
-* requests of at most 1 MiB (``kSmallSize``) come from the small pool, others from the large;
-* the smallest free block of the pool that holds the request is taken (best fit, lowest address
-  among equals); with none, a new segment is reserved: 2 MiB for the small pool
-  (``kSmallBuffer``), 20 MiB for a request under 10 MiB (``kLargeBuffer``, ``kMinLargeAlloc``),
-  else the request rounded up to 2 MiB (``kRoundLarge``);
-* the block is split only when what is left is worth a block: at least 512 bytes in the small
-  pool, more than 1 MiB in the large one. An unsplit block counts whole towards the allocated
-  bytes, so a large tensor placed in a cached block up to 1 MiB bigger counts up to 1 MiB more;
-* a freed block merges with its free neighbours in the segment;
-* past a memory cap (``set_per_process_memory_fraction``), the wholly free segments are given
-  back and the reservation tried again; failing that, out of memory.
-
-:class:`CachingAllocator` replays exactly this over a sequence of mallocs and frees, so its
-``peak`` is ``max_memory_allocated`` of the same sequence. What it does not see: the order of
-frees a CUDA stream defers (none on one stream), cuDNN/cuBLAS workspaces (not in the sequence
-unless given), and the driver's own memory (outside every figure torch reports).
-"""
+``torch.cuda.max_memory_allocated`` counts blocks, not the bytes a tensor asked for.
+:class:`CachingAllocator` replays what c10/cuda/CUDACachingAllocator.cpp does with a sequence of
+mallocs and frees at its default settings (one stream; no ``max_split_size_mb``, no
+``roundup_power2_divisions``, no expandable segments): 512-byte rounding, the small and large
+pools, best fit (lowest address among equals), segment sizes, splitting only what is worth a
+block, merging free neighbours, and a cap (``set_per_process_memory_fraction``) that gives back
+wholly free segments before failing. Its ``peak`` is then ``max_memory_allocated`` of the same
+sequence. Not seen: cuDNN/cuBLAS workspaces unless given, the driver's own memory. What is
+modelled and what is not: docs/benchmarks/prediction.md."""
 from __future__ import annotations
 
 import bisect

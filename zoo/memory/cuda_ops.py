@@ -1,25 +1,13 @@
 """The ops a CUDA build would run, on a step whose (fake) tensors live on the CPU.
 
-A fake step can only run backward on the CPU (the autograd engine asks the CUDA driver about
-a ``cuda`` device: "hasPrimaryContext expects a valid device index" without a GPU), and there
-two functions take different paths than on CUDA, with different saved tensors:
-
-* ``F.scaled_dot_product_attention``: on a CUDA card, torch's selection (sdp_utils.cpp) runs
-  the flash kernel for float16/bfloat16 with no mask and a head size of at most 256 that is a
-  multiple of 8, else the memory-efficient kernel (float32 too, masks too, head size a
-  multiple of 4 in float32 or 8 in half precision), else the math path. The fused kernels save
-  q, k, v, the output, a float32 log-sum-exp (B x H x L; rounded up to a multiple of 32 for the
-  memory-efficient kernel) and the RNG seed and offset, never the B x H x L x L probabilities
-  or dropout mask the CPU's math path keeps.
-* ``F.dropout``: CUDA runs the fused ``native_dropout``, which keeps a one-byte mask; the CPU
-  multiplies by a noise tensor of the input's dtype and keeps that (four bytes in float32).
-
-:class:`CudaKernels` calls those CUDA ops in their place. Every op
-runs on fake tensors through its meta function, so shapes and saved tensors are the CUDA
-kernels' exactly. BatchNorm needs nothing: cuDNN's ``cudnn_batch_norm`` keeps the same mean and
-inverse standard deviation as the CPU's and a reserve space of zero bytes for BatchNorm alone
-(CUDNN_BATCHNORM_OPS_BN). Convolution's output is the same; its workspace is not modelled.
-"""
+A fake step can only run backward on the CPU (the autograd engine asks the CUDA driver about a
+``cuda`` device: "hasPrimaryContext expects a valid device index" without a GPU), where two
+functions save other tensors than on CUDA: ``F.scaled_dot_product_attention`` (CUDA's flash and
+memory-efficient kernels, as torch's sdp_utils.cpp selects them, save q, k, v, the output and a
+log-sum-exp, never the CPU math path's B x H x L x L probabilities) and ``F.dropout`` (CUDA's
+fused ``native_dropout`` keeps a one-byte mask). :class:`CudaKernels` calls those CUDA ops in
+their place, on fake tensors through their meta functions, so shapes and saved tensors are the
+CUDA kernels' exactly. BatchNorm and convolution need nothing (docs/benchmarks/prediction.md)."""
 from __future__ import annotations
 
 from typing import Any

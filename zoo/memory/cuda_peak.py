@@ -1,19 +1,12 @@
 """Peak ``torch.cuda.max_memory_allocated`` of a training step, predicted without a GPU.
 
-The step runs on fake CPU tensors (FakeTensorMode: shapes, no data) under
-:class:`~zoo.memory.cuda_ops.CudaKernels`, so attention and dropout save what CUDA's kernels
-save, and every storage the step makes or frees is replayed through
-:class:`~zoo.memory.cuda_allocator.CachingAllocator`, so the count is in the caching
-allocator's blocks (512-byte rounding, unsplit cached blocks counted whole). The model's
-parameters, buffers and the input are allocated first, as they are on the card before the step.
-
-cuBLAS keeps a workspace per (handle, stream), handles per thread: the first matmul of the
-forward and the first of the backward (the autograd engine's device thread) each allocate one
-through the caching allocator and keep it (aten/src/ATen/cuda/CublasHandlePool.cpp: 32 MiB on
-compute capability 9.x and newer, 8 MiB + 128 KiB before). :class:`CudaCounter` allocates them
-where the step first runs a matmul in each. It also records every op it sees (:class:`OpRecord`:
-FLOPs, bytes read and written), which :mod:`.cards` turns into a time on a named card.
-"""
+The step runs on fake CPU tensors under :class:`~zoo.memory.cuda_ops.CudaKernels` (attention and
+dropout save what CUDA's kernels save), and every storage it makes or frees is replayed through
+:class:`~zoo.memory.cuda_allocator.CachingAllocator`, after the parameters, buffers and input.
+:class:`CudaCounter` also allocates the two cuBLAS workspaces where the step first runs a matmul
+on each thread (forward and the autograd engine's; aten/src/ATen/cuda/CublasHandlePool.cpp: 32
+MiB each on compute capability 9.x and newer, 8 MiB + 128 KiB before), and records every op
+(:class:`OpRecord`: FLOPs, bytes read and written) for :mod:`.cards`."""
 from __future__ import annotations
 
 import contextlib

@@ -1,18 +1,12 @@
 """The planner's ``FakeTensorMode``: torch's, with a cache key made in a quarter of the time.
 
-A fake step dispatches each op to ``FakeTensorMode``, which answers from a cache of output
-metadata keyed by the op and its arguments: a cache hit costs about 70 us, and half of it is
-making the key, each fake tensor argument read into a ``TensorMetadata`` record (memory format,
-sparsity, ...) and flattened field by field. :class:`PlannerFakeMode` keys a call whose
-arguments are plain (fake tensors of this mode, strided, with concrete sizes; numbers, strings,
-dtypes, devices; lists, tuples and dicts of them) by a tuple per tensor of the fields that
-record is made of, less those it derives from them (the memory format from the sizes and
-strides, quantized from the dtype, sparsity from the layout): two calls get the same key only
-when torch's keys are the same, so the cache answers them as torch's would. Any other call gets
-torch's own key. Keys carry a marker of their own, so they never meet one of torch's in the
-cache (``FakeTensorMode.cache`` is shared by every mode of the process). Planning
-DenseNet-BC-100 at batch 32 makes 15,678 keys: 90 us each torch's way, 22 us here.
-"""
+Half of a ``FakeTensorMode`` cache hit is making its key (each fake tensor read into a
+``TensorMetadata`` record and flattened field by field). :class:`PlannerFakeMode` keys a call
+whose arguments are plain (strided fake tensors of this mode with concrete sizes, numbers,
+strings, dtypes, devices, and containers of them) by a tuple per tensor of the fields that record
+is made of, less those derived from others, so two calls share a key only when torch's keys
+are equal; any other call gets torch's own key. Its keys carry a marker of their own, so they
+never meet torch's in the shared cache. Timings: docs/benchmarks/planner-vs-compile.md."""
 from __future__ import annotations
 
 from typing import Any

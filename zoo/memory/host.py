@@ -1,19 +1,11 @@
 """Host work of a training step: the aten ops it dispatches and its time on ``meta``.
 
-On a GPU, a step of a model made of many small layers is host-bound: the GPU waits while Python
-and the dispatcher issue the ops, so every op a checkpointed region adds beyond its recompute is
-time the user pays. Both are measured here without a GPU:
-
-* **ops**: the aten ops a step dispatches, counted by a ``TorchDispatchMode`` (:class:`OpCounter`),
-  per op name. Exact: the same count every run, so tests may pin it. A dispatch mode also sees
-  the tensor shallow copies autograd makes when it hands saved tensors back (as
-  ``aten.detach``); they are host work too, counted apart.
-* **host time** (:func:`host_times`): steps on the ``meta`` device, where no kernel runs and only
-  the host's work is left: the process's CPU time (other processes on a shared machine do not
-  count), interleaved rounds, to be read as ratios to the plain model of the same run.
-
-The host-cost benchmark (``python scripts/benchmark.py host-cost``) builds its comparison on these.
-"""
+On a GPU a step of many small layers is host-bound, so every op a checkpointed region adds
+beyond its recompute is time the user pays. :class:`OpCounter` counts the aten ops a step
+dispatches (a ``TorchDispatchMode``; exact, so tests may pin it), with the shallow copies
+autograd makes of saved tensors (``aten.detach``) counted apart. :func:`host_times` times steps
+on the ``meta`` device, where no kernel runs: the process's CPU time, interleaved rounds, read as
+ratios to the plain model of the same run (``python scripts/benchmark.py host-cost``)."""
 from __future__ import annotations
 
 import random

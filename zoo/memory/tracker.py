@@ -1,16 +1,13 @@
 """One dispatch mode that counts a step's live bytes and FLOPs op by op, in constant time per op.
 
-``MemTracker`` (torch.distributed._tools) is the project's exact CPU memory figure: a storage
-counts from the op that creates it (or from the start, for the model's state) until the storage
-object is freed, and the peak is read after every op. It also keeps per-module statistics, which
-costs time in proportion to the model's modules at every op (two thirds of a fake ResNet-110 step),
-and ``FlopCounterMode`` installs module hooks of its own, which keep tensors of a checkpoint's
-recompute alive longer than the step itself does (a profile taken under it saw a recompute hold
-the block's detached weights). :class:`StepCounter` keeps only what the planner needs: the same
-byte count, kept current by weak-reference callbacks, its peak, and the FLOPs of
-``torch.utils.flop_counter``'s formulas, with no module hooks. tests/planner/test_tracker.py
-checks it against both, byte for byte and FLOP for FLOP.
-"""
+``MemTracker`` (torch.distributed._tools) is the project's exact CPU memory figure, but its
+per-module statistics cost time in proportion to the model's modules at every op, and
+``FlopCounterMode``'s module hooks keep tensors of a checkpoint's recompute alive longer than
+the step does. :class:`StepCounter` keeps only what the planner needs: MemTracker's byte count
+(a storage counts from the op that makes it until it is freed, kept by weak-reference
+callbacks), its peak, and the FLOPs of ``torch.utils.flop_counter``'s formulas, with no module
+hooks. tests/planner/test_planner_exact.py checks it against both, byte for byte and FLOP for
+FLOP."""
 from __future__ import annotations
 
 import math

@@ -1,19 +1,12 @@
 """Where a plan is chosen: :func:`plan` (``zoo.plan``), and the :class:`Planner` it asks.
 
 :func:`plan` takes three routes: a zoo model (one with ``checkpoint_chain``) is planned over its
-chain by a :class:`Planner`; any other module over its spine (:func:`spine_planner`: every
-submodule call a candidate region), or, where the spine leaves out its repeated blocks, over
-those blocks (``modules.plan_module``); ``cost="time"`` plans the chain for least recompute time.
-
-:class:`Planner` profiles the model's chain (plainly and with every block in each of the model's
-intra-block modes: :func:`profile_block_modes`), measures the model's hand modes that the chain
-cannot express, and gathers every plan worth having into one list, peak ascending and recompute
-strictly falling: the nested schedules of ``search.front`` (past ``search.multi_level.MAX_UNITS``
-units, over units joined a few blocks at a time) and the hand modes. A budget takes the cheapest
-plan of that list that fits; the list does not depend on the budget, so as the budget falls the
-chosen plan's peak never rises. Predicted peaks are exact (tests/planner/test_planner_exact.py
-and test_planner_promise.py measure them), so nothing is measured and dropped.
-"""
+chain by a :class:`Planner`; any other module over its spine (:func:`spine_planner`), or, where
+the spine leaves out its repeated blocks, over those (``modules.plan_module``); ``cost="time"``
+plans the chain for least recompute time. A :class:`Planner` gathers every plan worth having
+into one list, peak ascending and recompute strictly falling, and a budget takes the cheapest
+that fits, so as the budget falls the chosen peak never rises. Predicted peaks are exact
+(tests/planner/test_planner_exact.py, test_planner_promise.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -109,8 +102,8 @@ def solve_profile(profile: ChainProfile, memory_budget: int | float | str,
     """The cheapest plan under ``memory_budget`` (nothing applied): over the multi-level
     schedules of ``profile``'s chain whose blocks each run plainly or in one of the intra-block
     modes profiled in ``block_profiles`` (:func:`profile_block_modes`), and the measured hand
-    ``modes``. Ties go to the lower peak. Chains longer than ``nested.MAX_UNITS`` units are
-    planned one level deep."""
+    ``modes``. Ties go to the lower peak. Chains longer than ``search.multi_level.MAX_UNITS``
+    units are planned one level deep."""
     return _pick(plan_choices(profile, block_profiles, modes, slots), parse_budget(memory_budget))
 
 
@@ -166,22 +159,17 @@ def _unique_modes(model: nn.Module, per_block: set[str]) -> list[str]:
 
 
 class Planner:
-    """A zoo model's plans on ``example_input`` (module docstring): ``plan(budget)`` for each
-    budget, ``choices`` for all of them, ``least_peak`` and ``plain_peak``.
+    """A zoo model's plans on ``example_input``: ``plan(budget)`` for each budget, ``choices``
+    for all of them, ``least_peak`` and ``plain_peak``.
 
-    ``modes``: measure the model's own hand modes as candidates (those the chain with its
-    per-block modes cannot express: :func:`_unique_modes`); ``block_modes``: profile the chain
-    with every block in each of them, as per-block options at any level of a schedule;
-    ``slots``: the memory grid of the nested search. A chain of more than ``MAX_UNITS`` units
-    (ResNet-1202's 602) is searched nested over joined units (``repeats.joined``: runs of
-    identical blocks taken a few at a time, each profiled whole, so the memory model stays
-    exact; a per-block mode then runs in every block of a joined unit). ``compiled``: plans
-    for a model that will run under ``torch.compile``: one-level schedules of plain blocks
-    only, which AOTAutograd's partitioner keeps (it recomputes each tagged op once, so a
-    nested schedule's recompute within a recompute, and a block's own checkpoints inside a
-    stored block, are not kept: their compiled step holds more than planned;
-    tests/planner/test_planner_compile.py). Python's cyclic garbage collector is paused while
-    it profiles and searches (``fake.collector_paused``: no figure depends on it)."""
+    ``modes``: measure the model's own hand modes the chain cannot express
+    (:func:`_unique_modes`); ``block_modes``: profile the chain with every block in each of them,
+    as per-block options at any level of a schedule; ``slots``: the nested search's memory grid.
+    A chain of more than ``MAX_UNITS`` units (ResNet-1202's 602) is searched over joined units
+    (``repeats.joined``: runs of identical blocks, each profiled whole, so the model stays
+    exact). ``compiled``: one-level schedules of plain blocks only, what AOTAutograd's
+    partitioner keeps (it recomputes each tagged op once: tests/planner/test_planner_compile.py).
+    Python's cyclic garbage collector is paused meanwhile (``fake.collector_paused``)."""
 
     def __init__(self, model: nn.Module, example_input: torch.Tensor,
                  loss_fn: Callable[[Any], torch.Tensor] | None = None, *, modes: bool = True,

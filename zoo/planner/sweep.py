@@ -1,20 +1,13 @@
 """A plan keeps its promise: every plan a model is offered, from the plain peak down to the least
 one, applied and its step measured against the peak it predicts.
 
-:func:`budget_sweep` plans ``model`` once (:func:`planner_for`: a zoo model over its chain, any
-other module over its spine), takes budgets from the plain peak down to the least plan's in
-equal steps, applies the plan each one picks and measures one training step of it (forward,
-loss, backward from fresh gradients): by default under ``FakeTensorMode``
-(``zoo.memory.step.measure_step``, the bytes a real CPU step counts), or with the ``measure``
-given (a real step: :func:`real_peak`). The model is left without a plan afterwards.
-
-The measure counts the step's live storages with no module hooks. ``MemTracker`` (torch.
-distributed._tools) installs ``ModTracker``'s: before each module runs, a multi-gradient hook in
-``"all"`` mode on its input tensors keeps the gradient of each input until the last one arrives,
-so a module fed many tensors (a DenseNet layer takes all earlier feature maps) holds their
-gradients longer under ``MemTracker`` than in the step itself. Without the tracker, nothing holds
-them: the step peaks where the plan says.
-"""
+:func:`budget_sweep` plans ``model`` once (:func:`planner_for`), takes budgets from the plain
+peak down to the least plan's in equal steps, applies the plan each picks and measures one
+training step of it, under ``FakeTensorMode`` (``zoo.memory.step.measure_step``) or with the
+``measure`` given (a real step: :func:`real_peak`). The measure counts live storages with no
+module hooks: ``MemTracker``'s ``ModTracker`` holds the gradients of a module's many inputs
+(a DenseNet layer's) until the last arrives, longer than the step itself does. The model is
+left without a plan afterwards."""
 from __future__ import annotations
 
 import dataclasses

@@ -11,7 +11,7 @@ import torch
 
 from .._torch import tensor_version as _version
 from ..checkpoint.recompute import ForwardState, _RecomputeContext
-from .remake import (_EDGE_OUTPUTS, _accumulate, _aliased, _anchor, _parts, _recorded,
+from .remake import (_accumulate, _aliased, _anchor, _parts, _recorded,
                      _RemakeView, _root, _StreamView)
 from .run import _Run
 from .sources import source_of
@@ -137,9 +137,7 @@ def _grad_of(fn: tuple[Any, Any], make: Callable[[], torch.Tensor], seed: torch.
     (made again when its backward needs it, not kept), then its gradients for ``seed``: the
     parameters' are added to ``grads``, the input's is returned."""
     out, edge, _ = _recorded(fn, make, at, (), seed.device)
-    target: torch.Tensor | torch.autograd.graph.GradientEdge = out
-    if _EDGE_OUTPUTS:
-        target = torch.autograd.graph.get_gradient_edge(out)
+    target = _root(out)
     if seed.dtype != out.dtype:
         seed = seed.to(out.dtype)
     del out

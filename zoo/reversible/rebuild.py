@@ -3,7 +3,7 @@ block's inputs from its outputs, recomputing ``G`` then ``F`` once each."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -12,7 +12,7 @@ from ..checkpoint.recompute import _cuda_devices, ForwardState
 from .coupling import LeadBlock, ReversibleBlock
 from .grid import Grid, _add, _checked, _enter, from_fixed
 from .lead import _lead_forward, _undo_lead
-from .remake import _EDGE_OUTPUTS, _accumulate, _aliased, _parts, _recorded
+from .remake import _accumulate, _aliased, _parts, _recorded, _root
 from .run import _Run
 from .sources import Source, remember
 
@@ -95,9 +95,7 @@ def _undo(fn: Any, k_in: torch.Tensor, k_out: torch.Tensor | None, seed: torch.T
         _take_off(k_out, out, grid, owned)
     if not out.requires_grad:
         return
-    target: torch.Tensor | torch.autograd.graph.GradientEdge = out
-    if _EDGE_OUTPUTS:
-        target = torch.autograd.graph.get_gradient_edge(out)
+    target = _root(out)
     if seed.dtype != out.dtype:  # autograd casts a gradient to its output's dtype
         seed = seed.to(out.dtype)
     del out

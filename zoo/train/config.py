@@ -190,12 +190,9 @@ def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         if value is None and type(None) in args:
             return None
-        errors = []
         for arm in (a for a in args if a is not type(None)):
-            try:
+            with contextlib.suppress(ConfigError):
                 return _coerce(key, value, arm, from_cli)
-            except ConfigError as e:
-                errors.append(e)
         raise ConfigError(f"{key} must be {' or '.join(_type_name(a) for a in args)}, "
                           f"got {value!r} ({type(value).__name__})")
     if origin is list:

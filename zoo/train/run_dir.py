@@ -1,23 +1,15 @@
 """A training run on disk: config.yaml, metrics.jsonl, last.pt, prev.pt and best.pt.
 
-The contract (DESIGN.md, *Run directories*):
+The contract is docs/training.md's *Run directories*: one run per directory
+(:mod:`zoo.train.run_lock`); every file written to a temporary file, fsynced and moved over the
+old one with ``os.replace`` (atomic: a crash leaves the old file or the new one); a SHA-256 of
+each checkpoint's contents verified on load, the replaced ``last.pt`` kept as ``prev.pt``; and
+the metrics of every epoch inside the checkpoint, so resuming rewrites ``metrics.jsonl``
+without losing or repeating a line.
 
-- One run per directory: a lock (:mod:`zoo.train.run_lock`) for the run's life; a new run refuses a
-  directory that holds files unless told ``overwrite``.
-- Every file is written to a temporary file in the same folder, fsynced, and moved over the old
-  one with ``os.replace`` (atomic on POSIX and Windows): a crash leaves the old file or the new one.
-  Files get the mode the umask allows, as ``open()`` would; stale temporary files of a dead run
-  are removed when the next run takes the lock.
-- A checkpoint carries a SHA-256 of its contents (tensors' bytes, numbers, strings), verified on
-  load, so flipped bytes are refused by name instead of resumed. Before ``last.pt`` is replaced,
-  the one it replaces becomes ``prev.pt``: a corrupt ``last.pt`` costs one epoch, not the run.
-- The checkpoint holds the metrics of every epoch so far; resuming rewrites ``metrics.jsonl`` from
-  them, so no crash point loses or duplicates a line.
-
-``ZOO_FAULT=<point>:<epoch>`` SIGKILLs the process at a named point of the save path (points in
-:data:`FAULT_POINTS`), ``ZOO_FAULT=step:<n>:SIGTERM`` signals it after optimizer step n: the
-fault-injection tests kill or stop the real training process there.
-"""
+``ZOO_FAULT=<point>:<epoch>`` SIGKILLs the process at a named point of the save path
+(:data:`FAULT_POINTS`), ``ZOO_FAULT=step:<n>:SIGTERM`` signals it after optimizer step n: the
+fault-injection tests stop the real training process there."""
 from __future__ import annotations
 
 import hashlib
@@ -278,11 +270,6 @@ class RunDir:
     def write_config(self, text: str) -> None:
         if self.enabled:
             atomic_write(self.path / "config.yaml", text)
-
-    def read_metrics(self) -> list[dict[str, Any]]:
-        if not self.metrics_path.exists():
-            return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line]
 
     def write_metrics(self, history: list[dict[str, Any]]) -> None:
         """metrics.jsonl := one line per record of ``history`` (resume: the checkpoint's)."""

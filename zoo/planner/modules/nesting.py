@@ -1,17 +1,11 @@
 """Nested checkpoint regions for ``zoo.plan`` on any ``nn.Module``.
 
-With every block checkpointed, a step still keeps one input per block until backward reaches
-it. Checkpointing a container of blocks too (a ResNet stage, timm's ``stages.N``, a slice of
-ViT's ``blocks``) keeps only the container's input through the forward; its recompute keeps
-one input per block of that container alone (``zoo.checkpoint`` nests: an inner region hands
-its inputs to the outer one). That is Chen et al.'s two-level sqrt(n) schedule, and it lowers
-the least peak below "every block checkpointed" where the peak is late in the step.
-
-Regions are named ``"layer1"`` (a whole module, wrapped with ``zoo.blocks.checkpoint_module``)
-or ``"blocks[0:4]"`` (children 0-3 of a plain ``nn.Sequential``, run as one checkpoint by
-swapping its class for :class:`SegmentedSequential`, whose forward is ``nn.Sequential``'s with
-those slices checkpointed). Only these two forms are wrapped: both are safe for any model.
-"""
+With every block checkpointed, a step still keeps one input per block until backward reaches it.
+Checkpointing a container of blocks too (a ResNet stage, a slice of ViT's ``blocks``) keeps only
+the container's input through the forward: Chen et al. 2016's two-level sqrt(n) schedule.
+Regions are ``"layer1"`` (a module, wrapped with ``zoo.blocks.checkpoint_module``) or
+``"blocks[0:4]"`` (children of a plain ``nn.Sequential``, run as one checkpoint by
+:class:`SegmentedSequential`): the two forms safe for any model."""
 from __future__ import annotations
 
 import math

@@ -1,17 +1,11 @@
-"""``zoo.plan`` for any ``nn.Module`` : which of its blocks to checkpoint.
+"""``zoo.plan`` for a module whose spine leaves out its repeated blocks: which to checkpoint.
 
-A model without the zoo's chain (torchvision, timm, Hugging Face, a user's) is planned over its
-repeated blocks as ``zoo.set_grad_checkpointing`` finds them (``zoo.blocks.find_blocks``) and
-checkpointed with the same wrapper (``zoo.blocks.checkpoint_module``). One fake training step
-(``FakeTensorMode``: nothing runs, so a GPU-sized model plans on a CPU) records per block the
-bytes autograd saves inside it and its forward FLOPs. Checkpointing a block frees roughly its
-saved bytes for one recompute of its forward, so blocks are taken greedily by bytes freed per
-FLOP (the knapsack's greedy order, as in torch's ``activation_memory_budget`` greedy solver),
-and the fewest of them whose step fits is found by bisection on measured fake steps: the budget
-is met as measured, never only as predicted. Below "every block checkpointed", containers of
-blocks are checkpointed around them too (``zoo.planner.modules.nesting``: a stage keeps one input
-through the forward), added greedily by measured peak down to the nested floor.
-"""
+The blocks are those ``zoo.set_grad_checkpointing`` finds (``zoo.blocks.find_blocks``),
+checkpointed with the same wrapper. One fake training step records per block the bytes autograd
+saves inside it and its forward FLOPs; blocks are taken greedily by bytes freed per FLOP (the
+greedy order of torch's ``activation_memory_budget`` knapsack), and the fewest whose step fits
+is found by bisection on measured fake steps: the budget is met as measured. Below "every block
+checkpointed", containers are checkpointed around them too (:mod:`.nesting`)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,20 +1,13 @@
 """Any module's *spine*: the longest run of submodule calls that hand one tensor straight on,
 planned as a zoo model's chain (every module of it a candidate region: the stem too).
 
-Most networks' forwards are, at some level, a run of submodule calls where each call's only
-input is the previous call's output: torchvision's ResNet (``conv1``, ``bn1``, ``relu``,
-``maxpool``, ``layer1`` ... ``avgpool``), the blocks of an ``nn.Sequential``, timm's ViT
-(``pos_drop`` ... ``blocks`` ... ``norm``). :func:`find_spine` finds the longest such run in
-one fake forward, opening containers whose own children run the same way (``layer1`` becomes
-``layer1.0``, ``layer1.1``), and accepts a link between two calls only when it sees, op by op,
-that nothing else happens between them and nothing else reads the first call's output later.
-:class:`Spine` then presents the model to the planner as a zoo model whose chain is that run:
-while a plan is set, the run's first module runs the whole run by the plan (checkpointed
-segments, nested) and the others pass their input through, so the model's own forward, around
-the run, is untouched. :func:`apply_spine` leaves a model running a plan that way (calling its
-spine modules' forwards directly: their forward hooks do not run); :func:`clear_spine` undoes
-it.
-"""
+:func:`find_spine` finds that run in one fake forward (torchvision's ResNet: ``conv1`` ...
+``layer1.0`` ... ``avgpool``), opening containers whose children run the same way, and accepts
+a link only when it sees, op by op, that nothing else happens between two calls and nothing else
+reads the first one's output. :class:`Spine` presents the model to the planner as a zoo model
+whose chain is that run; :func:`apply_spine` leaves it running a plan (the run's first module
+runs the whole run by the plan, the others pass their input on, their forward hooks not run)
+and :func:`clear_spine` undoes it. Design: docs/planner.md ("Any other module")."""
 from __future__ import annotations
 
 import warnings
@@ -170,23 +163,14 @@ def _calls(call: _Call) -> list[_Call]:
     return [call, *(c for k in call.children for c in _calls(k))]
 
 
-# ------------------------------------------------------------------------------------------------
-# Running a plan over the spine.
-# ------------------------------------------------------------------------------------------------
+# ---- Running a plan over the spine.
 class SpineStep:
     """One spine module, called as a module (its hooks run, the checkpoint's normalisation
     guard among them) but past the pass-through the plan puts on it; ``name``: its dotted name,
-    for the planner's table.
-
-    An in-place activation (``nn.ReLU(inplace=True)`` and its kind: a bool ``inplace`` and no
-    randomness) runs out of place here, to the same values and gradients: its input and output
-    are then two boundaries, and the planner may cut between them. That is what lets a stem's
-    ``conv1, bn1`` be one region inside another over ``conv1 ... maxpool``: the ReLU's backward
-    runs before BatchNorm's input is made again, so the two are never held together with two
-    gradients. Its input is freed at once (no module after it on the spine reads it), so a
-    stored step costs only the moment both exist. ``out_of_place=False`` keeps it in place: a
-    plan for ``torch.compile``, whose partitioner does not keep a region that ends just before
-    such a step (the compiled step holds more than the eager plan)."""
+    for the planner's table. An in-place activation (a bool ``inplace``, no randomness) runs out
+    of place, to the same values and gradients, so the planner may cut between its input and
+    output (docs/planner.md, "Any other module"); ``out_of_place=False`` keeps it in place, for
+    ``torch.compile``, whose partitioner does not keep a region ending just before it."""
 
     def __init__(self, module: nn.Module, name: str, out_of_place: bool = True) -> None:
         self.module, self.name = module, name

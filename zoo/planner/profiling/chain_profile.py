@@ -104,8 +104,9 @@ class ChainProfile:
     def rise_in_backward(self, u: int, recomputed: bool, held_by: int) -> int | None:
         """Unit ``u``'s backward rise; ``recomputed``: inside a checkpointed segment;
         ``held_by``: who holds its input besides itself (0: nobody, 1: the unit before it, 2:
-        the enclosing region, as ``nested.STATES``). None: a context the profile never saw
-        (the unit before holding the input, where in this profile's mode it does not)."""
+        the enclosing region, as ``search.multi_level.STATES``). None: a context the profile
+        never saw (the unit before holding the input, where in this profile's mode it does
+        not)."""
         if not self.bwd_rise_region:
             return self.bwd_rise[u]
         if recomputed:

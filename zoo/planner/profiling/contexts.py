@@ -1,16 +1,11 @@
 """The runs that show each unit of a chain in every context a schedule puts it in, and what the
 profiler reads off them (:mod:`.profile` runs them).
 
-A unit's backward depends on two things beyond itself: whether its saved tensors were recomputed
-(each is then freed as soon as its node has used it, not when the node is released) and who else
-holds the unit's input (the unit before it: the input outlives the unit's backward; the
-enclosing region, or nobody: it is freed inside, at different points). :func:`nested_pattern`
-lays out four runs, shifted by one unit each time, in which every unit is seen first in a
-checkpointed region, recomputed after an inner region, recomputed after a stored unit, and stored
-after a checkpointed segment (two runs, where no unit's input is held by the unit before: the
-first two contexts are then all there is); :func:`read_pattern` fills in the profile's
-per-context figures.
-"""
+A unit's backward depends on whether its saved tensors were recomputed and on who else holds
+its input (the unit before, the enclosing region, or nobody). :func:`nested_pattern` lays out
+four runs, shifted by one unit each, that show every unit in each of those contexts (two where
+no unit's input is held by the unit before); :func:`read_pattern` fills in the profile's
+per-context figures."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -1,41 +1,20 @@
 """Profile a model's chain of blocks for the planner: bytes, FLOPs, and when memory rises.
 
-Training steps (forward, loss, backward) run under ``FakeTensorMode`` (:mod:`.trace`), so no
-kernel runs and a model or batch too large for the machine costs next to nothing to profile,
-while every tensor is counted as ``MemTracker`` counts it and every FLOP as ``FlopCounterMode``:
+Training steps run under ``FakeTensorMode`` (:mod:`.trace`), every tensor counted as
+``MemTracker`` counts it and every FLOP as ``FlopCounterMode``:
 
-1. the chain stored plainly: for each block, the storages autograd saves for backward (through
-   ``saved_tensors_hooks``, unique storages, parameters excluded, the ones shared with the block's
-   input or output flagged; what a block keeps out of the hooks' sight, such as the outputs a
-   selective checkpoint caches, is read off the memory level), the bytes at each boundary, the
-   forward FLOPs, and how far memory rises above its level at the block's start in forward and
-   in backward;
-2. four runs of a nested pattern (:func:`.contexts.nested_pattern`), shifted by one unit, so
-   that every unit is seen first in a checkpointed region, recomputed after an inner region,
-   recomputed after a stored unit, and stored after a checkpointed segment: how far the
-   no-saving forward rises, the FLOPs its recompute costs when it ends one (torch stops a
-   recompute once it has rebuilt the last saved tensor), and how far its backward rises in each
-   context. A unit's backward depends on two things beyond itself: whether its saved tensors
-   were recomputed (each is then freed as soon as its node has used it, not when the node is
-   released) and who else holds the unit's input (the unit before it: the input outlives the
-   unit's backward; the enclosing region, or nobody: it is freed inside, at different points).
-   Where no unit's input is held by the unit before (a DenseNet, whose layers read the
-   concatenation), two runs show all the contexts there are; where no unit can run in a
-   context the plain step did not show (every unit with a save set: stored at the top level
-   only), none runs.
+1. the chain stored plainly: per block, the storages autograd saves (``saved_tensors_hooks``,
+   parameters excluded; what a block keeps out of the hooks' sight, as a selective checkpoint's
+   cache, read off the memory level), the bytes at each boundary, the forward FLOPs, and how far
+   memory rises in forward and backward;
+2. up to four runs of a nested pattern (:mod:`.contexts`) showing every unit in every context a
+   schedule can put it in, for the rises and recompute FLOPs of each.
 
-Outside the chain (stem, head, loss) nothing is modelled: the memory levels there are read off
-the first run and enter the planner as constants. A block whose output shares its input's
-storage (an in-place ReLU) is merged with the block before it into one *unit*: the planner never
-cuts between them (cutting there saves nothing: both are the same memory).
-
-The memory model is rotor's (Beaumont et al. 2019, "Optimal checkpointing for heterogeneous
-chains: how to train deep neural networks with limited memory", arXiv:1911.13214): these per-unit
-figures are what ``search.one_level`` (one level) and ``search.multi_level`` (checkpoints inside
-recomputes, as ``ZooModel.set_checkpoint_plan`` runs them) need. A block running its own checkpoints
-(``block_mode``) keeps their inputs in the regions, not as autograd saved tensors; the profiler
-counts them too (``zoo.checkpoint.region.observers``).
-"""
+Outside the chain (stem, head, loss) the levels of the first run enter as constants. A block
+whose output shares its input's storage (an in-place ReLU) joins the block before into one
+*unit*: cutting there saves nothing. The memory model is rotor's (Beaumont et al. 2019,
+arXiv:1911.13214); a block's own checkpoints are counted through
+``zoo.checkpoint.region.observers``. Design: docs/planner.md ("How a zoo model is planned")."""
 from __future__ import annotations
 
 import dataclasses
@@ -74,19 +53,16 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
                   max_units: int | None = None) -> ChainProfile | None:
     """Profile ``model``'s chain (``checkpoint_chain``) on ``example_input`` for the planner.
 
-    Runs up to five training steps under ``FakeTensorMode`` (nothing is computed, nothing is
-    changed in ``model``: parameters, buffers and its checkpoint plan are left as they were): a
-    plain one of the whole chain, then up to four of its kept units only
-    (``zoo.planner.profiling.repeats``: a run of identical units is profiled on its first three; the
-    module docstring says when fewer are needed). ``block_mode``: every block runs in that
-    intra-block checkpoint mode (``model.run_chain_block``) or, for a save set's name
-    (``zoo.planner.search.savesets``), checkpointed with it, stored at the top level only;
-    ``like``: the plain profile of the same chain, whose kept units then serve for the
-    plain step too. ``whole=False``: None for a mode that checkpoints each unit whole and
-    nothing else (a one-unit checkpointed segment already does that). ``fake``: fake copies of
-    the model's state to run on (made here when not given). ``max_units``: a chain of more
-    units has them joined, run by run of identical units, into at most half as many
-    (``repeats.joined``; ``ChainProfile.joined`` is then True), so that the nested search,
+    Runs up to five fake training steps, leaving ``model`` (parameters, buffers, checkpoint
+    plan) as it was: a plain one of the whole chain, then up to four of its kept units only
+    (``repeats``: a run of identical units is profiled on its first three). ``block_mode``:
+    every block runs in that intra-block mode (``model.run_chain_block``) or, for a save set
+    (``search.savesets``), checkpointed with it, stored at the top level only. ``like``: the
+    plain profile of the same chain, whose kept units then serve for the plain step too.
+    ``whole=False``: None for a mode that checkpoints each unit whole and nothing else (a
+    one-unit checkpointed segment does that). ``fake``: the fake state to run on (made here when
+    not given). ``max_units``: a chain of more units has runs of identical units joined into at
+    most half as many (``repeats.joined``, ``ChainProfile.joined``), so that the nested search,
     cubic in the units, stays within seconds.
     """
     chain = list(model.checkpoint_chain())

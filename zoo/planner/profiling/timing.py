@@ -1,17 +1,11 @@
 """``cost="time"``: the chain's recompute costs as measured time on the input's device.
 
-FLOPs price a BatchNorm, a ReLU or a concatenation at (almost) nothing, yet on a GPU such
-memory-bound ops take time far beyond their FLOPs. Here each block's forward is timed for real
-on ``example_input``'s device (median of ``repeats`` runs after one warm-up, synchronised on
-CUDA), and a copy of the profile carries nanoseconds where it carried FLOPs, so the same dynamic
-programme plans for least recompute time. A block that stops its recompute early (torch stops at
-the last saved tensor) is charged the same share of its time as of its FLOPs.
-
-For a named CUDA card (``on``), nothing runs for real: one fake step runs the card's kernels
-(``zoo.memory.card_step``), and each block's forward is priced as ``zoo.memory.cards`` prices
-ops, the larger of its kernels' time on the card and the host's time to issue them (a
-recompute issues them from Python again); the step's time is the whole predicted step's.
-"""
+FLOPs price a BatchNorm, a ReLU or a concatenation at almost nothing, yet on a GPU such
+memory-bound ops take time. Each block's forward is timed on ``example_input``'s device (median
+after a warm-up, synchronised on CUDA), and a copy of the profile carries nanoseconds where it
+carried FLOPs, so the same search plans for least recompute time. For a named card (``on``),
+nothing runs for real: one fake step runs the card's kernels and each block is priced as
+``zoo.memory.cards`` prices ops (the larger of the card's time and the host's)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,17 +1,12 @@
 """One instrumented fake training step of a model's chain, phase by phase: what the profiler reads.
 
-The step (forward, loss, backward) runs under ``FakeTensorMode`` (no kernel runs, so a model or
-batch too large for the machine costs next to nothing) inside a :class:`~.tracker.StepCounter`
-(live bytes after every op, as ``MemTracker`` counts them, and FLOPs; inside
-``zoo.memory.on_card``, the card's kernels and caching allocator's bytes). The chain's blocks run in
-an ``order`` (the whole chain, or a subset of it whose skipped blocks keep the shape), grouped by
-``segments`` of positions in that order, stored or checkpointed with ``zoo.checkpoint`` as a
-plan would run them. Hooks mark where each block's forward starts (``("F", i)``), where it ends
-(``("G", i)``), where its output's gradient is ready (``("B", i)``), where a checkpointed
-segment's recompute ends and its backward goes on (``("BR", i)``, ``i``: the segment's last
-position), the head (``("head",)``) and what follows the chain's backward (``("tail",)``); a
-saved-tensor hook records what each block saves for backward.
-"""
+The step runs under ``FakeTensorMode`` inside a :class:`~zoo.memory.tracker.StepCounter` (live
+bytes after every op and FLOPs; under ``zoo.memory.on_card``, the card's). The chain's blocks
+run in an ``order`` (the chain, or a subset whose skipped blocks keep the shape), grouped by
+``segments`` stored or checkpointed as a plan runs them. Hooks mark each block's forward start
+``("F", i)`` and end ``("G", i)``, its output's gradient ready ``("B", i)``, a checkpointed
+segment's recompute done ``("BR", i)``, the head ``("head",)`` and what follows the chain's
+backward ``("tail",)``; a saved-tensor hook records what each block saves."""
 from __future__ import annotations
 
 import contextlib

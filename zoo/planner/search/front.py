@@ -1,17 +1,13 @@
 """Every plan a chain's profiles offer, as one front of (predicted peak, recompute): solved once,
 read at any budget.
 
-The dynamic programme of :mod:`.multi_level` runs once over a fixed memory grid from nothing to the
-plain step's need (rotor discretises memory the same way): ``R[e][a][s]`` is an array over the
-grid of the least recompute of units ``a..e`` run as the recompute of a segment ending at ``e``,
-``T[a][s]`` the same for the top level, ``s`` how unit ``a``'s input is held (``nested.STATES``).
-Needs are rounded to the nearest slot, so the grid only proposes schedules: each proposal is
-traced back and priced exactly (``nested.schedule_cost``), and the front keeps the proposals no
-other beats on both peak and recompute, together with the least-peak schedule (exact) and the
-plain one. A budget then takes the cheapest plan of the front that fits it. Because the front
-does not depend on the budget, a lower budget never gets a plan with a higher peak: the chosen
-plan changes only when it no longer fits, and the next one fits.
-"""
+:mod:`.multi_level`'s dynamic programme runs once over a fixed memory grid (as rotor
+discretises memory): ``R[e][a][s]``, the least recompute of units ``a..e`` run as a segment's
+recompute, and ``T[a][s]`` for the top level, over the grid, ``s`` how unit ``a``'s input is
+held. The grid only proposes: each proposal is traced back and priced exactly
+(``multi_level.schedule_cost``), and the front keeps those no other beats on both peak and
+recompute, with the exact least-peak schedule and the plain one. The front does not depend on
+the budget, so a lower budget never gets a plan with a higher peak."""
 from __future__ import annotations
 
 import math

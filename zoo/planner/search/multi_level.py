@@ -1,29 +1,19 @@
 """Multi-level checkpoint schedules of a chain, with per-block options, and their exact solver.
 
-A *nested schedule* cuts units ``a..b`` into segments, each either *stored* (a unit run plainly:
-autograd keeps what it saves) or *checkpointed* (one ``zoo.checkpoint`` region keeping only its
-input) with an *inner* schedule of its own units: the schedule its recompute runs, which may
-checkpoint again. This is rotor's persistent schedule (Beaumont et al. 2019, "Optimal
-checkpointing for heterogeneous chains", arXiv:1911.13214; Beaumont et al. 2021, rockmate's
-chain level): a checkpointed segment ``[a, c)`` inside a recompute runs forward saving nothing
-(``F_∅``), the rest of the recompute goes on, and ``[a, c)`` is recomputed again, by its inner
-schedule, when backward reaches it. Every stored unit also picks a *variant*: the plain block
-(variant 0) or the block in one of the model's intra-block checkpoint modes (DenseNet's
-``bottleneck``, ResNet's ``halves``, ...), each profiled as a whole chain (``profiles[v]``).
+A *nested schedule* cuts units ``a..b`` into segments, each *stored* (run plainly) or
+*checkpointed* (one ``zoo.checkpoint`` region keeping only its input) with an *inner* schedule:
+the one its recompute runs, which may checkpoint again. This is rotor's persistent schedule
+(Beaumont et al. 2019, arXiv:1911.13214; rockmate's chain level, Beaumont et al. 2021). Every
+stored unit also picks a *variant*: the plain block (0) or one of the model's intra-block modes,
+each profiled as a whole chain (``profiles[v]``).
 
-The memory model is the one-level model of :mod:`.one_level` (whose event-by-event
-``predict_peak`` it reproduces on one-level schedules; tests/planner/test_planner_nested.py checks
-it) applied recursively: the peak of a schedule is ``base + need`` where a segment contributes
-``need = max(local, hold + need of the segments after it)`` (``hold``: what it keeps until its
-backward; ``local``: its own peaks above what earlier segments hold). A checkpointed segment's
-backward peak is its hold plus its inner schedule's need, so the same recursion solves the inner
-schedules. The recompute in a segment runs while its gradient and the parameter gradients of the
-units after it are alive (``offset`` below), and its last unit stops early (``recompute_flops``).
-Each unit's terms depend on how its input is held when it starts (``STATES``).
-
-This file holds the model (:class:`NestedModel`, :func:`schedule_cost`, the reference) and the
-exact least-peak recursion (:func:`least_peak`); :mod:`.front` solves for every budget at once.
-"""
+The memory model is :mod:`.one_level`'s applied recursively (it reproduces ``predict_peak`` on
+one-level schedules: tests/planner/test_planner_nested.py): a segment contributes ``need =
+max(local, hold + need of the segments after it)``, and a checkpointed segment's backward peak
+is its hold plus its inner schedule's need. Each unit's terms depend on how its input is held
+when it starts (``STATES``). This file holds the model (:class:`NestedModel`,
+:func:`schedule_cost`, the reference) and the exact least-peak recursion (:func:`least_peak`);
+:mod:`.front` solves for every budget at once."""
 from __future__ import annotations
 
 import itertools
@@ -180,9 +170,7 @@ def chain_floor(p: ChainProfile) -> int:
     return least_peak([p]) if p.n_units <= MAX_UNITS else smallest_peak(p)
 
 
-# ------------------------------------------------------------------------------------------------
-# One schedule's need and cost, segment by segment (the reference the solver is tested against).
-# ------------------------------------------------------------------------------------------------
+# ---- One schedule's need and cost, segment by segment: the reference the solver is tested on.
 def schedule_cost(m: NestedModel, schedule: Nested, variants: Sequence[int],
                   e: int | None = None, s: int = NOT_HELD) -> tuple[float, int]:
     """(need above ``base``, cost) of ``schedule`` (top level, or the recompute of a segment

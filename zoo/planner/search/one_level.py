@@ -1,21 +1,13 @@
-"""The planner's memory model and its exact solver.
+"""The planner's memory model and its exact solver, one level of checkpointing.
 
-A schedule cuts the chain's units into contiguous segments, each run plainly ("stored": autograd
-keeps what it saves) or as one ``zoo.checkpoint`` region ("checkpointed": only the segment's input
-is kept; backward reruns the segment, saving everything, then goes through it). This is
-Chen et al. 2016's segmenting ("Training Deep Nets with Sublinear Memory Cost",
-arXiv:1604.06174) with free, unequal segments, and rotor's dynamic programme over a chain
-(Beaumont et al. 2019, "Optimal checkpointing for heterogeneous chains", arXiv:1911.13214)
-restricted to one level of checkpointing.
-
-:func:`predict_peak` walks one step event by event (forward, head, backward segment by segment)
-and is the reference. :func:`solve` finds the schedule with the least recompute FLOPs whose
-predicted peak fits a budget by dynamic programming over the cut positions: the peak of a
-schedule is ``base + max(local peak of segment i + memory held by segments before i)``, so for
-each position and each "is this segment's input already held by the one before" state it keeps
-the Pareto front of (memory the rest needs, recompute cost) pairs. No memory is discretised:
-the result is exact for the model (the tests check it against brute force over every schedule).
-"""
+A schedule cuts the chain's units into segments, each stored or one ``zoo.checkpoint`` region
+(only its input kept; backward reruns it): Chen et al. 2016's segmenting (arXiv:1604.06174)
+with free, unequal segments, rotor's dynamic programme (Beaumont et al. 2019, arXiv:1911.13214)
+restricted to one level. :func:`predict_peak` walks one step event by event and is the
+reference. :func:`solve` finds the least-recompute schedule that fits a budget by dynamic
+programming over the cut positions, keeping per position and input-holding state the Pareto
+front of (memory the rest needs, recompute) pairs: no memory is discretised, so the result is
+exact for the model (the tests check it against brute force)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -127,9 +119,7 @@ def _held_by(p: ChainProfile, u: int, a: int, ck: bool, before: bool) -> int:
     return 2 if ck else int(before)
 
 
-# ------------------------------------------------------------------------------------------------
-# The dynamic programme.
-# ------------------------------------------------------------------------------------------------
+# ---- The dynamic programme.
 def _segment_terms(p: ChainProfile, a: int, b: int, ck: bool, held_before: bool,
                    grads_after: int) -> tuple[int, int, bool]:
     """(bytes the segment holds for later, its local peak above ``base`` + what earlier

@@ -1,26 +1,15 @@
 """Op-level choices: a chain block checkpointed with a *save set*, the outputs of the named ops
-kept and everything else inside recomputed (``zoo.checkpoint(..., save_ops=...)``: selective
-recompute, Korthikanti et al. 2022). The planner offers it per block, next to the model's own
-block modes, and picks it where it pays.
+kept and the rest recomputed (``zoo.checkpoint(..., save_ops=...)``: selective recompute,
+Korthikanti et al. 2022), offered per block next to the model's own block modes.
 
-``ops:matmul`` keeps what is dear to recompute, the outputs of matrix products, convolutions
-and fused attention, and recomputes the cheap rest (normalisations, activations, dropout with
-the forward's random numbers, residual sums, concatenations): no FLOP runs twice and the
-block keeps what a DenseNet layer's BatchNorm-ReLU, a transformer's LayerNorm and GELU or a
-ResNet's BatchNorm would otherwise hold. ``torch.compile``'s memory budget makes this choice op
-by op over the whole graph; here it is made block by block, the blocks chosen by the search.
-
-A finer set, offered to blocks with two linear layers or more (pre-norm transformer blocks):
-``ops:matmul-last`` keeps the same outputs but the block's last linear layer's (a transformer
-MLP's ``fc2``, whose output only feeds the residual sum): the recompute stops before that layer
-(once backward has every saved tensor back), so it costs no FLOP and the block keeps one width
-less per token. (A transformer's own ``selective_sublayer`` mode goes further, per sublayer.)
-
-The block is checkpointed through its own module (``zoo.blocks.checkpoint_module``: the
-module's class swapped, state_dict unchanged): a chain block that is one of the model's modules,
-or the one module it runs (a DenseNet link's layer). A chain block with none (an embedding
-step) is not offered the choice.
-"""
+``ops:matmul`` keeps the outputs of matrix products, convolutions and fused attention and
+recomputes the cheap rest (normalisations, activations, dropout, residual sums, concatenations):
+no FLOP runs twice. ``ops:matmul-last``, for blocks with two linear layers or more, keeps the
+same but the last linear's output (it only feeds the residual sum), so the recompute stops
+before that layer. torch.compile's memory budget makes this choice op by op over the whole
+graph; here it is made block by block. The block is checkpointed through its own module
+(``zoo.blocks.checkpoint_module``, state_dict unchanged); a chain block with none (an embedding
+step) is not offered the choice."""
 from __future__ import annotations
 
 import contextlib
