@@ -32,8 +32,8 @@ def train_step(model: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor] 
     step, whose host time is measured). ``forward``: what to call instead of ``model`` (a
     compiled or wrapped model whose parameters are ``model``'s); ``loss_fn``: ``default_loss``
     unless given."""
-    loss_fn = loss_fn or default_loss
-    forward = forward or model
+    loss_fn = default_loss if loss_fn is None else loss_fn
+    forward = model if forward is None else forward  # no truth test: a compiled module has none
 
     model.train()
 
