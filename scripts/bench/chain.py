@@ -19,7 +19,8 @@ from zoo.memory import (bn_count, bn_difference, bn_state, count_flops, cpu_peak
                         cuda_peak_bytes, format_bytes)
 
 from .measure import measure_times, median_iqr, training_step
-from .region_chain import Chain, make_chain, with_checkpoint
+from .region_chain import BATCH, REGIONS, SIZE, WIDTH, Chain, chain_input, make_chain, \
+    with_checkpoint
 from .report import command_line, machine_info, write_json
 from .variants import Variant
 
@@ -87,13 +88,11 @@ def checkpoint(device: str = "cpu", blocks: int = 12, width: int = 32, batch_siz
     threads. Prints a Markdown table; ``--json_out`` writes the rows as JSON.
     """
     if small:
-        blocks, width, batch_size, size, threads = 100, 8, 1, 8, threads or 1
+        blocks, width, batch_size, size, threads = REGIONS, WIDTH, BATCH, SIZE, threads or 1
     if threads:
         torch.set_num_threads(threads)
     dev = torch.device(device)
-    # reentrant checkpoint needs an input that requires grad to train anything; every mode gets
-    # the same one, so the comparison is fair
-    x = torch.randn(batch_size, width, size, size, device=dev, requires_grad=True)
+    x = chain_input("conv", batch_size, width, size, dev)  # every mode the same one
     variants = chain_variants(make_chain(blocks, width).to(dev))
     rows = _bn_rows(variants, x, steps)
     for row, v in zip(rows, variants):

@@ -29,7 +29,7 @@ from zoo.memory import train_step
 
 from . import variants
 from .host_cost import Entry
-from .region_chain import make_chain, with_checkpoint
+from .region_chain import BATCH, REGIONS, WIDTH, chain_input, make_chain, with_checkpoint
 
 __all__ = ["zoo_entries", "chain_entries", "outside_entries", "TIMM_TWINS"]
 
@@ -124,12 +124,12 @@ def _hf_bert_entries(ids: torch.Tensor, device: str) -> list[Entry]:
 # --------------------------------------------------------------------------------------------
 # The chain of tiny regions.
 # --------------------------------------------------------------------------------------------
-def chain_entries(regions: int = 100, width: int = 8, batch_size: int = 1, device: str = "meta",
-                  seed: int = 0) -> list[Entry]:
+def chain_entries(regions: int = REGIONS, width: int = WIDTH, batch_size: int = BATCH,
+                  device: str = "meta", seed: int = 0) -> list[Entry]:
     """The chain of Linear + ReLU regions plain, under torch's non-reentrant checkpoint and under
     zoo.checkpoint."""
     plain = make_chain(regions, width, block="linear", seed=seed)
-    x = torch.randn(batch_size, width)
+    x = chain_input("linear", batch_size, width, requires_grad=False)
     entries = [_entry("plain", "plain", plain.to(device), x.to(device), "no checkpointing")]
     for name, checkpoint in (("torch checkpoint", "torch non-reentrant"),
                              ("zoo", "zoo.checkpoint")):

@@ -32,7 +32,8 @@ import torch
 from zoo.memory import bn_count, bn_state, train_step
 from zoo.memory.host import host_times
 
-from .region_chain import CHECKPOINTS, Chain, make_chain, with_checkpoint
+from .region_chain import (BATCH, CHECKPOINTS, REGIONS, SIZE, WIDTH, Chain, chain_input,
+                           make_chain, with_checkpoint)
 
 __all__ = ["run_modes", "Combo", "build_combos", "time_combos", "overhead_rows",
            "overhead_table", "overhead_header", "run_overhead", "one_line", "overhead"]
@@ -206,9 +207,9 @@ def overhead_header(payload: dict[str, Any]) -> str:
             f"{s['warmup']} warm-up, interleaved in shuffled order")
 
 
-def run_overhead(device: str = "cpu", regions: int = 100, repeats: int = 31, warmup: int = 3,
+def run_overhead(device: str = "cpu", regions: int = REGIONS, repeats: int = 31, warmup: int = 3,
                  threads: int | None = 1, compile: bool = True, backend: str = "inductor",
-                 width: int = 8, batch_size: int = 1, size: int = 8,
+                 width: int = WIDTH, batch_size: int = BATCH, size: int = SIZE,
                  checkpoints: Sequence[str] = tuple(CHECKPOINTS),
                  modes: Sequence[str] | None = None) -> dict[str, Any]:
     """The whole benchmark (module docstring); a JSON-ready payload with machine and command.
@@ -225,7 +226,7 @@ def run_overhead(device: str = "cpu", regions: int = 100, repeats: int = 31, war
             torch.cuda.synchronize(dev)
 
     base = make_chain(regions, width).to(dev)
-    x = torch.randn(batch_size, width, size, size, device=dev, requires_grad=True)
+    x = chain_input("conv", batch_size, width, size, dev)
     modes = list(modes or run_modes(dev, compile))
     if "eager" not in modes:
         modes.insert(0, "eager")
@@ -237,7 +238,7 @@ def run_overhead(device: str = "cpu", regions: int = 100, repeats: int = 31, war
             "settings": settings, "rows": overhead_rows(combos, regions)}
 
 
-def overhead(device: str = "cpu", regions: int = 100, repeats: int = 15, warmup: int = 2,
+def overhead(device: str = "cpu", regions: int = REGIONS, repeats: int = 15, warmup: int = 2,
              threads: int | None = 1, compile: bool = True, backend: str = "inductor",
              json_out: str | None = None) -> list[dict[str, Any]]:
     """Each checkpoint's cost per region, eager and compiled (100 tiny regions).

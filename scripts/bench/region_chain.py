@@ -25,7 +25,11 @@ from torch.utils import checkpoint as torch_checkpoint
 
 import zoo
 
-__all__ = ["CHECKPOINTS", "BLOCKS", "Chain", "make_chain", "with_checkpoint"]
+__all__ = ["REGIONS", "WIDTH", "BATCH", "SIZE", "CHECKPOINTS", "BLOCKS", "Chain", "make_chain",
+           "with_checkpoint", "chain_input"]
+
+# The tiny chain (module docstring): its regions, their width, the batch and the image size.
+REGIONS, WIDTH, BATCH, SIZE = 100, 8, 1, 8
 
 Wrap = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -81,3 +85,13 @@ def make_chain(regions: int, width: int, checkpoint: str = "none", block: str = 
 def with_checkpoint(chain: Chain, checkpoint: str) -> Chain:
     """A copy of ``chain`` (its weights and buffers as they are now) run through ``checkpoint``."""
     return Chain(copy.deepcopy(chain.blocks), checkpoint)
+
+
+def chain_input(block: str, batch_size: int = BATCH, width: int = WIDTH, size: int = SIZE,
+                device: torch.device | str | None = None,
+                requires_grad: bool = True) -> torch.Tensor:
+    """A random batch for a chain of ``block``: ``size`` x ``size`` images for ``conv``, vectors
+    for ``linear``. It requires grad unless told otherwise: torch's reentrant checkpoint trains
+    nothing on an input that does not, so every checkpoint gets one that does."""
+    shape = (batch_size, width, size, size) if block == "conv" else (batch_size, width)
+    return torch.randn(shape, device=device, requires_grad=requires_grad)

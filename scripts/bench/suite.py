@@ -40,7 +40,7 @@ from zoo.models.densenet import DenseNet
 
 from .measure import measure_or_report
 from .overhead import overhead_header, overhead_table, run_overhead
-from .region_chain import CHECKPOINTS
+from .region_chain import CHECKPOINTS, REGIONS
 from .report import benchmark_table, command_line, machine_info, max_batch_table
 from .runs import run_max_batch
 from .variants import build_variants, create
@@ -150,7 +150,7 @@ def run_part(part: str, device: str = "cuda", smoke: bool = False, repeats: int 
         if unknown:
             raise ValueError(f"unknown checkpoint(s) {', '.join(unknown)}; expected some of "
                              f"{', '.join(CHECKPOINTS)}")
-        payload = run_overhead(device, 4 if smoke else 100, repeats, warmup,
+        payload = run_overhead(device, 4 if smoke else REGIONS, repeats, warmup,
                                threads=1 if dev.type == "cpu" else None, backend=backend,
                                checkpoints=chosen, modes=modes)
         settings.update(payload["settings"])

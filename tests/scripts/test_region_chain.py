@@ -8,7 +8,7 @@ import torch
 
 from zoo.memory import train_step
 
-from bench.region_chain import BLOCKS, CHECKPOINTS, make_chain, with_checkpoint
+from bench.region_chain import BLOCKS, CHECKPOINTS, chain_input, make_chain, with_checkpoint
 
 
 def _grads(chain: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
@@ -26,7 +26,7 @@ def test_every_checkpoint_trains_the_chain_as_none_does(block: str, checkpoint: 
     assert twin.checkpoint == checkpoint and plain.checkpoint == "none"
     assert all(a is not b and torch.equal(a, b)
                for a, b in zip(plain.state_dict().values(), twin.state_dict().values()))
-    x = torch.randn((2, 4, 5, 5) if block == "conv" else (2, 4), requires_grad=True)
+    x = chain_input(block, batch_size=2, width=4, size=5)
     for mine, ref in zip(_grads(twin, x), _grads(plain, x), strict=True):
         torch.testing.assert_close(mine, ref, rtol=0, atol=0)
 
