@@ -20,9 +20,7 @@ the extra microseconds per region, ``(t - t_none) / regions``, against ``none`` 
 from __future__ import annotations
 
 import statistics
-import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,11 +30,12 @@ import torch
 from zoo.memory import bn_count, bn_state, train_step
 from zoo.memory.host import host_times
 
+from .measure import median_iqr, one_line
 from .region_chain import (BATCH, CHECKPOINTS, REGIONS, SIZE, WIDTH, Chain, chain_input,
                            make_chain, with_checkpoint)
 
 __all__ = ["run_modes", "Combo", "build_combos", "time_combos", "overhead_rows",
-           "overhead_table", "overhead_header", "run_overhead", "one_line", "overhead"]
+           "overhead_table", "overhead_header", "run_overhead", "overhead"]
 
 
 def run_modes(device: torch.device, compile: bool = True) -> list[str]:
@@ -47,20 +46,6 @@ def run_modes(device: torch.device, compile: bool = True) -> list[str]:
         if device.type == "cuda":
             modes.append("reduce-overhead")
     return modes
-
-
-def one_line(error: BaseException, log: bool = True) -> str:
-    """An exception as one line for a table cell: its type and the first line of its message,
-    joined to the next one where the first only introduces it (a compile error's first line is
-    "backend='inductor' raised:", the cause is on the second). With ``log``, the whole
-    traceback goes to stderr too, so the run's log keeps what the cell cannot."""
-    if log:
-        traceback.print_exception(error, file=sys.stderr)
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    if not lines:
-        return type(error).__name__
-    text = lines[0] if not lines[0].endswith(":") or len(lines) < 2 else " ".join(lines[:2])
-    return f"{type(error).__name__}: {text[:300]}"
 
 
 @dataclass
@@ -167,8 +152,7 @@ def overhead_rows(combos: Sequence[Combo], regions: int) -> list[dict[str, Any]]
                                "first_step_s": c.first_step_s,
                                "bn_count_after_one_step": c.bn_count_after_one_step}
         if c.times:
-            median = medians[(c.checkpoint, c.run_as)]
-            q1, _, q3 = statistics.quantiles(c.times, n=4) if len(c.times) > 1 else [median] * 3
+            median, q1, q3 = median_iqr(c.times)
             none = medians.get(("none", c.run_as))
             row.update(times_s=c.times, median_s=median, iqr_s=[q1, q3],
                        ratio_to_eager_none=median / base if base else None,
