@@ -14,7 +14,8 @@ them:
   under ``FakeTensorMode`` or searched for on a real CUDA device (out-of-memory safe);
 * :mod:`.segments` sweeps the number of segments of ``checkpoint_sequential``;
 * :mod:`.chain`, :mod:`.overhead` and :mod:`.primitive` compare checkpoint implementations on a
-  chain of blocks, per tiny region (eager and compiled), and inside the zoo's own models;
+  chain of blocks, per tiny region (eager and compiled), and inside the zoo's own models; the
+  chain of regions they and the host-cost command measure is :mod:`.region_chain`'s;
 * :mod:`.peers`, :mod:`.families` and :mod:`.outside`: exact peaks and FLOPs of each family's
   checkpoint modes beside timm's, and of torchvision, timm and Hugging Face models;
 * :mod:`.planner_vs_uniform`, :mod:`.planner_modes`, :mod:`.planner_levels`,

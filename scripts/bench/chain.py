@@ -12,56 +12,37 @@ alike), and the BatchNorm statistics error against the plain run after the same 
 """
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
-
 import torch
-from torch import nn
-from torch.utils import checkpoint as torch_checkpoint
 
 import zoo
 from zoo.memory import (bn_count, bn_difference, bn_state, count_flops, cpu_peak_bytes,
                         cuda_peak_bytes, format_bytes)
 
 from .measure import measure_times, median_iqr, training_step
-from .overhead import make_chain
+from .region_chain import BATCH, REGIONS, SIZE, WIDTH, Chain, chain_input, make_chain, \
+    with_checkpoint
 from .report import command_line, machine_info, write_json
 from .variants import Variant
 
 __all__ = ["MODES", "chain_variants", "markdown_table", "checkpoint"]
 
-Runner = Callable[[nn.Module, torch.Tensor], torch.Tensor]
-
-
-def per_block(wrap: Runner) -> Runner:
-    """Run a chain block by block, each block through ``wrap``."""
-    def run(chain: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        for block in chain:
-            x = wrap(block, x)
-        return x
-    return run
-
-
-MODES: dict[str, tuple[Runner, bool]] = {  # name -> (runner, use cp_BatchNorm2d)
-    "no checkpoint": (lambda chain, x: chain(x), False),
-    "torch reentrant": (per_block(lambda b, x: torch_checkpoint.checkpoint(
-        b, x, use_reentrant=True)), False),
-    "torch non-reentrant": (per_block(lambda b, x: torch_checkpoint.checkpoint(
-        b, x, use_reentrant=False)), False),
-    "zoo.checkpoint": (per_block(zoo.checkpoint), False),
-    "zoo.checkpoint + cp_BatchNorm2d": (per_block(zoo.checkpoint), True),
+MODES: dict[str, tuple[str, bool]] = {  # name -> (region_chain.CHECKPOINTS key, cp_BatchNorm2d)
+    "no checkpoint": ("none", False),
+    "torch reentrant": ("torch reentrant", False),
+    "torch non-reentrant": ("torch non-reentrant", False),
+    "zoo.checkpoint": ("zoo.checkpoint", False),
+    "zoo.checkpoint + cp_BatchNorm2d": ("zoo.checkpoint", True),
 }
 
 
-def chain_variants(base: nn.Sequential) -> list[Variant]:
+def chain_variants(base: Chain) -> list[Variant]:
     """One variant per mode of :data:`MODES`, each on its own copy of ``base``."""
     out = []
-    for name, (runner, cp_bn) in MODES.items():
-        net = copy.deepcopy(base)
+    for name, (checkpoint, cp_bn) in MODES.items():
+        net = with_checkpoint(base, checkpoint)
         if cp_bn:
             zoo.nn.convert_batchnorm(net)
-        out.append(Variant(name, net, False, name,
-                           forward=(lambda n, r: lambda x: r(n, x))(net, runner)))
+        out.append(Variant(name, net, False, name))
     return out
 
 
@@ -107,13 +88,11 @@ def checkpoint(device: str = "cpu", blocks: int = 12, width: int = 32, batch_siz
     threads. Prints a Markdown table; ``--json_out`` writes the rows as JSON.
     """
     if small:
-        blocks, width, batch_size, size, threads = 100, 8, 1, 8, threads or 1
+        blocks, width, batch_size, size, threads = REGIONS, WIDTH, BATCH, SIZE, threads or 1
     if threads:
         torch.set_num_threads(threads)
     dev = torch.device(device)
-    # reentrant checkpoint needs an input that requires grad to train anything; every mode gets
-    # the same one, so the comparison is fair
-    x = torch.randn(batch_size, width, size, size, device=dev, requires_grad=True)
+    x = chain_input("conv", batch_size, width, size, dev)  # every mode the same one
     variants = chain_variants(make_chain(blocks, width).to(dev))
     rows = _bn_rows(variants, x, steps)
     for row, v in zip(rows, variants):

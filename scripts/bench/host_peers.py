@@ -6,8 +6,9 @@ is one training step on the chosen device.
   ``set_grad_checkpointing`` where timm has the architecture, Hugging Face BERT with its own
   gradient checkpointing for ``bert_base``. Twins of the same architecture start from the zoo
   model's weights; timm's and Hugging Face's own models get their own plain row.
-* :func:`chain_entries`: a chain of tiny regions (Linear + ReLU, batch 1), where a step is almost
-  only the checkpoint's own work per region: plain, torch's non-reentrant checkpoint, the zoo's.
+* :func:`chain_entries`: :mod:`.region_chain`'s chain of tiny Linear + ReLU regions (batch 1),
+  where a step is almost only the checkpoint's own work per region: plain, torch's non-reentrant
+  checkpoint, the zoo's.
 * :func:`outside_entries`: models from outside the zoo (timm ResNet-50, torchvision DenseNet-121,
   Hugging Face BERT) plain, under their library's own checkpointing (torch's checkpoint), and
   under ``zoo.set_grad_checkpointing``.
@@ -20,7 +21,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import checkpoint as torch_checkpoint
 
 import zoo
 from zoo.models.densenet import DenseNet
@@ -29,6 +29,7 @@ from zoo.memory import train_step
 
 from . import variants
 from .host_cost import Entry
+from .region_chain import BATCH, REGIONS, WIDTH, chain_input, make_chain, with_checkpoint
 
 __all__ = ["zoo_entries", "chain_entries", "outside_entries", "TIMM_TWINS"]
 
@@ -123,35 +124,16 @@ def _hf_bert_entries(ids: torch.Tensor, device: str) -> list[Entry]:
 # --------------------------------------------------------------------------------------------
 # The chain of tiny regions.
 # --------------------------------------------------------------------------------------------
-class TinyChain(nn.Module):
-    """``regions`` Linear + ReLU blocks of ``width``, each run through ``wrap``."""
-
-    def __init__(self, regions: int, width: int, wrap: Callable[..., Any] | None) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.ReLU())
-                                    for _ in range(regions))
-        self.wrap = wrap
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x) if self.wrap is None else self.wrap(block, x)
-        return x
-
-
-def _torch_non_reentrant(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return torch_checkpoint.checkpoint(block, x, use_reentrant=False)
-
-
-def chain_entries(regions: int = 100, width: int = 8, batch_size: int = 1, device: str = "meta",
-                  seed: int = 0) -> list[Entry]:
-    """The chain plain, under torch's non-reentrant checkpoint and under zoo.checkpoint."""
-    torch.manual_seed(seed)
-    plain = TinyChain(regions, width, None)
-    x = torch.randn(batch_size, width)
+def chain_entries(regions: int = REGIONS, width: int = WIDTH, batch_size: int = BATCH,
+                  device: str = "meta", seed: int = 0) -> list[Entry]:
+    """The chain of Linear + ReLU regions plain, under torch's non-reentrant checkpoint and under
+    zoo.checkpoint."""
+    plain = make_chain(regions, width, block="linear", seed=seed)
+    x = chain_input("linear", batch_size, width, requires_grad=False)
     entries = [_entry("plain", "plain", plain.to(device), x.to(device), "no checkpointing")]
-    for name, wrap in (("torch checkpoint", _torch_non_reentrant), ("zoo", zoo.checkpoint)):
-        twin = copy.deepcopy(plain)
-        twin.wrap = wrap
+    for name, checkpoint in (("torch checkpoint", "torch non-reentrant"),
+                             ("zoo", "zoo.checkpoint")):
+        twin = with_checkpoint(plain, checkpoint)
         entries.append(_entry(name, "plain", twin, x.to(device),
                               f"{name}, one region per block", floor=name == "zoo"))
     return entries

@@ -20,6 +20,7 @@ from zoo.memory.host import COPY
 from . import report
 from .host_cost import measure
 from .host_peers import OUTSIDE, chain_entries, outside_entries, zoo_entries
+from .region_chain import REGIONS
 
 __all__ = ["DEFAULT_MODELS", "run_host_cost", "workload_table", "op_table", "chain_table"]
 
@@ -65,7 +66,7 @@ def run_host_cost(models: str | Sequence[str] = DEFAULT_MODELS, device: str = "m
                        times)
         results["workloads"].append({"model": name, "batch_size": batch, "rows": rows})
     if chain:
-        results["chain"] = {"regions": 100, "rows": measure(chain_entries(device=device),
+        results["chain"] = {"regions": REGIONS, "rows": measure(chain_entries(device=device),
                                                            repeats, warmup, times)}
     if outside:
         results["outside"] = [{"model": which, "rows": measure(

@@ -17,7 +17,9 @@ backward, in train mode, from fresh (``None``) gradients: the same step in every
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,7 +33,7 @@ from zoo.memory.host import host_times
 from .variants import PLAIN, Variant
 
 __all__ = ["training_step", "measure_memory", "measure_flops", "measure_times", "median_iqr",
-           "measure_exactness", "measure_variants", "first_steps", "measure_or_report"]
+           "measure_exactness", "measure_variants", "first_steps", "measure_or_report", "one_line"]
 
 
 def training_step(variant: Variant, x: torch.Tensor) -> Callable[[], None]:
@@ -172,14 +174,26 @@ def measure_variants(variants: Sequence[Variant], x: torch.Tensor, repeats: int 
     return rows
 
 
+def one_line(error: BaseException, log: bool = True) -> str:
+    """An exception as one line for a table cell: its type and the first line of its message,
+    joined to the next one where the first only introduces it (a compile error's first line is
+    "backend='inductor' raised:", the cause is on the second). With ``log``, the whole
+    traceback goes to stderr too, so the run's log keeps what the cell cannot."""
+    if log:
+        traceback.print_exception(error, file=sys.stderr)
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    text = lines[0] if not lines[0].endswith(":") or len(lines) < 2 else " ".join(lines[:2])
+    return f"{type(error).__name__}: {text[:300]}"
+
+
 def first_steps(variants: Sequence[Variant], x: torch.Tensor) -> dict[str, dict[str, Any]]:
     """One step of each variant from its current state (put back afterwards): the seconds it
     took (a compiled variant compiles in it) or, where it raised, the error as one line.
 
     Returns ``{name: {"first_step_s": float} or {"error": str}}``.
     """
-    from .overhead import one_line
-
     out: dict[str, dict[str, Any]] = {}
     for v in variants:
         state = _state(v.model)
@@ -228,8 +242,6 @@ def _measure_apart(variants: Sequence[Variant], x: torch.Tensor, repeats: int, w
                    seed: int, first: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Each variant measured beside the first (plain) alone, after a joint run raised: the one
     that raises gets its error in ``first``; the others' rows say ``measured_apart``."""
-    from .overhead import one_line
-
     measured: dict[str, dict[str, Any]] = {}
     for v in variants[1:]:
         try:

@@ -1,12 +1,11 @@
 """Per-region overhead of a checkpoint: a chain of many tiny checkpointed regions, eager and
 compiled.
 
-Each region is one conv3x3-BN-ReLU-dropout-conv3x3-BN-ReLU block of width 8 on one 8x8 image, so
-its kernels take microseconds and a training step (forward + backward) is mostly the checkpoint's
-own work per region: the host time a GPU waits for when a model has many small layers
-(DenseNet-BC-100 at 32x32 has ~100 such regions). Compared, each on its own copy of the chain:
+The chain is :mod:`.region_chain`'s (``conv`` blocks of width 8 on one 8x8 image, the
+``checkpoint --small`` chain). Compared, each on its own copy of it:
 
-* checkpoint: none, torch.utils.checkpoint non-reentrant, torch reentrant, zoo.checkpoint;
+* checkpoint: each of :data:`.region_chain.CHECKPOINTS` (none, torch.utils.checkpoint
+  non-reentrant, torch reentrant, zoo.checkpoint);
 * run as: ``eager``; ``compiled`` (``torch.compile`` of the whole chain, ``fullgraph=True``,
   static shapes); on CUDA also ``reduce-overhead`` (the same with CUDA graphs, which replay the
   whole step's kernels without host work per region).
@@ -20,61 +19,23 @@ the extra microseconds per region, ``(t - t_none) / regions``, against ``none`` 
 """
 from __future__ import annotations
 
-import copy
 import statistics
-import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
-from torch.utils import checkpoint as torch_checkpoint
 
-import zoo
-from zoo.memory import bn_count, bn_state, default_loss
+from zoo.memory import bn_count, bn_state, train_step
 from zoo.memory.host import host_times
 
-__all__ = ["make_chain", "WRAPPERS", "run_modes", "Combo", "build_combos", "time_combos",
-           "overhead_rows", "overhead_table", "overhead_header", "run_overhead", "one_line",
-           "overhead"]
+from .measure import median_iqr, one_line
+from .region_chain import (BATCH, CHECKPOINTS, REGIONS, SIZE, WIDTH, Chain, chain_input,
+                           make_chain, with_checkpoint)
 
-Wrapper = Callable[[nn.Module, torch.Tensor], torch.Tensor]
-
-WRAPPERS: dict[str, Wrapper] = {
-    "none": lambda block, x: block(x),
-    "torch non-reentrant": lambda block, x: torch_checkpoint.checkpoint(
-        block, x, use_reentrant=False),
-    "torch reentrant": lambda block, x: torch_checkpoint.checkpoint(block, x, use_reentrant=True),
-    "zoo.checkpoint": lambda block, x: zoo.checkpoint(block, x),
-}
-
-
-def make_chain(blocks: int, width: int, seed: int = 0) -> nn.Sequential:
-    """``blocks`` conv-BN-ReLU-dropout-conv-BN-ReLU blocks of ``width`` channels (same seed, same
-    weights): the chain of the ``checkpoint`` and ``overhead`` subcommands."""
-    torch.manual_seed(seed)
-    return nn.Sequential(*[
-        nn.Sequential(nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width),
-                      nn.ReLU(), nn.Dropout(0.1), nn.Conv2d(width, width, 3, padding=1, bias=False),
-                      nn.BatchNorm2d(width), nn.ReLU())
-        for _ in range(blocks)])
-
-
-class Chain(nn.Module):
-    """``blocks`` run one after another, each through ``wrap`` (its checkpoint, or none)."""
-
-    def __init__(self, blocks: nn.Sequential, wrap: Wrapper) -> None:
-        super().__init__()
-        self.blocks = blocks
-        self.wrap = wrap
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = self.wrap(block, x)
-        return x
+__all__ = ["run_modes", "Combo", "build_combos", "time_combos", "overhead_rows",
+           "overhead_table", "overhead_header", "run_overhead", "overhead"]
 
 
 def run_modes(device: torch.device, compile: bool = True) -> list[str]:
@@ -87,20 +48,6 @@ def run_modes(device: torch.device, compile: bool = True) -> list[str]:
     return modes
 
 
-def one_line(error: BaseException, log: bool = True) -> str:
-    """An exception as one line for a table cell: its type and the first line of its message,
-    joined to the next one where the first only introduces it (a compile error's first line is
-    "backend='inductor' raised:", the cause is on the second). With ``log``, the whole
-    traceback goes to stderr too, so the run's log keeps what the cell cannot."""
-    if log:
-        traceback.print_exception(error, file=sys.stderr)
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    if not lines:
-        return type(error).__name__
-    text = lines[0] if not lines[0].endswith(":") or len(lines) < 2 else " ".join(lines[:2])
-    return f"{type(error).__name__}: {text[:300]}"
-
-
 @dataclass
 class Combo:
     """One checkpoint run one way, on its own copy of the chain."""
@@ -108,7 +55,8 @@ class Combo:
     checkpoint: str
     run_as: str
     chain: Chain
-    forward: Callable[[torch.Tensor], torch.Tensor]
+    x: torch.Tensor
+    train: Callable[[], None]  # zoo.memory.train_step of the chain, run as ``run_as``
     error: str | None = None
     first_step_s: float | None = None
     bn_count_after_one_step: int | None = None
@@ -118,14 +66,13 @@ class Combo:
     def name(self) -> str:
         return f"{self.checkpoint} ({self.run_as})"
 
-    def step(self, x: torch.Tensor) -> None:
-        """One training step: forward, ``zoo.memory.default_loss``, backward, fresh gradients."""
+    def step(self) -> None:
+        """One training step (``zoo.memory.train_step``), the input's gradient fresh too."""
         if self.run_as == "reduce-overhead" and hasattr(torch.compiler,
                                                         "cudagraph_mark_step_begin"):
             torch.compiler.cudagraph_mark_step_begin()  # a new step: last step's outputs are free
-        self.chain.zero_grad(set_to_none=True)
-        x.grad = None
-        default_loss(self.forward(x)).backward()
+        self.x.grad = None
+        self.train()
 
 
 def _compiled(chain: Chain, run_as: str, backend: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -137,8 +84,8 @@ def _compiled(chain: Chain, run_as: str, backend: str) -> Callable[[torch.Tensor
     return torch.compile(chain, **kwargs)
 
 
-def build_combos(base: nn.Sequential, modes: Sequence[str], x: torch.Tensor,
-                 checkpoints: Sequence[str] = tuple(WRAPPERS), backend: str = "inductor",
+def build_combos(base: Chain, modes: Sequence[str], x: torch.Tensor,
+                 checkpoints: Sequence[str] = tuple(CHECKPOINTS), backend: str = "inductor",
                  sync: Callable[[], None] = lambda: None) -> list[Combo]:
     """Every (checkpoint, run-as) combination on its own deep copy of ``base``, each taking its
     first step (where a compiled one compiles): the time it took, the largest BatchNorm
@@ -147,13 +94,16 @@ def build_combos(base: nn.Sequential, modes: Sequence[str], x: torch.Tensor,
     combos = []
     for run_as in modes:
         for name in checkpoints:
-            chain = Chain(copy.deepcopy(base), WRAPPERS[name])
-            combo = Combo(name, run_as, chain, _compiled(chain, run_as, backend))
+            chain = with_checkpoint(base, name)
+            forward = _compiled(chain, run_as, backend)
+            # its bound method: train_step tests ``forward`` for truth, which a compiled module
+            # answers with len() and refuses
+            combo = Combo(name, run_as, chain, x, train_step(chain, x, forward=forward.__call__))
             torch.manual_seed(0)
             sync()
             start = time.perf_counter()
             try:
-                combo.step(x)
+                combo.step()
                 sync()
             except Exception as e:  # noqa: BLE001 - reported, not raised: see module docstring
                 combo.error = one_line(e)
@@ -178,7 +128,7 @@ def time_combos(combos: Sequence[Combo], x: torch.Tensor, repeats: int, warmup: 
                 return
             steps_taken[combo.name] += 1
             try:
-                combo.step(x)
+                combo.step()
                 sync()
             except Exception as e:  # noqa: BLE001 - a later step broke: reported, not raised
                 combo.error = f"step {steps_taken[combo.name]}: {one_line(e)}"
@@ -202,8 +152,7 @@ def overhead_rows(combos: Sequence[Combo], regions: int) -> list[dict[str, Any]]
                                "first_step_s": c.first_step_s,
                                "bn_count_after_one_step": c.bn_count_after_one_step}
         if c.times:
-            median = medians[(c.checkpoint, c.run_as)]
-            q1, _, q3 = statistics.quantiles(c.times, n=4) if len(c.times) > 1 else [median] * 3
+            median, q1, q3 = median_iqr(c.times)
             none = medians.get(("none", c.run_as))
             row.update(times_s=c.times, median_s=median, iqr_s=[q1, q3],
                        ratio_to_eager_none=median / base if base else None,
@@ -242,10 +191,10 @@ def overhead_header(payload: dict[str, Any]) -> str:
             f"{s['warmup']} warm-up, interleaved in shuffled order")
 
 
-def run_overhead(device: str = "cpu", regions: int = 100, repeats: int = 31, warmup: int = 3,
+def run_overhead(device: str = "cpu", regions: int = REGIONS, repeats: int = 31, warmup: int = 3,
                  threads: int | None = 1, compile: bool = True, backend: str = "inductor",
-                 width: int = 8, batch_size: int = 1, size: int = 8,
-                 checkpoints: Sequence[str] = tuple(WRAPPERS),
+                 width: int = WIDTH, batch_size: int = BATCH, size: int = SIZE,
+                 checkpoints: Sequence[str] = tuple(CHECKPOINTS),
                  modes: Sequence[str] | None = None) -> dict[str, Any]:
     """The whole benchmark (module docstring); a JSON-ready payload with machine and command.
     ``modes``: the ways to run (default :func:`run_modes`; ``eager`` is the ratios' base)."""
@@ -261,7 +210,7 @@ def run_overhead(device: str = "cpu", regions: int = 100, repeats: int = 31, war
             torch.cuda.synchronize(dev)
 
     base = make_chain(regions, width).to(dev)
-    x = torch.randn(batch_size, width, size, size, device=dev, requires_grad=True)
+    x = chain_input("conv", batch_size, width, size, dev)
     modes = list(modes or run_modes(dev, compile))
     if "eager" not in modes:
         modes.insert(0, "eager")
@@ -273,7 +222,7 @@ def run_overhead(device: str = "cpu", regions: int = 100, repeats: int = 31, war
             "settings": settings, "rows": overhead_rows(combos, regions)}
 
 
-def overhead(device: str = "cpu", regions: int = 100, repeats: int = 15, warmup: int = 2,
+def overhead(device: str = "cpu", regions: int = REGIONS, repeats: int = 15, warmup: int = 2,
              threads: int | None = 1, compile: bool = True, backend: str = "inductor",
              json_out: str | None = None) -> list[dict[str, Any]]:
     """Each checkpoint's cost per region, eager and compiled (100 tiny regions).

@@ -39,7 +39,8 @@ from zoo.models import ZooModel
 from zoo.models.densenet import DenseNet
 
 from .measure import measure_or_report
-from .overhead import WRAPPERS, overhead_header, overhead_table, run_overhead
+from .overhead import overhead_header, overhead_table, run_overhead
+from .region_chain import CHECKPOINTS, REGIONS
 from .report import benchmark_table, command_line, machine_info, max_batch_table
 from .runs import run_max_batch
 from .variants import build_variants, create
@@ -144,12 +145,12 @@ def run_part(part: str, device: str = "cuda", smoke: bool = False, repeats: int 
             modes = ["eager", "compiled"]
         else:  # CUDA graphs need CUDA: elsewhere this part times the eager runs only
             modes = ["eager", "reduce-overhead"] if dev.type == "cuda" else ["eager"]
-        chosen = ["none", *(c for c in checkpoints or WRAPPERS if c != "none")]
-        unknown = [c for c in chosen if c not in WRAPPERS]
+        chosen = ["none", *(c for c in checkpoints or CHECKPOINTS if c != "none")]
+        unknown = [c for c in chosen if c not in CHECKPOINTS]
         if unknown:
             raise ValueError(f"unknown checkpoint(s) {', '.join(unknown)}; expected some of "
-                             f"{', '.join(WRAPPERS)}")
-        payload = run_overhead(device, 4 if smoke else 100, repeats, warmup,
+                             f"{', '.join(CHECKPOINTS)}")
+        payload = run_overhead(device, 4 if smoke else REGIONS, repeats, warmup,
                                threads=1 if dev.type == "cpu" else None, backend=backend,
                                checkpoints=chosen, modes=modes)
         settings.update(payload["settings"])

@@ -20,8 +20,7 @@ import torch
 import zoo
 from bench import cli
 from bench.max_batch import PeakPredictor, search_largest_batch
-from bench.measure import measure_or_report, training_step
-from bench.overhead import one_line
+from bench.measure import measure_or_report, one_line, training_step
 from bench.report import benchmark_table
 from bench.runs import parse_budgets, run_benchmark, run_max_batch, run_segments
 from bench.variants import Variant, build_variant, canonical_name
