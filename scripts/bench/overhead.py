@@ -96,9 +96,7 @@ def build_combos(base: Chain, modes: Sequence[str], x: torch.Tensor,
         for name in checkpoints:
             chain = with_checkpoint(base, name)
             forward = _compiled(chain, run_as, backend)
-            # its bound method: train_step tests ``forward`` for truth, which a compiled module
-            # answers with len() and refuses
-            combo = Combo(name, run_as, chain, x, train_step(chain, x, forward=forward.__call__))
+            combo = Combo(name, run_as, chain, x, train_step(chain, x, forward=forward))
             torch.manual_seed(0)
             sync()
             start = time.perf_counter()
