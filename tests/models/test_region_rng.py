@@ -109,13 +109,14 @@ def test_regions_that_draw_nothing_touch_no_rng_state_and_train_bit_for_bit(buil
     assert torch.equal(torch.get_rng_state(), after_plain)
 
 
-@pytest.mark.parametrize("name, kwargs, regions", [
-    ("densenet_bc_100", {}, 99), ("resnet110", {}, 46), ("vit_cifar", {}, 6)])
-def test_registered_efficient_models_read_no_rng_state(name, kwargs, regions):
+@pytest.mark.parametrize("name, regions", [
+    pytest.param("densenet_bc_100", 99, marks=pytest.mark.slow),
+    pytest.param("resnet110", 46, marks=pytest.mark.slow), ("vit_cifar", 6)])
+def test_registered_efficient_models_read_no_rng_state(name, regions):
     """The recommended modes of the registered models, at their default (no dropout)."""
     from bench.host_cost import recorded_regions
 
-    model = zoo.create_model(name, efficient=True, **kwargs)
+    model = zoo.create_model(name, efficient=True)
     x = model.example_input(2)
     opened = len(recorded_regions(train_step(model, x)))
     assert opened == regions  # the zero below counts something
