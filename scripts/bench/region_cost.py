@@ -2,10 +2,11 @@
 with its RNG state saved per region (as every region did before the zoo's models told
 ``zoo.checkpoint`` which of their regions draw no random number) and as it runs now.
 
-    python scripts/benchmark.py region-cost                          # densenet_bc_100:64
+    python scripts/benchmark.py region-cost                # densenet_bc_100:64 and the chain
     python scripts/benchmark.py region-cost --models resnet110:8 --repeats 9
 
-For each workload (``MODEL:BATCH``, its recommended mode, on ``meta``), per region over plain:
+For each workload (``MODEL:BATCH`` in its recommended mode, or ``chain``: 100 tiny regions), per
+region over plain:
 
 * Python calls: ``call`` and ``c_call`` events of ``sys.setprofile`` in one training step;
 * RNG calls: calls of ``torch.get_rng_state``/``set_rng_state`` and their ``torch.cuda`` twins,
@@ -17,30 +18,38 @@ For each workload (``MODEL:BATCH``, its recommended mode, on ``meta``), per regi
   by ``sys.setprofile``. Counts only: what those calls cost on a GPU is not measured here.
 
 and the step's ops and host time on ``meta`` beside plain in the same interleaved rounds
-(:func:`bench.host_cost.measure`, ``zoo.memory.host.host_times``). The "RNG saved" variant is the
-same model and step with the regions' ``preserve_rng_state=False`` read as True
-(:func:`rng_saved_per_region`): what every region did before, call for call.
+(:func:`bench.host_cost.measure`, ``zoo.memory.host.host_times``), and the part of a region that
+saving the RNG state changes, timed alone (:func:`state_bookkeeping_times`). The "RNG saved"
+variant is the same model and step with the regions' ``preserve_rng_state=False`` read as True
+(:func:`rng_saved_per_region`): what every region did before, call for call. Calls are counted
+in a CPU step (at batch ``count_batch``), where no op is a Python decomposition as on ``meta``.
 """
 from __future__ import annotations
 
+import statistics
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
 
-from zoo.checkpoint import keywords
+from zoo.checkpoint import checkpoint, keywords
+from zoo.checkpoint.recompute import ForwardState, _RecomputeContext
+from zoo.memory.host import host_times
 
 from . import report
 from .host_cost import Entry, floor_of, measure, recorded_regions
-from .host_peers import zoo_entries
+from .host_peers import chain_entries, zoo_entries
 
-__all__ = ["region_cost", "rng_saved_per_region", "python_calls", "rng_calls", "cuda_calls"]
+__all__ = ["region_cost", "rng_saved_per_region", "python_calls", "rng_calls", "cuda_calls",
+           "state_bookkeeping_times"]
 
 SAVED = "RNG saved per region"
 NOW = "now"
+CHAIN = "chain"  # the workload of 100 tiny regions
 
 
 @contextmanager
@@ -136,9 +145,16 @@ def _with_rng_saved(step: Callable[[], Any]) -> Callable[[], Any]:
 
 
 def _entries(name: str, batch: int, device: str) -> list[Entry]:
-    """plain, the recommended mode with its RNG state saved per region, and as it runs now."""
-    plain, zoo = zoo_entries(name, batch, device=device, peers=False)[:2]
-    mode = zoo.name.removeprefix("zoo ")
+    """plain, the recommended mode with its RNG state saved per region, and as it runs now;
+    ``name`` ``chain``: 100 tiny regions (Linear + ReLU, batch 1), where a step is almost only
+    the regions' own work, run through ``zoo.checkpoint(..., preserve_rng_state=False)``."""
+    if name == CHAIN:
+        plain, _, zoo = chain_entries(device=device)
+        zoo.model.wrap = partial(checkpoint, preserve_rng_state=False)
+        mode = "zoo"
+    else:
+        plain, zoo = zoo_entries(name, batch, device=device, peers=False)[:2]
+        mode = zoo.name.removeprefix("zoo ")
     saved = Entry(f"{mode}, {SAVED}", "plain", zoo.model, _with_rng_saved(zoo.step),
                   "zoo.checkpoint, preserve_rng_state read as True")
     zoo.name, zoo.note = f"{mode}, {NOW}", "zoo.checkpoint as the model calls it"
@@ -161,27 +177,48 @@ def _counts(name: str, batch: int) -> dict[str, dict[str, Any]]:
     return out
 
 
-def region_cost(models: str = "densenet_bc_100:64", count_batch: int = 2, repeats: int = 15,
-                warmup: int = 2, json_out: str | None = None) -> dict[str, Any]:
+def state_bookkeeping_times(regions: int = 1000, repeats: int = 15,
+                            warmup: int = 2) -> dict[str, float]:
+    """Host microseconds per region of the forward's state record (``ForwardState``) and the
+    recompute's context entered and left (``_RecomputeContext``), with and without RNG state:
+    the part of a region that ``preserve_rng_state`` changes, timed alone on the CPU, medians
+    of ``zoo.memory.host.host_times`` over steps of ``regions`` regions."""
+    def step(preserve: bool) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(regions):
+                with _RecomputeContext(ForwardState([], preserve)):
+                    pass
+        return run
+
+    times = host_times({SAVED: step(True), NOW: step(False)}, repeats, warmup)
+    return {name: statistics.median(t) / regions * 1e6 for name, t in times.items()}
+
+
+def region_cost(models: str = "densenet_bc_100:64,chain", count_batch: int = 2,
+                repeats: int = 15, warmup: int = 2,
+                json_out: str | None = None) -> dict[str, Any]:
     """Per region: Python calls, RNG state calls, would-be torch.cuda calls; host time on meta.
 
     Calls are counted in a CPU step at batch ``count_batch`` (on ``meta`` a BatchNorm is a
     Python decomposition whose calls would swamp the region's own); ops and host time are those
-    of ``MODEL:BATCH`` on ``meta``."""
+    of ``MODEL:BATCH`` on ``meta``. ``chain``: 100 tiny regions, each Linear + ReLU (batch 1),
+    where the host time per region over plain is almost only the region's own."""
     results: dict[str, Any] = {"command": report.command_line(),
                                "machine": report.machine_info(torch.device("cpu")),
                                "repeats": repeats, "count_batch": count_batch, "workloads": []}
     for spec in report.comma_list(models):
-        name, _, batch = spec.partition(":")
-        entries = _entries(name, int(batch or 2), "meta")
+        name, _, size = spec.partition(":")
+        batch = 1 if name == CHAIN else int(size or 2)
+        entries = _entries(name, batch, "meta")
         regions = len(recorded_regions(entries[-1].step))
         counts = _counts(name, count_batch)
         rows = measure(entries, repeats, warmup)
         for row in rows:
             row.update(counts[row["variant"]])
-        results["workloads"].append({"model": name, "batch_size": int(batch or 2),
+        results["workloads"].append({"model": name, "batch_size": batch,
                                      "regions": regions, "rows": rows,
                                      "floor_python_calls": counts["floor"]["python_calls"]})
+    results["bookkeeping_us"] = state_bookkeeping_times(repeats=repeats, warmup=warmup)
     print(markdown_report(results))
     if json_out:
         report.write_json(json_out, results)
@@ -205,8 +242,9 @@ def markdown_report(results: dict[str, Any]) -> str:
         plain = rows[0]
         lines = [f"### {w['model']}, batch {w['batch_size']}, {regions} regions", "",
                  "| variant | Python calls / region: over plain | over floor | RNG calls / region "
-                 "| torch.cuda calls / region (CUDA run) | ops | host ms | x plain |",
-                 "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                 "| torch.cuda calls / region (CUDA run) | ops | host ms | x plain | host us / "
+                 "region over plain |",
+                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             rng, cuda = sum(r["rng_calls"].values()), sum(r["cuda_calls"].values())
             cells = ("", "", "", "") if r is plain else (
@@ -214,10 +252,16 @@ def markdown_report(results: dict[str, Any]) -> str:
                 _per_region(r["python_calls"], w["floor_python_calls"], regions),
                 _per_region(rng, sum(plain["rng_calls"].values()), regions),
                 _per_region(cuda, sum(plain["cuda_calls"].values()), regions))
+            over = "" if r is plain else \
+                f"{(r['seconds'] - plain['seconds']) / regions * 1e6:.1f}"
             lines.append(f"| {r['variant']} | {' | '.join(cells)} | {r['ops']} | "
-                         f"{r['seconds'] * 1e3:.1f} | {r['time_ratio']:.3f}x |")
+                         f"{r['seconds'] * 1e3:.1f} | {r['time_ratio']:.3f}x | {over} |")
         by_name = "; ".join(f"{r['variant']}: " + (", ".join(
             f"{k} {v}" for k, v in sorted(r["cuda_calls"].items())) or "none") for r in rows)
         lines += ["", f"torch.cuda calls per step, by name: {by_name}."]
         parts.append("\n".join(lines))
+    us = results["bookkeeping_us"]
+    parts.append("The forward's state record and the recompute's context alone (CPU time per "
+                 "region, 1000 regions a step): " + "; ".join(
+                     f"{name} {value:.1f} us" for name, value in us.items()) + ".")
     return "\n\n".join(parts) + "\n"

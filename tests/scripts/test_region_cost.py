@@ -54,3 +54,4 @@ def test_command_prints_per_region_counts_and_writes_json(tmp_path, capsys):
     assert rows["tapered, now"]["rng_calls"] == {} and rows["tapered, now"]["cuda_calls"] == {}
     assert sum(rows["tapered, RNG saved per region"]["rng_calls"].values()) == 4 * 9
     assert json.loads(out.read_text())["workloads"][0]["regions"] == 9
+    assert set(results["bookkeeping_us"]) == {"RNG saved per region", "now"}
