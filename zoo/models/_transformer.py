@@ -157,17 +157,18 @@ class Block(nn.Module):
         to draw). A block that draws none is checkpointed without saving RNG state for its
         recompute (the same model, less host work per region); one that draws has its random
         numbers replayed."""
-        for module in self.modules():
+        todo = [self]  # walked by hand: the region's host cost, not self.modules()'s generators
+        while todo:
+            module = todo.pop()
             kind = type(module)
-            if kind in _DRAWS_NONE:
-                continue
             if kind is nn.Dropout or kind is DropPath or kind is Attention:
                 rate = module.p if kind is nn.Dropout else \
                     module.drop_prob if kind is DropPath else module.attn_drop
                 if module.training and rate > 0:
                     return True
-            else:
+            elif kind not in _DRAWS_NONE:
                 return True
+            todo += module._modules.values()
         return False
 
     def attention_sublayer(self, x: torch.Tensor,
