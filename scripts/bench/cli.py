@@ -21,7 +21,7 @@ from typing import Any
 from . import (chain, families, gpu, model_commands, outside, overhead, planner_levels,
                planner_modes, planner_promise, planner_time, planner_vs_compile, planner_vs_uniform, plots,
                primitive, reversible)
-from . import card_plan, host_report, prediction
+from . import card_plan, host_report, prediction, region_cost
 
 __all__ = ["SUBCOMMANDS", "usage", "main"]
 
@@ -45,6 +45,7 @@ SUBCOMMANDS: dict[str, Callable[..., Any]] = {
     "planner-promise": planner_promise.planner_promise,
     "gpu": gpu.gpu,
     "host-cost": host_report.run_host_cost,
+    "region-cost": region_cost.region_cost,
     "reversible": reversible.reversible,
     "prediction": prediction.prediction,
     "card-plan": card_plan.card_plan,

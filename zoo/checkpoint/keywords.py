@@ -9,7 +9,10 @@ timm). What each one means for a zoo region:
   and runs a nested backward per region (which made nn.DataParallel several times slower, as
   reported in the PyTorch forum). No warning when it is omitted.
 * ``preserve_rng_state=False``: no RNG stash and no replay (dropout in the region then draws new
-  numbers on recompute, exactly as with torch's checkpoint).
+  numbers on recompute, exactly as with torch's checkpoint), and no CUDA device is queried for
+  the region. For a region that draws no random number it changes nothing but the region's
+  cost: the zoo's DenseNet and ResNet regions (BatchNorm, ReLU, convolutions, pooling) and its
+  transformer blocks without active dropout or stochastic depth pass it.
 * ``context_fn``: a callable returning two context managers; the first is entered around the
   forward, the second around each recompute, inside the zoo's own contexts (RNG, autocast, the
   normalisation guard), which therefore still apply.
@@ -84,6 +87,9 @@ class Options:
 
 
 DEFAULT = Options()
+#: The Options of ``preserve_rng_state=False`` alone: a region that draws no random number (a zoo
+#: model's BN-ReLU-conv regions) asks for it on every call, so it is shared too.
+NO_RNG = Options(preserve_rng=False)
 
 
 def options(preserve_rng_state: bool, context_fn: Callable[[], Any] | None,
@@ -91,15 +97,17 @@ def options(preserve_rng_state: bool, context_fn: Callable[[], Any] | None,
     """Check torch's keywords and resolve torch's global switches into one region's Options.
 
     Called once per checkpoint call; with no keyword and no global switch set it returns the
-    shared :data:`DEFAULT` after a few comparisons (the per-region cost stays that of the lean
-    region).
+    shared :data:`DEFAULT` after a few comparisons, and with ``preserve_rng_state=False`` alone
+    the shared :data:`NO_RNG` (the per-region cost stays that of the lean region).
     """
     global_stop = getattr(torch_checkpoint, "_enable_checkpoint_early_stop", None)
     global_debug = getattr(torch_checkpoint, "_checkpoint_debug_enabled", None)
-    if (preserve_rng_state is True and context_fn is None and determinism_check == "default"
-            and debug is False and early_stop is None and global_stop is None
-            and global_debug is None):
-        return DEFAULT
+    if (context_fn is None and determinism_check == "default" and debug is False
+            and early_stop is None and global_stop is None and global_debug is None):
+        if preserve_rng_state is True:
+            return DEFAULT
+        if preserve_rng_state is False:
+            return NO_RNG
     if determinism_check not in DETERMINISM_CHECKS:
         raise ValueError(f"zoo.checkpoint: determinism_check must be one of "
                          f"{DETERMINISM_CHECKS}, got {determinism_check!r}")

@@ -170,6 +170,8 @@ def _release_norm_guard() -> None:
 # RNG: which CUDA devices a region can draw from, and their states at the start of its forward.
 # --------------------------------------------------------------------------------------------
 def _cuda_devices(fn: Callable, tensors: Iterable[Any]) -> list[int]:
+    """The CUDA devices whose RNG a region replays: the current one, its tensor arguments' and its
+    module's parameters' (asked only of a region that preserves RNG state, CUDA initialised)."""
     if not torch.cuda.is_initialized():
         return []
     devices = {torch.cuda.current_device()}
@@ -213,8 +215,10 @@ class ForwardState:
     """The RNG and autocast state a region's forward runs in, recorded when made (just before
     the forward), for :class:`_RecomputeContext` to put back.
 
-    ``preserve_rng=False`` (torch's ``preserve_rng_state=False``) records no RNG state, and the
-    recompute then neither replays nor restores one.
+    ``preserve_rng=False`` (torch's ``preserve_rng_state=False``, which the zoo's models pass
+    for their regions that draw no random number) records no RNG state and is given no CUDA
+    device, and the recompute then neither replays nor restores one: no RNG state is read or
+    written for the region at all.
     """
 
     __slots__ = ("cuda_devices", "preserve_rng", "cpu_state", "cuda_states", "autocast")
@@ -234,7 +238,8 @@ class _RecomputeContext:
     """Entered around the recompute: the forward's RNG and autocast, flag on, normalisation guard.
 
     The RNG states of this thread are put back afterwards, so a recompute during backward leaves
-    the random stream of the training loop where it was.
+    the random stream of the training loop where it was (a forward that saved none, for a
+    region that draws no random number, has none read, set or put back).
     """
 
     def __init__(self, forward: ForwardState):

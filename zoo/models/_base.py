@@ -16,7 +16,13 @@ from ..checkpoint import run_plan
 # whose recompute runs them (the planner's ``Plan`` is the search's result that yields these)
 Segments = Sequence[tuple[int, int, Any]]
 
-__all__ = ["ZooModel", "chain_of", "classifier", "take_indices"]
+__all__ = ["ZooModel", "chain_of", "classifier", "take_indices", "NO_RNG"]
+
+# zoo.checkpoint's keyword for a region that draws no random number (BatchNorm, ReLU,
+# convolutions, pooling, a transformer block without active dropout): it then saves no RNG state
+# for its recompute, the same model without a CPU (and CUDA) RNG state copied and put back per
+# region. Wrong on a region that does draw (dropout inside): its recompute would draw anew.
+NO_RNG = {"preserve_rng_state": False}
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)

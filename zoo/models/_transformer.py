@@ -13,7 +13,9 @@ flash / memory-efficient kernel that never stores the (T x T) attention matrix. 
 attention dropout active, SDPA falls back to its math path, which does store it.
 
 Checkpoint modes (``TransformerModel.checkpoint_modes``; all give the plain model's outputs and
-gradients exactly, dropout included, because ``zoo.checkpoint`` replays the random numbers; each
+gradients exactly, dropout included, because ``zoo.checkpoint`` replays the random numbers of a
+block that draws some, and a block that draws none saves no RNG state:
+:meth:`Block.draws_random_numbers`; each
 mode's peak and FLOPs beside timm's, with the machine and the command: docs/benchmarks/models.md):
 
 * ``"block"`` (recommended): every block but the last is one checkpoint; only its input is
@@ -148,6 +150,27 @@ class Block(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, drop=(0.0, drop))
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
+    def draws_random_numbers(self) -> bool:
+        """Whether a forward of the block may draw random numbers now: dropout (hidden or on
+        the attention probabilities) or stochastic depth at a positive rate in train mode, or
+        any submodule the block is not built of (an adapter with its own dropout, say: assumed
+        to draw). A block that draws none is checkpointed without saving RNG state for its
+        recompute (the same model, less host work per region); one that draws has its random
+        numbers replayed."""
+        todo = [self]  # walked by hand: the region's host cost, not self.modules()'s generators
+        while todo:
+            module = todo.pop()
+            kind = type(module)
+            if kind is nn.Dropout or kind is DropPath or kind is Attention:
+                rate = module.p if kind is nn.Dropout else \
+                    module.drop_prob if kind is DropPath else module.attn_drop
+                if module.training and rate > 0:
+                    return True
+            elif kind not in _DRAWS_NONE:
+                return True
+            todo += module._modules.values()
+        return False
+
     def attention_sublayer(self, x: torch.Tensor,
                            attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The attention half: ``x + attn(norm1(x))`` (pre-norm) or ``norm1(x + attn(x))``."""
@@ -187,6 +210,10 @@ class Block(nn.Module):
         return self.mlp_sublayer(self.attention_sublayer(x, attn_mask))
 
 
+# The modules a Block is made of that never draw a random number (GELU: exact or tanh).
+_DRAWS_NONE = frozenset({Block, nn.Linear, nn.LayerNorm, nn.GELU, nn.Identity, Mlp})
+
+
 def run_blocks_in_mode(blocks: Sequence[Block], x: torch.Tensor, mode: str | None,
                        attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Run ``blocks`` in order under checkpoint ``mode`` (see the module docstring): ``None``
@@ -206,12 +233,14 @@ def run_blocks_in_mode(blocks: Sequence[Block], x: torch.Tensor, mode: str | Non
         if mode is None or (i == last and mode == "block"):
             x = block(x, attn_mask)
         elif mode == "block":
-            x = checkpoint(block, x, attn_mask)
+            x = checkpoint(block, x, attn_mask, preserve_rng_state=block.draws_random_numbers())
         elif mode == "sublayer":
-            x = checkpoint(block.attention_sublayer, x, attn_mask)
-            x = checkpoint(block.mlp_sublayer, x)
+            rng = block.draws_random_numbers()
+            x = checkpoint(block.attention_sublayer, x, attn_mask, preserve_rng_state=rng)
+            x = checkpoint(block.mlp_sublayer, x, preserve_rng_state=rng)
         elif mode == "selective":
-            x = checkpoint(block, x, attn_mask, save_ops=SELECTIVE_SAVE_OPS)
+            x = checkpoint(block, x, attn_mask, save_ops=SELECTIVE_SAVE_OPS,
+                           preserve_rng_state=block.draws_random_numbers())
         elif mode == "selective_mlp":
             x = _whole_attention_selective_mlp(block, x, attn_mask)
         elif mode == "selective_stream":
@@ -229,13 +258,16 @@ def _selective_sublayers(block: Block, x: torch.Tensor,
     not beside the activation's gradients (torch's partitioner recomputes as late; one width per
     token less at the peak, no FLOP more). Post-norm: the sublayers' last linear outputs feed
     the norms, whose backward needs them, so each sublayer keeps all its matmuls' outputs."""
+    rng = block.draws_random_numbers()
     if not block.pre_norm:
-        x = checkpoint(block.attention_sublayer, x, attn_mask, save_ops=SELECTIVE_SAVE_OPS)
-        return checkpoint(block.mlp_sublayer, x, save_ops=SELECTIVE_SAVE_OPS)
+        x = checkpoint(block.attention_sublayer, x, attn_mask, save_ops=SELECTIVE_SAVE_OPS,
+                       preserve_rng_state=rng)
+        return checkpoint(block.mlp_sublayer, x, save_ops=SELECTIVE_SAVE_OPS,
+                          preserve_rng_state=rng)
     x = checkpoint(block.attention_sublayer, x, attn_mask,
-                   save_ops=AllBut(SELECTIVE_SAVE_OPS, block.attn.proj))
-    hidden = checkpoint(block.mlp_input, x, save_ops=SELECTIVE_SAVE_OPS)
-    return checkpoint(block.mlp_output, x, hidden)
+                   save_ops=AllBut(SELECTIVE_SAVE_OPS, block.attn.proj), preserve_rng_state=rng)
+    hidden = checkpoint(block.mlp_input, x, save_ops=SELECTIVE_SAVE_OPS, preserve_rng_state=rng)
+    return checkpoint(block.mlp_output, x, hidden, preserve_rng_state=rng)
 
 
 def _whole_attention_selective_mlp(block: Block, x: torch.Tensor,
@@ -250,8 +282,10 @@ def _whole_attention_selective_mlp(block: Block, x: torch.Tensor,
     if not block.pre_norm:
         raise ValueError("selective_mlp is for pre-norm blocks: a post-norm block's norms need "
                          "their inputs; use selective_sublayer")
-    x = checkpoint(block.attention_sublayer, x, attn_mask)
-    return checkpoint(block.mlp_output, x, checkpoint(block.mlp_input, x))
+    rng = block.draws_random_numbers()
+    x = checkpoint(block.attention_sublayer, x, attn_mask, preserve_rng_state=rng)
+    hidden = checkpoint(block.mlp_input, x, preserve_rng_state=rng)
+    return checkpoint(block.mlp_output, x, hidden, preserve_rng_state=rng)
 
 
 def _selective_stream(block: Block, x: torch.Tensor, attn_mask: torch.Tensor | None,
@@ -269,9 +303,11 @@ def _selective_stream(block: Block, x: torch.Tensor, attn_mask: torch.Tensor | N
                          "need their inputs, the stream itself; use selective_sublayer")
     front = block.attention_and_mlp_input if embed is None else \
         (lambda images, mask: block.attention_and_mlp_input(embed(images), mask))
+    rng = block.draws_random_numbers()  # an embedding may draw (dropout): its region keeps them
     x, hidden = checkpoint(front, x, attn_mask,
-                           save_ops=AllBut(SELECTIVE_SAVE_OPS, block.attn.proj))
-    return x + checkpoint(block.mlp_branch, hidden)
+                           save_ops=AllBut(SELECTIVE_SAVE_OPS, block.attn.proj),
+                           preserve_rng_state=rng or embed is not None)
+    return x + checkpoint(block.mlp_branch, hidden, preserve_rng_state=rng)
 
 
 class Step(nn.Module):
@@ -364,7 +400,8 @@ class TransformerModel(ZooModel):
         if mode is None or not isinstance(fn, Block):
             return block(x)
         if mode == "block":
-            return checkpoint(fn, x, kw.get("attn_mask"))
+            return checkpoint(fn, x, kw.get("attn_mask"),
+                              preserve_rng_state=fn.draws_random_numbers())
         return run_blocks_in_mode([fn], x, mode, kw.get("attn_mask"))
 
 

@@ -23,7 +23,8 @@ timm's, with the machine and the command: docs/benchmarks/models.md):
 
 In both modes the transitions (concat-BN-ReLU-conv1x1), the ImageNet stem's BN-ReLU-max-pool and
 the final concat-BN-ReLU are checkpointed too, again without recomputing a convolution, so a
-block's concatenated output is never stored either. Dropout stays outside the checkpoints.
+block's concatenated output is never stored either. Dropout stays outside the checkpoints, so
+they draw no random number and save no RNG state for their recompute.
 Without bottleneck (DenseNet-40) a layer is concat-BN-ReLU-conv3x3 and both modes checkpoint
 exactly that, again at +0% FLOPs.
 
@@ -44,8 +45,8 @@ from torch import nn
 
 from ..checkpoint import checkpoint
 from ..nn import cp_BatchNorm2d
-from ._base import CIFAR_MEAN, CIFAR_STD, IMAGENET_MEAN, IMAGENET_STD, ZooModel, chain_of, \
-    classifier
+from ._base import CIFAR_MEAN, CIFAR_STD, IMAGENET_MEAN, IMAGENET_STD, NO_RNG, ZooModel, \
+    chain_of, classifier
 from ._features import FeatureStages, Level
 from ._registry import register_model
 from .densenet_blocks import DenseBlock, DenseLayer, DenseLink, Transition, _cat
@@ -145,14 +146,16 @@ class DenseNet(FeatureStages, ZooModel):
         f = self.features
         x = f.conv0(x)
         if self.stem == "imagenet":
-            x = self._stem_tail(x) if mode is None else checkpoint(self._stem_tail, x)
+            x = self._stem_tail(x) if mode is None else checkpoint(self._stem_tail, x, **NO_RNG)
         features: list[torch.Tensor] = [x]
         for name, module in f.named_children():
             if isinstance(module, DenseBlock):
                 features = module.run(features, mode)
             elif isinstance(module, Transition):
                 features = [module(features, mode)]
-        return self._final(*features) if mode is None else checkpoint(self._final, *features)
+        if mode is None:
+            return self._final(*features)
+        return checkpoint(self._final, *features, **NO_RNG)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Global average pooling (unless ``global_pool=''``), then the classifier."""
@@ -163,7 +166,9 @@ class DenseNet(FeatureStages, ZooModel):
     # -- feature levels (timm's forward_intermediates) -------------------------------------------
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         """norm5 and ReLU: what forward_features applies to the last block's output."""
-        return self._final(x) if self.grad_checkpointing is None else checkpoint(self._final, x)
+        if self.grad_checkpointing is None:
+            return self._final(x)
+        return checkpoint(self._final, x, **NO_RNG)
 
     def _stem_level(self, x: torch.Tensor) -> torch.Tensor:
         f = self.features
@@ -172,7 +177,7 @@ class DenseNet(FeatureStages, ZooModel):
             return x
         mode = self.grad_checkpointing
         stem = lambda t: f.relu0(f.norm0(t))  # noqa: E731
-        return stem(x) if mode is None else checkpoint(stem, x)
+        return stem(x) if mode is None else checkpoint(stem, x, **NO_RNG)
 
     def feature_levels(self) -> list[Level]:
         """The stem's output (BN-ReLU'd on ImageNet), then each dense block's concatenated

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..checkpoint import checkpoint
 from ..nn import cp_BatchNorm2d
+from ._base import NO_RNG  # the regions here draw no random number: dropout runs outside
 
 __all__ = ["DenseLayer", "DenseBlock", "DenseLink", "Transition"]
 
@@ -62,18 +63,19 @@ class DenseLayer(nn.Module):
         conv1, BN-ReLU-conv2) on its own, so backward recomputes the BN-ReLUs and stops before
         each convolution: the convolutions' outputs are the only maps kept; ``"layer"``
         checkpoints the whole layer, recomputing conv1 too, so only the new maps are kept.
-        Dropout stays outside the checkpoints: it keeps only its mask, and conv2 never reruns.
+        Dropout stays outside the checkpoints: it keeps only its mask, and conv2 never reruns;
+        the checkpoints then draw no random number, so they save no RNG state.
         """
         if isinstance(features, torch.Tensor):
             features = [features]
         if mode is None:
             x = self.new_features(*features)
         elif mode == "bottleneck":
-            x = checkpoint(self.first_half, *features)
+            x = checkpoint(self.first_half, *features, **NO_RNG)
             if self.bottleneck:
-                x = checkpoint(self.second_half, x)
+                x = checkpoint(self.second_half, x, **NO_RNG)
         elif mode == "layer":
-            x = checkpoint(self.new_features, *features)
+            x = checkpoint(self.new_features, *features, **NO_RNG)
         else:
             raise ValueError(f"unknown DenseNet checkpoint mode {mode!r}; expected None, "
                              f"'bottleneck' or 'layer'")
@@ -142,4 +144,4 @@ class Transition(nn.Module):
         features = [x] if isinstance(x, torch.Tensor) else list(x)
         if mode is None:
             return self.pool(self._compress(*features))
-        return self.pool(checkpoint(self._compress, *features))
+        return self.pool(checkpoint(self._compress, *features, **NO_RNG))

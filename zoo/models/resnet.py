@@ -54,7 +54,7 @@ from torch import nn
 
 from ..checkpoint import checkpoint
 from ..nn import cp_BatchNorm2d
-from ._base import CIFAR_MEAN, CIFAR_STD, IMAGENET_MEAN, IMAGENET_STD, classifier
+from ._base import CIFAR_MEAN, CIFAR_STD, IMAGENET_MEAN, IMAGENET_STD, NO_RNG, classifier
 from ._registry import register_model
 from .resnet_base import _ResNetBase
 from .resnet_blocks import MODES, BasicBlock, Bottleneck, ZeroPadShortcut, _conv1x1, _conv3x3, \
@@ -178,7 +178,7 @@ class CifarResNet(_ResNetBase):
         """Images -> the last stage's feature maps (``tapered`` here, other modes in the base)."""
         if self.grad_checkpointing != "tapered" or self.checkpoint_plan is not None:
             return super().forward_features(x)
-        return self._tapered(checkpoint(self._stem, x))
+        return self._tapered(checkpoint(self._stem, x, **NO_RNG))
 
     def _tapered(self, x: torch.Tensor) -> torch.Tensor:
         """The ``tapered`` mode (module docstring): stage 1 in regions of two whole blocks, stage
@@ -186,7 +186,7 @@ class CifarResNet(_ResNetBase):
         activation sizes, so recomputing where the bytes are buys the most per FLOP."""
         first, second, *rest = [list(getattr(self, name)) for name in self._stage_names()]
         for i in range(0, len(first), 2):
-            x = F.relu(checkpoint(_segment, first[i:i + 2], x), inplace=True)
+            x = F.relu(checkpoint(_segment, first[i:i + 2], x, **NO_RNG), inplace=True)
         for block in second:
             x = block(x, "bn_relu")
         for block in (b for stage in rest for b in stage):

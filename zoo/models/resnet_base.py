@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import checkpoint
-from ._base import ZooModel, chain_of
+from ._base import NO_RNG, ZooModel, chain_of
 from ._features import FeatureStages, Level
 from .resnet_blocks import MODES, _ResidualBlock, _segment
 
@@ -88,14 +88,14 @@ class _ResNetBase(FeatureStages, ZooModel):
         if mode is None:
             x = self._stem(x)
         elif mode == "bn_relu":  # keep the stem conv's output: no convolution runs twice
-            x = checkpoint(self._stem, self.conv1(x), 1)
+            x = checkpoint(self._stem, self.conv1(x), 1, **NO_RNG)
         else:  # keep only the images: the stem conv has 3 input channels, ~1% of the FLOPs
-            x = checkpoint(self._stem, x)
+            x = checkpoint(self._stem, x, **NO_RNG)
         blocks = self.blocks()
         if mode == "block":
             n = self.checkpoint_every
             for i in range(0, len(blocks), n):
-                x = F.relu(checkpoint(_segment, blocks[i:i + n], x), inplace=True)
+                x = F.relu(checkpoint(_segment, blocks[i:i + n], x, **NO_RNG), inplace=True)
             return x
         for block in blocks:
             x = block(x, mode)
@@ -126,7 +126,7 @@ class _ResNetBase(FeatureStages, ZooModel):
                 x = block(x, mode)
             return x
         for i in range(0, len(blocks), every):
-            x = F.relu(checkpoint(_segment, blocks[i:i + every], x), inplace=True)
+            x = F.relu(checkpoint(_segment, blocks[i:i + every], x, **NO_RNG), inplace=True)
         return x
 
     def _run_stem(self, x: torch.Tensor, stop: int) -> torch.Tensor:
@@ -136,8 +136,8 @@ class _ResNetBase(FeatureStages, ZooModel):
         if mode is None:
             return self._run(modules, x)
         if mode == "bn_relu":
-            return checkpoint(self._run, modules[1:], modules[0](x))
-        return checkpoint(self._run, modules, x)
+            return checkpoint(self._run, modules[1:], modules[0](x), **NO_RNG)
+        return checkpoint(self._run, modules, x, **NO_RNG)
 
     @staticmethod
     def _run(modules: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..checkpoint import checkpoint
 from ..nn import cp_BatchNorm2d
+from ._base import NO_RNG  # the regions here draw no random number: no dropout in a block
 
 __all__ = ["ZeroPadShortcut", "BasicBlock", "Bottleneck", "MODES"]
 
@@ -77,17 +78,18 @@ class _ResidualBlock(nn.Module):
         if mode is None:
             out = self.residual(x)
         elif mode == "block":
-            out = checkpoint(self.residual, x)
+            out = checkpoint(self.residual, x, **NO_RNG)
         elif mode == "halves":
-            c2 = checkpoint(self._branch, x, 0, 2)  # backward reruns conv1, stops before conv2
-            out = checkpoint(self._tail, c2, x, 2)
+            # backward reruns conv1, stops before conv2
+            c2 = checkpoint(self._branch, x, 0, 2, **NO_RNG)
+            out = checkpoint(self._tail, c2, x, 2, **NO_RNG)
         elif mode == "bn_relu":  # convolutions outside, BN-ReLU(-conv input) inside checkpoints
             c = self._convs[0](x)
             for k in range(1, len(self._convs)):
-                c = checkpoint(self._branch, c, k, k + 1)
+                c = checkpoint(self._branch, c, k, k + 1, **NO_RNG)
             ds = self.downsample
             d = ds[0](x) if isinstance(ds, nn.Sequential) else x
-            out = checkpoint(self._last_norm_add, c, d)
+            out = checkpoint(self._last_norm_add, c, d, **NO_RNG)
         else:
             raise ValueError(f"unknown ResNet checkpoint mode {mode!r}; expected None or one of "
                              f"{', '.join(MODES)}")

@@ -1,0 +1,57 @@
+"""The region-cost command's counters: real calls counted, per region, with the RNG state saved
+per region (as every region did before) and as the zoo's models run now. Times are printed by
+the command, never tested."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench.host_cost import recorded_regions
+from bench.region_cost import cuda_calls, python_calls, region_cost, rng_calls, \
+    rng_saved_per_region
+from zoo.checkpoint import keywords
+from zoo.memory import train_step
+from zoo.models.densenet import DenseNet
+
+
+def tiny_step():
+    torch.manual_seed(0)
+    model = DenseNet(growth_rate=4, block_config=(2, 2), num_init_features=8, bn_size=4,
+                     num_classes=5, stem="cifar", efficient=True)
+    step = train_step(model, model.example_input(2))
+    step()
+    return step
+
+
+def test_a_densenet_region_saved_four_cpu_and_seven_cuda_state_calls_and_now_none():
+    step = tiny_step()
+    regions = len(recorded_regions(step))
+    assert regions == 2 * 4 + 1 + 1  # two halves per layer, the transition, the final BN-ReLU
+    assert rng_calls(step) == {} and cuda_calls(step) == {}
+    with rng_saved_per_region():
+        saved_rng, saved_cuda = rng_calls(step), cuda_calls(step)
+    # forward: read the CPU state; recompute: read it, set the forward's, put it back
+    assert saved_rng == {"torch.get_rng_state": 2 * regions, "torch.set_rng_state": 2 * regions}
+    # with CUDA initialised: is CUDA up (twice), which device, then the same on that device
+    assert saved_cuda == {"is_initialized": 2 * regions, "current_device": regions,
+                          "get_rng_state": 2 * regions, "set_rng_state": 2 * regions}
+    assert keywords.NO_RNG is not keywords.DEFAULT and not keywords.NO_RNG.preserve_rng
+    with rng_saved_per_region():
+        before = python_calls(step)
+    assert python_calls(step) < before
+
+
+@pytest.mark.slow  # a few ResNet-20 steps, counted and timed
+def test_command_prints_per_region_counts_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "region.json"
+    results = region_cost("resnet20:2", repeats=1, warmup=0, json_out=str(out))
+    text = capsys.readouterr().out
+    assert results["command"] in text and "### resnet20, batch 2, 9 regions" in text
+    rows = {r["variant"]: r for r in results["workloads"][0]["rows"]}
+    assert set(rows) == {"plain", "tapered, RNG saved per region", "tapered, now"}
+    assert rows["tapered, now"]["rng_calls"] == {} and rows["tapered, now"]["cuda_calls"] == {}
+    assert sum(rows["tapered, RNG saved per region"]["rng_calls"].values()) == 4 * 9
+    assert json.loads(out.read_text())["workloads"][0]["regions"] == 9
+    assert set(results["bookkeeping_us"]) == {"RNG saved per region", "now"}
