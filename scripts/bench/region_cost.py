@@ -1,6 +1,6 @@
 """The region-cost command: what one zoo.checkpoint region costs the host, counted call by call,
-with its RNG state saved per region (as every region did before the zoo's models told
-``zoo.checkpoint`` which of their regions draw no random number) and as it runs now.
+with the RNG state saved in every region and saved only where the region draws random numbers
+(the zoo's models pass ``preserve_rng_state=False`` to their regions that draw none).
 
     python scripts/benchmark.py region-cost                # densenet_bc_100:64 and the chain
     python scripts/benchmark.py region-cost --models resnet110:8 --repeats 9
@@ -21,7 +21,7 @@ and the step's ops and host time on ``meta`` beside plain in the same interleave
 (:func:`bench.host_cost.measure`, ``zoo.memory.host.host_times``), and the part of a region that
 saving the RNG state changes, timed alone (:func:`state_bookkeeping_times`). The "RNG saved"
 variant is the same model and step with the regions' ``preserve_rng_state=False`` read as True
-(:func:`rng_saved_per_region`): what every region did before, call for call. Calls are counted
+(:func:`rng_saved_per_region`): every region saving it, call for call. Calls are counted
 in a CPU step (at batch ``count_batch``), where no op is a Python decomposition as on ``meta``.
 """
 from __future__ import annotations
@@ -47,15 +47,15 @@ from .host_peers import chain_entries, zoo_entries
 __all__ = ["region_cost", "rng_saved_per_region", "python_calls", "rng_calls", "cuda_calls",
            "state_bookkeeping_times"]
 
-SAVED = "RNG saved per region"
-NOW = "now"
+SAVED = "RNG saved in every region"
+NOW = "RNG saved where drawn"
 CHAIN = "chain"  # the workload of 100 tiny regions
 
 
 @contextmanager
 def rng_saved_per_region() -> Iterator[None]:
     """Regions passed ``preserve_rng_state=False`` alone (the zoo models' regions that draw no
-    random number) save and replay their RNG state as every region did before: the keywords'
+    random number) save and replay their RNG state as a region that draws does: the keywords'
     shared fast-path Options is swapped for the default one, so not one call is added."""
     no_rng = keywords.NO_RNG
     keywords.NO_RNG = keywords.DEFAULT
@@ -145,7 +145,8 @@ def _with_rng_saved(step: Callable[[], Any]) -> Callable[[], Any]:
 
 
 def _entries(name: str, batch: int, device: str) -> list[Entry]:
-    """plain, the recommended mode with its RNG state saved per region, and as it runs now;
+    """plain, the recommended mode with the RNG state saved in every region, and as the model
+    calls it (saved only where a region draws random numbers);
     ``name`` ``chain``: 100 tiny regions (Linear + ReLU, batch 1), where a step is almost only
     the regions' own work, run through ``zoo.checkpoint(..., preserve_rng_state=False)``."""
     if name == CHAIN:
