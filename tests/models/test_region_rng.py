@@ -139,6 +139,31 @@ def test_regions_that_draw_keep_saving_and_replaying_their_random_numbers(build,
     assert rng_calls_per_step(ckpt, x) == 4 * regions
 
 
+def _planned(model: nn.Module) -> nn.Module:
+    """``model`` with a nested plan over its chain: every other pair of blocks one region, the
+    last segment a region whose recompute checkpoints its blocks again."""
+    n = len(model.checkpoint_chain())
+    plan = [(a, min(a + 2, n - 2), a % 4 == 0) for a in range(0, n - 2, 2)]
+    model.set_checkpoint_plan(plan + [(n - 2, n, [(n - 2, n - 1, True), (n - 1, n, True)])])
+    return model
+
+
+@pytest.mark.parametrize("build, regions", [
+    (lambda: tiny_densenet(), 0), (lambda: tiny_resnet(), 0),
+    (lambda: tiny_densenet(drop_rate=0.2), None)], ids=["densenet", "resnet", "densenet-dropout"])
+def test_a_plans_regions_save_rng_state_only_where_the_chain_draws(build, regions):
+    """A plan over the chain (the planner's, or a user's) of a model whose chain draws no random
+    number saves none in any region, nested ones included; a DenseNet with dropout in its layers
+    saves and replays it. Both train bit for bit like the plain model."""
+    torch.manual_seed(0)
+    plain, planned = build(), _planned(build())
+    planned.load_state_dict(plain.state_dict())
+    x = plain.example_input(2)
+    assert_same_training(plain, plain, planned, planned, x, exact=True)
+    calls = rng_calls_per_step(planned, x)
+    assert calls == 0 if regions == 0 else calls > 0
+
+
 def test_a_block_draws_random_numbers_only_with_a_positive_rate_in_train_mode():
     block = tiny_transformer("vit").blocks[1]
     assert not block.train().draws_random_numbers()

@@ -42,16 +42,20 @@ def run_blocks(blocks: Sequence[Callable[[Any], Any]], x: Any) -> Any:
 
 
 def run_plan(blocks: Sequence[Callable[[Any], Any]], plan: Sequence[tuple[int, int, Any]],
-             x: Any, offset: int = 0) -> Any:
+             x: Any, offset: int = 0, preserve_rng_state: bool = True) -> Any:
     """Run ``blocks`` by a block-level ``plan`` of ``(start, stop, checkpointed)`` segments
     (block indices start at ``offset``): stored segments plainly, checkpointed ones as one
-    region each, nested plans (a list in place of the flag) inside their region, recursively."""
+    region each, nested plans (a list in place of the flag) inside their region, recursively.
+    ``preserve_rng_state=False`` (blocks that draw no random number) is given to every region."""
+    rng = preserve_rng_state
     for a, b, ck in plan:
         part = blocks[a - offset:b - offset]
         if isinstance(ck, list):
-            x = checkpoint(run_plan, part, ck, x, a)
+            x = checkpoint(run_plan, part, ck, x, a, rng, preserve_rng_state=rng)
+        elif ck:
+            x = checkpoint(run_blocks, part, x, preserve_rng_state=rng)
         else:
-            x = checkpoint(run_blocks, part, x) if ck else run_blocks(part, x)
+            x = run_blocks(part, x)
     return x
 
 

@@ -197,7 +197,15 @@ class ZooModel(nn.Module):
         if modes is not None and len(modes) == len(blocks):
             blocks = [b if m is None else partial(self.run_chain_block, b, mode=m)
                       for b, m in zip(blocks, modes)]
-        return run_plan(blocks, self.checkpoint_plan, x)
+        return run_plan(blocks, self.checkpoint_plan, x,
+                        preserve_rng_state=self.chain_draws_random_numbers())
+
+    def chain_draws_random_numbers(self) -> bool:
+        """Whether a block of :meth:`checkpoint_chain` may draw random numbers now (dropout in
+        train mode): a plan's regions then save and replay the RNG state; a model whose chain
+        draws none says False, and its plan's regions save none (the same model, less host work
+        per region). True unless a model knows better."""
+        return True
 
     def set_checkpoint_block_modes(self, modes: Sequence[str | None] | None) -> None:
         """Run each block of a checkpoint plan's chain in an intra-block checkpoint mode

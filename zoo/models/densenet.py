@@ -221,6 +221,11 @@ class DenseNet(FeatureStages, ZooModel):
                 chain.append(module)
         return chain_of(chain)
 
+    def chain_draws_random_numbers(self) -> bool:
+        """Only a dense layer's dropout draws (in train mode, at a positive rate)."""
+        return self.training and any(m.drop_rate > 0 for m in self.modules()
+                                     if isinstance(m, DenseLayer))
+
     def example_input(self, batch_size: int = 2, size: int | None = None) -> torch.Tensor:
         """Random images; ``size`` defaults to 32 (CIFAR) or 64 (ImageNet models: any side >= 32
         works; 64 keeps CPU tests small, pass 224 for the native resolution)."""

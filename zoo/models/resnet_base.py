@@ -164,6 +164,10 @@ class _ResNetBase(FeatureStages, ZooModel):
             levels.append(Level(stage, channels, reduction, name))
         return levels
 
+    def chain_draws_random_numbers(self) -> bool:
+        """The stem and residual blocks draw no random number (dropout is in the head)."""
+        return False
+
     def checkpoint_chain(self) -> list[nn.Module]:
         """The stem's modules (conv, BN-ReLU[, max-pool]) and then every residual block."""
         return chain_of([*self._stem_modules(), *self.blocks()])
