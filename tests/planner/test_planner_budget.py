@@ -141,6 +141,7 @@ def test_a_plan_is_within_its_budget_as_measured_at_the_predicted_floor():
     model.set_checkpoint_plan(None)
 
 
+@pytest.mark.slow
 def test_a_planned_model_planned_again_is_planned_as_the_fresh_model():
     """A zoo model planned at one budget and then at another is profiled without the first plan
     (its segments, block modes and save sets): both plans equal those of a fresh model, and

@@ -111,6 +111,7 @@ def test_a_zoo_model_planned_for_compile_keeps_its_plan_compiled():
     check_compiled(make, x, Planner(make(), x, compiled=True), (0.0, 0.5))
 
 
+@pytest.mark.slow  # the zoo model above keeps the contract in the fast lane
 def test_an_outside_model_planned_for_compile_keeps_its_plan_compiled():
     torchvision = pytest.importorskip("torchvision")
 

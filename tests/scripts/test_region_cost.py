@@ -25,7 +25,7 @@ def tiny_step():
     return step
 
 
-def test_a_densenet_region_saved_four_cpu_and_seven_cuda_state_calls_and_now_none():
+def test_a_densenet_region_saving_rng_makes_four_cpu_and_seven_cuda_calls_else_none():
     step = tiny_step()
     regions = len(recorded_regions(step))
     assert regions == 2 * 4 + 1 + 1  # two halves per layer, the transition, the final BN-ReLU

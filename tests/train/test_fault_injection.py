@@ -113,6 +113,7 @@ def test_sigkill_on_the_save_path_then_resume_is_bitwise_the_straight_run(
     assert_same_run(run, straight(model))
 
 
+@pytest.mark.slow  # a reversible model resumed mid-epoch; the fast lane kills cnn runs
 @pytest.mark.parametrize("model", ["revnet38"])
 def test_sigkill_mid_epoch_then_resume_is_bitwise_the_straight_run(tmp_path, straight, model):
     """kill -9 after the first step of epoch 2: nothing is saved; the run resumes after epoch 1
