@@ -8,48 +8,37 @@ A block is multi-head self-attention then a two-layer MLP, each with a residual 
 * post-norm, ``norm1(x + attn(x))`` then ``norm2(x + mlp(x))``: BERT (Devlin et al. 2019) and the
   original transformer.
 
-Attention runs through ``F.scaled_dot_product_attention`` (SDPA), so the GPU picks a fused
-flash / memory-efficient kernel that never stores the (T x T) attention matrix. On the CPU, with
-attention dropout active, SDPA falls back to its math path, which does store it.
+Attention runs through ``F.scaled_dot_product_attention`` (SDPA): on a GPU a fused kernel that
+never stores the (T x T) attention matrix; on the CPU with attention dropout, the math path,
+which does.
 
-Checkpoint modes (``TransformerModel.checkpoint_modes``; all give the plain model's outputs and
-gradients exactly, dropout included, because ``zoo.checkpoint`` replays the random numbers of a
-block that draws some, and a block that draws none saves no RNG state:
-:meth:`Block.draws_random_numbers`; each
-mode's peak and FLOPs beside timm's, with the machine and the command: docs/benchmarks/models.md):
+Checkpoint modes (``TransformerModel.checkpoint_modes``): all give the plain model's outputs and
+gradients exactly, dropout included (a block that draws random numbers has them replayed, one
+that draws none saves no RNG state: :meth:`Block.draws_random_numbers`). Each mode's peak and
+FLOPs beside timm's, with the machine and the command: docs/benchmarks/models.md.
 
-* ``"block"`` (recommended): every block but the last is one checkpoint; only its input is
-  kept and it runs again in backward (zoo.checkpoint, like torch's non-reentrant one, stops once
-  backward has what it needs, so without dropout ``mlp.fc2`` never reruns). The last block runs
-  plainly: backward needs it first, so recomputing it would cost FLOPs and save no peak (timm's
-  ``set_grad_checkpointing`` reruns it: the same peak for more FLOPs).
-* ``"sublayer"``: the attention and MLP halves of every block are checkpointed on their own:
-  twice the kept inputs, half the recompute transient, and without dropout neither ``attn.proj``
-  nor ``mlp.fc2`` reruns. Lighter than ``"block"`` while the gradients dominate the peak (small
-  batches), heavier at large batches, where the twice as many kept inputs dominate it.
-* ``"selective"``: Megatron-style selective recompute (Korthikanti et al. 2022, "Reducing
-  Activation Recomputation in Large Transformer Models", arXiv:2205.05198): every block is one
-  checkpoint that *keeps the outputs of its matmuls* (``aten.mm`` / ``aten.addmm``: the qkv,
-  output-projection and MLP linears) and recomputes only the attention core (softmax(QK^T)V and
-  its dropout) and the pointwise ops (LayerNorm, GELU, dropout, residual adds): no matmul runs
-  twice: about half the plain peak for about 1% more FLOPs.
-* ``"selective_sublayer"``: each sublayer is selective on its own, keeping the outputs of its
-  matmuls (``aten.mm`` / ``aten.addmm``) but, pre-norm, not its last linear's (``attn.proj``,
-  ``mlp.fc2``: they only feed the residual sums, and the recompute stops before them), so no
-  linear runs twice without dropout after it; the attention core and the pointwise ops are
-  recomputed, and a pre-norm block keeps its two residual-stream inputs, qkv and ``fc1``'s
-  output (:func:`_selective_sublayers`).
-* ``"selective_mlp"`` (pre-norm blocks only): the attention sublayer checkpointed whole (only its input kept: its
-  recompute reruns the qkv linear and the core and stops before ``attn.proj``), the MLP as in
-  ``"selective_sublayer"``: per block, qkv's output (three widths per token) less to keep for
-  the qkv linear's FLOPs. A per-block choice for the planner between the two above, as
-  torch.compile's memory budget makes it op by op.
-* ``"selective_stream"`` (pre-norm blocks only): ``"selective_sublayer"`` without keeping the
-  residual stream between the sublayers: one selective region from the block's input to
-  ``fc1``'s output, so backward makes the stream again (``attn.proj`` reruns) for one width per
-  token less (:func:`_selective_stream`). In a ViT's plan the embedding runs inside the first
-  block's region (:class:`EmbeddedBlock`), so its output is not kept either: the patch
-  convolution reruns, as torch.compile's memory budget chooses at half the activations.
+* ``"block"`` (recommended): every block but the last is one checkpoint, only its input kept
+  (the recompute stops once backward has what it needs: without dropout ``mlp.fc2`` never
+  reruns). The last block runs plainly: backward needs it first, so recomputing it would cost
+  FLOPs and save no peak (timm's ``set_grad_checkpointing`` reruns it).
+* ``"sublayer"``: the attention and MLP halves checkpointed on their own: twice the kept
+  inputs, half the recompute transient; lighter than ``"block"`` while gradients dominate the
+  peak (small batches), heavier at large ones.
+* ``"selective"``: Megatron-style selective recompute (Korthikanti et al. 2022,
+  arXiv:2205.05198): each block one checkpoint that *keeps its matmuls' outputs* (``aten.mm`` /
+  ``aten.addmm``) and recomputes the attention core and the pointwise ops: no matmul runs twice,
+  about half the plain peak for about 1% more FLOPs.
+* ``"selective_sublayer"``: each sublayer selective on its own, pre-norm without keeping its last
+  linear's output (``attn.proj``, ``mlp.fc2`` only feed the residual sums, and the recompute
+  stops before them), so no linear reruns without dropout after it (:func:`_selective_sublayers`).
+* ``"selective_mlp"`` (pre-norm only): the attention sublayer checkpointed whole (its recompute
+  reruns qkv and the core), the MLP as in ``"selective_sublayer"``: qkv's output (three widths
+  per token) less to keep for the qkv linear's FLOPs; a per-block choice for the planner.
+* ``"selective_stream"`` (pre-norm only): ``"selective_sublayer"`` without keeping the residual
+  stream between the sublayers (``attn.proj`` reruns), one width per token less
+  (:func:`_selective_stream`). In a ViT's plan the embedding runs inside the first block's region
+  (:class:`EmbeddedBlock`), so the patch convolution reruns too, as torch.compile's memory budget
+  chooses at half the activations.
 """
 from __future__ import annotations
 
@@ -151,12 +140,9 @@ class Block(nn.Module):
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def draws_random_numbers(self) -> bool:
-        """Whether a forward of the block may draw random numbers now: dropout (hidden or on
-        the attention probabilities) or stochastic depth at a positive rate in train mode, or
-        any submodule the block is not built of (an adapter with its own dropout, say: assumed
-        to draw). A block that draws none is checkpointed without saving RNG state for its
-        recompute (the same model, less host work per region); one that draws has its random
-        numbers replayed."""
+        """Whether a forward may draw random numbers now: dropout or stochastic depth at a
+        positive rate in train mode, or any submodule the block is not built of (an adapter:
+        assumed to draw). A block that draws none is checkpointed without saving RNG state."""
         todo = [self]  # walked by hand: the region's host cost, not self.modules()'s generators
         while todo:
             module = todo.pop()
@@ -259,26 +245,22 @@ def _selective_sublayers(block: Block, x: torch.Tensor,
     token less at the peak, no FLOP more). Post-norm: the sublayers' last linear outputs feed
     the norms, whose backward needs them, so each sublayer keeps all its matmuls' outputs."""
     rng = block.draws_random_numbers()
+    keep = {"save_ops": SELECTIVE_SAVE_OPS, "preserve_rng_state": rng}
     if not block.pre_norm:
-        x = checkpoint(block.attention_sublayer, x, attn_mask, save_ops=SELECTIVE_SAVE_OPS,
-                       preserve_rng_state=rng)
-        return checkpoint(block.mlp_sublayer, x, save_ops=SELECTIVE_SAVE_OPS,
-                          preserve_rng_state=rng)
+        x = checkpoint(block.attention_sublayer, x, attn_mask, **keep)
+        return checkpoint(block.mlp_sublayer, x, **keep)
     x = checkpoint(block.attention_sublayer, x, attn_mask,
                    save_ops=AllBut(SELECTIVE_SAVE_OPS, block.attn.proj), preserve_rng_state=rng)
-    hidden = checkpoint(block.mlp_input, x, save_ops=SELECTIVE_SAVE_OPS, preserve_rng_state=rng)
+    hidden = checkpoint(block.mlp_input, x, **keep)
     return checkpoint(block.mlp_output, x, hidden, preserve_rng_state=rng)
 
 
 def _whole_attention_selective_mlp(block: Block, x: torch.Tensor,
                                    attn_mask: torch.Tensor | None) -> torch.Tensor:
-    """``selective_mlp``: the attention sublayer one checkpoint keeping only its input; the
-    MLP as ``selective_sublayer`` runs it. Pre-norm, ``norm2`` and ``fc1`` are a plain region
-    here: the next region keeps ``fc1``'s output as its input, and the recompute stops before
-    ``fc1`` (its backward needs only ``norm2``'s output), so no op's output is kept out of
-    the saved-tensor hooks' sight and the block may run inside an outer region too.
-    Pre-norm only (a post-norm attention sublayer's recompute would rerun ``attn.proj`` too,
-    for its norm)."""
+    """``selective_mlp`` (pre-norm only): the attention sublayer one checkpoint keeping only
+    its input; ``norm2`` and ``fc1`` a plain region (the next keeps ``fc1``'s output as its
+    input, and the recompute stops before ``fc1``), so no op's output is kept out of the
+    saved-tensor hooks' sight and the block may run inside an outer region too."""
     if not block.pre_norm:
         raise ValueError("selective_mlp is for pre-norm blocks: a post-norm block's norms need "
                          "their inputs; use selective_sublayer")
