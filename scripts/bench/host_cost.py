@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from zoo.checkpoint import region
-from zoo.memory.host import COPY, OpCounter, count_ops, host_times
+from zoo.memory.host import COPY, OpCounter, Region, count_ops, host_times, recorded_regions, \
+    recording
 
 __all__ = ["Entry", "recorded_regions", "recompute_ops", "replay", "Floor", "floor_of",
            "measure"]
@@ -50,29 +50,6 @@ class Entry:
 # --------------------------------------------------------------------------------------------
 # The floor: each region's forward replayed on its own.
 # --------------------------------------------------------------------------------------------
-Region = tuple[Callable, tuple, dict, Any]
-
-
-@contextmanager
-def _recording(record: Callable[..., None]) -> Iterator[None]:
-    """``record(fn, args, kwargs, save_ops)`` called for every region opened (not nested in
-    another) while inside."""
-    region.recorders.append(record)
-    try:
-        yield
-    finally:
-        region.recorders.remove(record)
-
-
-def recorded_regions(step: Callable[[], Any]) -> list[Region]:
-    """(fn, args, kwargs, save_ops) of every zoo.checkpoint region ``step()`` opens (nested
-    regions are part of their outer one)."""
-    regions: list[Region] = []
-    with _recording(lambda *r: regions.append(r)):
-        step()
-    return regions
-
-
 @contextmanager
 def _statistics_frozen(model: nn.Module) -> Iterator[None]:
     """Normalisation layers that leave their running statistics as they are while a region is
@@ -113,7 +90,7 @@ def recompute_ops(fn: Callable, args: tuple, kwargs: dict, save_ops: Any = None,
     :func:`_statistics_frozen`."""
     at_pack: list[tuple[int, int]] = []
     inner: list[tuple[Region, int]] = []  # with the tensors saved before it opened
-    with _recording(lambda *r: inner.append((r, len(at_pack)))), torch.enable_grad(), \
+    with recording(lambda *r: inner.append((r, len(at_pack)))), torch.enable_grad(), \
             OpCounter(save_ops or ()) as counter:
         def pack(tensor: torch.Tensor) -> None:
             at_pack.append((counter.total, counter.excluded))

@@ -9,8 +9,8 @@ For each workload (``MODEL:BATCH`` in its recommended mode, or ``chain``: 100 ti
 region over plain:
 
 * Python calls: ``call`` and ``c_call`` events of ``sys.setprofile`` in one training step;
-* RNG calls: calls of ``torch.get_rng_state``/``set_rng_state`` and their ``torch.cuda`` twins,
-  counted by wrappers that call them;
+* RNG calls: calls of ``torch.get_rng_state``/``set_rng_state`` and their ``torch.cuda`` twins
+  (``zoo.memory.host.rng_state_calls``);
 * ``torch.cuda`` calls a CUDA run would make: here CUDA is not initialised, so the region skips
   them; the step is run once more with ``torch.cuda.is_initialized`` answering True and counting
   stand-ins for ``current_device`` and the CUDA RNG state getter and setter (the CPU ones stay
@@ -38,13 +38,13 @@ import torch
 
 from zoo.checkpoint import checkpoint, keywords
 from zoo.checkpoint.recompute import ForwardState, _RecomputeContext
-from zoo.memory.host import host_times
+from zoo.memory.host import host_times, recorded_regions, rng_state_calls
 
 from . import report
-from .host_cost import Entry, floor_of, measure, recorded_regions
+from .host_cost import Entry, floor_of, measure
 from .host_peers import chain_entries, zoo_entries
 
-__all__ = ["region_cost", "rng_saved_per_region", "python_calls", "rng_calls", "cuda_calls",
+__all__ = ["region_cost", "rng_saved_per_region", "python_calls", "cuda_calls",
            "state_bookkeeping_times"]
 
 SAVED = "RNG saved in every region"
@@ -98,18 +98,6 @@ def _counting(counts: Counter, name: str, fn: Callable) -> Callable:
         counts[name] += 1
         return fn(*args, **kwargs)
     return call
-
-
-def rng_calls(step: Callable[[], Any]) -> Counter:
-    """Calls of the CPU and CUDA RNG state getters and setters in one ``step()``, by name."""
-    counts: Counter = Counter()
-    cpu = {n: _counting(counts, f"torch.{n}", getattr(torch, n))
-           for n in ("get_rng_state", "set_rng_state")}
-    cuda = {n: _counting(counts, f"torch.cuda.{n}", getattr(torch.cuda, n))
-            for n in ("get_rng_state", "set_rng_state")}
-    with _replaced(torch, cpu), _replaced(torch.cuda, cuda):
-        step()
-    return counts
 
 
 def cuda_calls(step: Callable[[], Any]) -> Counter:
@@ -169,7 +157,8 @@ def _counts(name: str, batch: int) -> dict[str, dict[str, Any]]:
     out = {}
     for e in entries:
         e.step()
-        out[e.name] = {"python_calls": python_calls(e.step), "rng_calls": dict(rng_calls(e.step)),
+        out[e.name] = {"python_calls": python_calls(e.step),
+                       "rng_calls": dict(rng_state_calls(e.step)),
                        "cuda_calls": dict(cuda_calls(e.step))}
     plain, zoo = entries[0], entries[-1]
     floor = floor_of(zoo.model, zoo.step).step(plain.step, zoo.model)

@@ -5,12 +5,9 @@ regions, a transformer block without active dropout or stochastic depth) passes
 ``preserve_rng_state=False``: its step then reads and writes no RNG state at all, and still
 trains bit for bit like the plain model. A region that does draw (dropout inside it) keeps saving
 and replaying its random numbers. The RNG state calls are counted for real: the torch functions
-are wrapped by counters that call them.
+are wrapped by counters that call them (``zoo.memory.host.rng_state_calls``).
 """
 from __future__ import annotations
-
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -20,6 +17,7 @@ import zoo
 from helpers import assert_same_training
 from zoo.checkpoint import keywords
 from zoo.memory import train_step
+from zoo.memory.host import recorded_regions, rng_state_calls
 from zoo.models._transformer import TransformerModel
 from zoo.models.bert import Bert
 from zoo.models.densenet import DenseNet
@@ -27,39 +25,12 @@ from zoo.models.gpt2 import GPT2
 from zoo.models.resnet import ResNet
 from zoo.models.vit import VisionTransformer
 
-_RNG_FUNCTIONS = [(torch, "get_rng_state"), (torch, "set_rng_state"),
-                  (torch.cuda, "get_rng_state"), (torch.cuda, "set_rng_state")]
-
-
-@contextmanager
-def rng_state_calls() -> Iterator[list[int]]:
-    """Counts the calls of torch's CPU and CUDA RNG state getters and setters made inside."""
-    count = [0]
-    originals = [(owner, name, getattr(owner, name)) for owner, name in _RNG_FUNCTIONS]
-
-    def counting(function: Callable) -> Callable:
-        def call(*args, **kwargs):
-            count[0] += 1
-            return function(*args, **kwargs)
-        return call
-
-    for owner, name, function in originals:
-        setattr(owner, name, counting(function))
-    try:
-        yield count
-    finally:
-        for owner, name, function in originals:
-            setattr(owner, name, function)
-
-
 def rng_calls_per_step(model: nn.Module, x: torch.Tensor) -> int:
     """RNG state reads and writes of one training step (after a first one, outside the count);
     it leaves gradients in ``model``."""
     step = train_step(model, x)
     step()
-    with rng_state_calls() as count:
-        step()
-    return count[0]
+    return sum(rng_state_calls(step).values())
 
 
 def tiny_densenet(efficient: bool | str = False, drop_rate: float = 0.0) -> DenseNet:
@@ -114,8 +85,6 @@ def test_regions_that_draw_nothing_touch_no_rng_state_and_train_bit_for_bit(buil
     pytest.param("resnet110", 46, marks=pytest.mark.slow), ("vit_cifar", 6)])
 def test_registered_efficient_models_read_no_rng_state(name, regions):
     """The recommended modes of the registered models, at their default (no dropout)."""
-    from bench.host_cost import recorded_regions
-
     model = zoo.create_model(name, efficient=True)
     x = model.example_input(2)
     opened = len(recorded_regions(train_step(model, x)))

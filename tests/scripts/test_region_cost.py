@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from bench.host_cost import recorded_regions
-from bench.region_cost import cuda_calls, python_calls, region_cost, rng_calls, \
+from bench.region_cost import cuda_calls, python_calls, region_cost, \
     rng_saved_per_region
 from zoo.checkpoint import keywords
 from zoo.memory import train_step
+from zoo.memory.host import recorded_regions, rng_state_calls
 from zoo.models.densenet import DenseNet
 
 
@@ -29,9 +29,9 @@ def test_a_densenet_region_saving_rng_makes_four_cpu_and_seven_cuda_calls_else_n
     step = tiny_step()
     regions = len(recorded_regions(step))
     assert regions == 2 * 4 + 1 + 1  # two halves per layer, the transition, the final BN-ReLU
-    assert rng_calls(step) == {} and cuda_calls(step) == {}
+    assert rng_state_calls(step) == {} and cuda_calls(step) == {}
     with rng_saved_per_region():
-        saved_rng, saved_cuda = rng_calls(step), cuda_calls(step)
+        saved_rng, saved_cuda = rng_state_calls(step), cuda_calls(step)
     # forward: read the CPU state; recompute: read it, set the forward's, put it back
     assert saved_rng == {"torch.get_rng_state": 2 * regions, "torch.set_rng_state": 2 * regions}
     # with CUDA initialised: is CUDA up (twice), which device, then the same on that device

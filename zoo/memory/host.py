@@ -3,7 +3,9 @@
 On a GPU a step of many small layers is host-bound, so every op a checkpointed region adds
 beyond its recompute is time the user pays. :class:`OpCounter` counts the aten ops a step
 dispatches (a ``TorchDispatchMode``; exact, so tests may pin it), with the shallow copies
-autograd makes of saved tensors (``aten.detach``) counted apart. :func:`host_times` times steps
+autograd makes of saved tensors (``aten.detach``) counted apart; :func:`recorded_regions` lists
+the checkpoint regions a step opens and :func:`rng_state_calls` counts the RNG state reads and
+writes it makes (what a region that preserves RNG state pays per call). :func:`host_times` times steps
 on the ``meta`` device, where no kernel runs: the process's CPU time, interleaved rounds, read as
 ratios to the plain model of the same run (``python scripts/benchmark.py host-cost``)."""
 from __future__ import annotations
@@ -11,14 +13,17 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from zoo import _torch
 from zoo._torch import TorchDispatchMode
+from zoo.checkpoint import region
 
-__all__ = ["OpCounter", "COPY", "count_ops", "host_times"]
+__all__ = ["OpCounter", "COPY", "count_ops", "Region", "recording", "recorded_regions",
+           "rng_state_calls", "host_times"]
 
 
 _BELOW_AUTOGRAD = _torch.DispatchKey.ADInplaceOrView
@@ -64,6 +69,58 @@ def count_ops(step: Callable[[], Any]) -> Counter[str]:
     with OpCounter() as counter:
         step()
     return counter.ops
+
+
+# A checkpoint region as it was opened: (fn, args, kwargs, save_ops).
+Region = tuple[Callable, tuple, dict, Any]
+
+
+@contextmanager
+def recording(record: Callable[..., None]) -> Iterator[None]:
+    """``record(fn, args, kwargs, save_ops)`` called for every zoo.checkpoint region opened (not
+    nested in another) while inside."""
+    region.recorders.append(record)
+    try:
+        yield
+    finally:
+        region.recorders.remove(record)
+
+
+def recorded_regions(step: Callable[[], Any]) -> list[Region]:
+    """(fn, args, kwargs, save_ops) of every zoo.checkpoint region ``step()`` opens (nested
+    regions are part of their outer one)."""
+    regions: list[Region] = []
+    with recording(lambda *r: regions.append(r)):
+        step()
+    return regions
+
+
+_RNG_STATE = ((torch, "torch"), (torch.cuda, "torch.cuda"))
+
+
+def rng_state_calls(step: Callable[[], Any]) -> Counter[str]:
+    """The RNG state reads and writes ``step()`` makes, by name (``torch.get_rng_state``,
+    ``torch.cuda.set_rng_state``, ...): torch's own functions, each wrapped by a counter that
+    calls it while the step runs. A region that preserves RNG state makes four on the CPU per
+    step: its forward reads the state, its recompute reads it, sets the forward's, puts it back."""
+    counts: Counter[str] = Counter()
+    originals = [(owner, f"{prefix}.{name}", name, getattr(owner, name))
+                 for owner, prefix in _RNG_STATE for name in ("get_rng_state", "set_rng_state")]
+
+    def counting(key: str, function: Callable) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[key] += 1
+            return function(*args, **kwargs)
+        return call
+
+    for owner, key, name, function in originals:
+        setattr(owner, name, counting(key, function))
+    try:
+        step()
+    finally:
+        for owner, _, name, function in originals:
+            setattr(owner, name, function)
+    return counts
 
 
 def host_times(steps: dict[str, Callable[[], Any]], repeats: int = 15, warmup: int = 2,

@@ -222,9 +222,10 @@ class DenseNet(FeatureStages, ZooModel):
         return chain_of(chain)
 
     def chain_draws_random_numbers(self) -> bool:
-        """Only a dense layer's dropout draws (in train mode, at a positive rate)."""
-        return self.training and any(m.drop_rate > 0 for m in self.modules()
-                                     if isinstance(m, DenseLayer))
+        """Only a dense layer's dropout draws (in train mode, at a positive rate). Asked once
+        per planned forward: the dense blocks' layers are read, not every module."""
+        return self.training and any(layer.drop_rate > 0 for block in self.features.children()
+                                     if isinstance(block, DenseBlock) for layer in block.values())
 
     def example_input(self, batch_size: int = 2, size: int | None = None) -> torch.Tensor:
         """Random images; ``size`` defaults to 32 (CIFAR) or 64 (ImageNet models: any side >= 32
