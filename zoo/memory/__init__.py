@@ -113,7 +113,11 @@ def _parse_size(value: int | float | str, allow_fraction: bool) -> float:
 
 
 def format_bytes(n: float) -> str:
-    """Bytes as MiB below 1 GiB, else GiB, e.g. ``788.0 MiB``, ``5.37 GiB``."""
+    """Bytes in a unit that shows them: ``512 B``, ``4.0 KiB``, ``788.0 MiB``, ``5.37 GiB``."""
+    if abs(n) < 2**10:
+        return f"{n:.0f} B"
+    if abs(n) < 2**20:
+        return f"{n / 2**10:.1f} KiB"
     return f"{n / 2**20:.1f} MiB" if abs(n) < 2**30 else f"{n / 2**30:.2f} GiB"
 
 

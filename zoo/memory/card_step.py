@@ -20,7 +20,8 @@ from .cards import H100_ACHIEVED, H100_HOST, Achieved, Card, HostCost, StepTime,
 from .. import _torch
 from .cuda_peak import CudaCounter, run_counted
 from .fake import FakeStep
-from .training import default_loss
+from .precision import step_precision
+from .training import forward_loss
 
 __all__ = ["CardStep", "predict_step", "run_on_card"]
 
@@ -37,37 +38,41 @@ class CardStep:
 def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
                  loss_fn: Callable[[Any], torch.Tensor] | None = None,
                  host: HostCost = H100_HOST, achieved: Achieved = H100_ACHIEVED,
-                 limit: int | None = None) -> CardStep:
+                 limit: int | None = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> CardStep:
     """Peak and time of one training step of ``model`` (as configured: checkpoint mode or
     plan) on ``example_input``, on card ``on`` (a name of ``zoo.memory.cards.CARDS`` or a
     :class:`~zoo.memory.cards.Card`). ``host`` and ``achieved``: the host's costs and the
     fractions of the card's peaks its kernels reach (both calibrated on an H100 machine);
-    ``limit``: a cap on reserved bytes, as ``set_per_process_memory_fraction`` sets."""
+    ``limit``: a cap on reserved bytes, as ``set_per_process_memory_fraction`` sets. The batch,
+    loss, precision and ``optimizer`` are read as :func:`zoo.memory.step.measure_step` reads
+    them."""
     target = card(on)
-    counter = run_on_card(model, example_input, target, loss_fn, limit)
+    counter = run_on_card(model, example_input, target, loss_fn, limit, optimizer=optimizer)
     return CardStep(target, counter.peak,
                     step_time(counter.records, counter.regions, target, host, achieved))
 
 
 def run_on_card(model: nn.Module, example_input: Any, on: str | Card,
                 loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                limit: int | None = None, counter: CudaCounter | None = None) -> CudaCounter:
+                limit: int | None = None, counter: CudaCounter | None = None,
+                optimizer: torch.optim.Optimizer | None = None) -> CudaCounter:
     """:func:`predict_step`'s fake step, the counter returned (its ``peak``, ``records`` and
     ``regions``). ``counter``: a fresh one to count in, which ``model`` may read as it runs."""
     target = card(on)
-    loss_fn = loss_fn or default_loss
-    fake = FakeStep(model, example_input)
+    fake = FakeStep(model, example_input, optimizer)
 
     def step() -> None:
         fake.clear()
         with _torch.reparametrize_module(model, fake.state):
-            loss_fn(model(fake.input)).backward()
+            forward_loss(model, fake.input, loss_fn).backward()
+            if fake.optimizer is not None:
+                fake.optimizer.step()
 
     try:
-        with fake.mode, warnings.catch_warnings():
+        with fake.mode, step_precision(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
-            return run_counted(step, fake.tensors + [fake.input]
-                               if isinstance(fake.input, torch.Tensor) else fake.tensors,
-                               limit, workspace=target.workspace, counter=counter)
+            return run_counted(step, fake.tensors + fake.input.tensors(), limit,
+                               workspace=target.workspace, counter=counter)
     finally:
         fake.clear()

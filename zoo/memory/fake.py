@@ -1,8 +1,8 @@
 """Fake copies of a model's state for a training step under ``FakeTensorMode``.
 
 ``step.py`` and the planner's profiler both run the training step (:mod:`.training`) on these;
-this file imports nothing of the package but its fake mode, which keeps the package free of
-import circles.
+this file imports nothing of the package but its fake mode, the batch and the optimizer's
+mirror, which keeps the package free of import circles.
 """
 from __future__ import annotations
 
@@ -15,14 +15,18 @@ import torch
 from torch import nn
 
 from .fake_mode import PlannerFakeMode
+from .inputs import Batch
+from .optimizer import fill_state, mirror, state_tensors
 
 __all__ = ["fake_state", "FakeStep", "collector_paused"]
 
 
-def fake_state(model: nn.Module, fake: Any) -> dict[str, torch.Tensor]:
+def fake_state(model: nn.Module, fake: Any, copies: dict[int, torch.Tensor] | None = None
+               ) -> dict[str, torch.Tensor]:
     """Fake copies of ``model``'s parameters and buffers by name, for ``_reparametrize_module``;
-    tied tensors (GPT-2's head and embedding) get one shared copy under every name."""
-    copies: dict[int, torch.Tensor] = {}
+    tied tensors (GPT-2's head and embedding) get one shared copy under every name. ``copies``:
+    filled with id of each real tensor -> its fake copy."""
+    copies = {} if copies is None else copies
     state: dict[str, torch.Tensor] = {}
     for name, t in [*model.named_parameters(remove_duplicate=False),
                     *model.named_buffers(remove_duplicate=False)]:
@@ -34,25 +38,34 @@ def fake_state(model: nn.Module, fake: Any) -> dict[str, torch.Tensor]:
 
 
 class FakeStep:
-    """Fake copies of a model's parameters and buffers and of an input, made once for the many
+    """Fake copies of a model's parameters and buffers and of a batch, made once for the many
     fake steps of a planning (making them costs a few hundred microseconds per tensor): the
     ``mode`` they belong to (a ``PlannerFakeMode``: ``FakeTensorMode`` with quicker cache
-    keys), ``state`` by name, the unique ``tensors``, the ``input``. :meth:`clear` drops the
-    gradients a step left on them."""
+    keys), ``state`` by name, the unique ``tensors``, the ``input`` (a
+    :class:`~.inputs.Batch`), and with ``optimizer`` its ``optimizer`` over the fake parameters,
+    holding the state one step leaves (:mod:`.optimizer`; its state tensors are among
+    ``tensors``). :meth:`clear` drops the gradients a step left on them."""
 
-    def __init__(self, model: nn.Module, example_input: Any) -> None:
+    def __init__(self, model: nn.Module, example_input: Any,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         self.mode = PlannerFakeMode()
-        self.state = fake_state(model, self.mode)
+        copies: dict[int, torch.Tensor] = {}
+        self.state = fake_state(model, self.mode, copies)
         self.tensors = list({id(t): t for t in self.state.values()}.values())
-        x = example_input
-        self.input = self.mode.from_tensor(x.detach()).requires_grad_(x.requires_grad) \
-            if isinstance(x, torch.Tensor) else x
+        self.input = Batch.of(example_input).map(
+            lambda x: self.mode.from_tensor(x.detach()).requires_grad_(x.requires_grad))
+        self.optimizer = None
+        if optimizer is not None:
+            with self.mode:
+                self.optimizer = mirror(optimizer, copies)
+                fill_state(self.optimizer)
+            self.tensors += state_tensors(self.optimizer)
 
     def clear(self) -> None:
         for t in self.tensors:
             t.grad = None
-        if isinstance(self.input, torch.Tensor):
-            self.input.grad = None
+        for t in self.input.tensors():
+            t.grad = None
 
 
 @contextlib.contextmanager

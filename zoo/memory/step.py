@@ -1,6 +1,7 @@
 """Measure one training step of a model without running it: peak bytes and FLOPs.
 
-The step (forward, loss, backward) runs under ``FakeTensorMode`` with the model's parameters and
+The step (forward, loss, backward, the optimizer's step when there is one: :mod:`.training`)
+runs under ``FakeTensorMode`` with the model's parameters and
 buffers swapped for fake copies, inside :class:`~zoo.memory.tracker.StepCounter` (live bytes as
 ``MemTracker`` counts them, without its module hooks, and ``FlopCounterMode``'s FLOPs). The byte
 count is identical to a real CPU step's, so this is the planner's independent check of its own
@@ -17,31 +18,37 @@ import torch
 from torch import nn
 
 from .fake import FakeStep
-from .training import default_loss
+from .precision import step_precision
+from .training import forward_loss
 from .on_card import step_counter
 from .tracker import StepCounter
 
 __all__ = ["measure_step", "peak_bytes"]
 
 
-def measure_step(model: nn.Module, example_input: torch.Tensor,
+def measure_step(model: nn.Module, example_input: Any,
                  loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                 fake: FakeStep | None = None) -> tuple[int, int]:
+                 fake: FakeStep | None = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> tuple[int, int]:
     """(peak bytes, FLOPs) of one fake training step of ``model`` as it is configured now
-    (checkpoint mode or plan included). ``model`` itself is left untouched. ``fake``: the fake
-    state to run on (made for this step when not given)."""
+    (checkpoint mode or plan included) on the batch ``example_input`` (a tensor, a tuple or a
+    dict: :class:`~.inputs.Batch`), in the caller's precision (:mod:`.precision`), with
+    ``optimizer``'s state and step when given (:mod:`.optimizer`). ``model`` itself is left
+    untouched. ``fake``: the fake state to run on (made for this step when not given; its
+    optimizer, if any, is the step's)."""
     from zoo._torch import reparametrize_module as _reparametrize_module
 
-    loss_fn = loss_fn or default_loss
-    fake = fake or FakeStep(model, example_input)
+    fake = fake or FakeStep(model, example_input, optimizer)
     fake.clear()
     counter, kernels = step_counter()  # the CPU's, or a card's under zoo.memory.on_card
     counter.track(fake.tensors)
     try:
-        with fake.mode, warnings.catch_warnings():
+        with fake.mode, step_precision(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
             with kernels, counter, _reparametrize_module(model, fake.state):
-                loss_fn(model(fake.input)).backward()
+                forward_loss(model, fake.input, loss_fn).backward()
+                if fake.optimizer is not None:
+                    fake.optimizer.step()
     finally:
         fake.clear()
     return counter.peak, counter.flops

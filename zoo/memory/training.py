@@ -1,44 +1,94 @@
-"""The training step every measurement takes: forward, a mean-square loss, backward.
+"""The training step every measurement takes: forward and loss, backward, and the optimizer's step
+when there is one.
 
 The planner's fake steps, the benchmarks and the tests all measure this one step, so their
-figures are of the same thing: ``default_loss(model(x)).backward()`` in train mode from fresh
-(``None``) gradients. No optimizer: its state is the same for every checkpoint mode and would
-only hide the activations' share.
+figures are of the same thing: ``loss = loss_fn(model(*batch))`` (under the step's autocast,
+:mod:`.precision`), ``loss.backward()`` in train mode from fresh (``None``) gradients, then
+``optimizer.step()`` when one is given (:mod:`.optimizer`: its state held from the step before).
+The model's output is dropped before the backward, as the Hugging Face ``Trainer`` and
+Lightning's ``training_step`` do (a loop that keeps it holds it through the backward). The
+batch is read by :class:`~.inputs.Batch`: a tensor, a tuple of positional arguments or a dict of
+keyword arguments. The loss is the output's own ``loss`` when it carries one (a Hugging Face
+model given ``labels``), else a mean of squares (:func:`default_loss`), unless ``loss_fn`` says.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["default_loss", "train_step"]
+from .inputs import Batch
+from .precision import Precision, forward_precision, scale_loss, step_precision
+
+__all__ = ["default_loss", "forward_loss", "train_step", "loss_source", "loss_used"]
+
+_LOSS_USED: ContextVar[str] = ContextVar("zoo_loss_used", default="mean of squares")
+
+
+def _own_loss(output: Any) -> torch.Tensor | None:
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else None
 
 
 def default_loss(output: Any) -> torch.Tensor:
-    """``square().mean()`` of the output in float32: of its first element for a tuple or list,
-    of its first tensor for a Hugging Face ``ModelOutput`` (the last hidden state)."""
+    """The output's own ``loss`` when it carries one (a Hugging Face ``ModelOutput`` of a model
+    given ``labels``); else ``square().mean()`` of the output in float32: of its first element
+    for a tuple or list, of its first tensor for a ``ModelOutput`` (the last hidden state)."""
+    own = _own_loss(output)
+    if own is not None:
+        return own
     out = output[0] if isinstance(output, (tuple, list)) else output
     if not isinstance(out, torch.Tensor) and hasattr(out, "values"):  # Hugging Face ModelOutput
         out = next(v for v in out.values() if isinstance(v, torch.Tensor))
     return out.float().square().mean()
 
 
-def train_step(model: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-               forward: Callable[[Any], Any] | None = None) -> Callable[[], None]:
-    """One training step of ``model`` on ``x`` as a call: gradients reset to None, then
-    ``loss_fn(forward(x)).backward()``; ``model`` is put in train mode here, once (not in the
-    step, whose host time is measured). ``forward``: what to call instead of ``model`` (a
-    compiled or wrapped model whose parameters are ``model``'s); ``loss_fn``: ``default_loss``
-    unless given."""
-    loss_fn = default_loss if loss_fn is None else loss_fn
-    forward = model if forward is None else forward  # no truth test: a compiled module has none
+def loss_source(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> str:
+    """Which loss a step of this ``output`` trains on, in words (for a plan's printout)."""
+    if loss_fn is not None and loss_fn is not default_loss:
+        return f"loss_fn {getattr(loss_fn, '__name__', type(loss_fn).__name__)}"
+    return "the output's own loss" if _own_loss(output) is not None else "mean of squares"
 
+
+def forward_loss(model: Callable[..., Any], batch: Any,
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None) -> torch.Tensor:
+    """The loss a measured step starts its backward from: ``loss_fn(model(*batch))`` under the
+    step's autocast, scaled for fp16 (:mod:`.precision`); the output is not kept."""
+    with forward_precision():
+        output = Batch.of(batch).call(model)
+        loss = (loss_fn or default_loss)(output)
+    _LOSS_USED.set(loss_source(output, loss_fn))
+    return scale_loss(loss)
+
+
+def loss_used() -> str:
+    """The loss the last step measured here trained on, in words (:func:`loss_source`)."""
+    return _LOSS_USED.get()
+
+
+def train_step(model: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+               forward: Callable[..., Any] | None = None,
+               optimizer: torch.optim.Optimizer | None = None,
+               precision: Precision | None = None) -> Callable[[], None]:
+    """One training step of ``model`` on the batch ``x`` as a call: gradients reset to None,
+    then ``forward_loss(...).backward()`` and ``optimizer.step()`` when given; ``model`` is put
+    in train mode here, once (not in the step, whose host time is measured). ``forward``: what
+    to call instead of ``model`` (a compiled or wrapped model whose parameters are
+    ``model``'s); ``loss_fn``: :func:`default_loss` unless given; ``precision``: the autocast to
+    run the forward in (default: the caller's when the step is made)."""
+    forward = model if forward is None else forward  # no truth test: a compiled module has none
+    batch = Batch.of(x)
+    precision = Precision.ambient() if precision is None else precision
     model.train()
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
-        loss_fn(forward(x)).backward()
+        with step_precision(precision):
+            forward_loss(forward, batch, loss_fn).backward()
+        if optimizer is not None:
+            optimizer.step()
 
     return step

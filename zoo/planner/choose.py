@@ -20,6 +20,10 @@ import torch
 from torch import nn
 
 from ..memory import parse_budget
+from ..memory.inputs import Batch, check_model
+from ..memory.optimizer import check_optimizer
+from ..memory.precision import current_precision, step_precision
+from ..memory.training import loss_used
 from ..memory.cards import Card
 from ..memory.fake import FakeStep, collector_paused
 from ..memory.on_card import on_card
@@ -34,6 +38,8 @@ from .search.modes import ModeCost, profile_modes
 from .search.multi_level import MAX_UNITS, chain_floor
 from .search.one_level import predict_peak, schedules
 from .search.savesets import SAVE_SETS
+from .quiet import fake_logs_quiet
+from .whole_step import WholeStep, describe_step
 
 __all__ = ["plan", "Planner", "solve_profile", "profile_block_modes", "block_plan", "plan_choices",
            "spine_planner"]
@@ -171,13 +177,15 @@ class Planner:
     partitioner keeps (it recomputes each tagged op once: tests/planner/test_planner_compile.py).
     Python's cyclic garbage collector is paused meanwhile (``fake.collector_paused``)."""
 
-    def __init__(self, model: nn.Module, example_input: torch.Tensor,
+    def __init__(self, model: nn.Module, example_input: Any,
                  loss_fn: Callable[[Any], torch.Tensor] | None = None, *, modes: bool = True,
                  block_modes: bool = True, slots: int = 2000,
-                 profile: ChainProfile | None = None, compiled: bool = False) -> None:
+                 profile: ChainProfile | None = None, compiled: bool = False,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         if compiled:
             modes = block_modes = False
-        with collector_paused():
+        with collector_paused(), step_precision() as precision:
+            self.whole = WholeStep.of(model, example_input, loss_fn, optimizer, precision)
             fake = FakeStep(model, example_input)
             self.profile = profile or profile_chain(model, example_input, loss_fn, fake=fake,
                                                     max_units=MAX_UNITS)
@@ -192,21 +200,31 @@ class Planner:
 
     @property
     def least_peak(self) -> int:
+        """The least peak of a whole step any plan reaches."""
+        if self.whole is not None:
+            return self.whole.peak(self.choices[0])
         return self.choices[0].predicted_peak
 
     @property
     def plain_peak(self) -> int:
+        """The peak of the whole step checkpointing nothing."""
+        if self.whole is not None:
+            return self.whole.peak(self.choices[-1])
         return self.choices[-1].plain_peak
 
     def plan(self, memory_budget: int | float | str) -> Plan:
         """The cheapest plan that fits ``memory_budget`` (bytes or ``"10GB"``); raises
         :class:`BudgetTooSmallError` below :attr:`least_peak`."""
-        return _pick(self.choices, parse_budget(memory_budget))
+        budget = parse_budget(memory_budget)
+        if self.whole is None:
+            return _pick(self.choices, budget)
+        return self.whole.pick(self.choices, budget)
 
 
 def spine_planner(model: nn.Module, example_input: Any,
                   loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                  slots: int = 2000, compiled: bool = False) -> Planner | None:
+                  slots: int = 2000, compiled: bool = False,
+                  optimizer: torch.optim.Optimizer | None = None) -> Planner | None:
     """A :class:`Planner` over ``model``'s spine (``modules.spine``: every submodule call of it a
     candidate region, the stem too), or None when the spine leaves out some of the repeated
     blocks ``zoo.blocks.find_blocks`` names (a Hugging Face encoder's layers, looped with keyword
@@ -231,7 +249,8 @@ def spine_planner(model: nn.Module, example_input: Any,
         if len(names) < 2 or not covered:
             return None
         planner = Planner(Spine(model, names, out_of_place=not compiled), example_input,
-                          loss_fn, modes=False, slots=slots, compiled=compiled)
+                          loss_fn, modes=False, slots=slots, compiled=compiled,
+                          optimizer=optimizer)
         planner.choices = [dataclasses.replace(c, spine=list(names),
                                                spine_out_of_place=not compiled)
                            for c in planner.choices]
@@ -244,13 +263,14 @@ def spine_planner(model: nn.Module, example_input: Any,
             m.forward, m._zoo_spine = forward, True
 
 
-def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | float | str, *,
+def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
          loss_fn: Callable[[Any], torch.Tensor] | None = None, apply: bool = True,
          modes: bool = True, block_modes: bool = True,
          modules: Any = None, cost: str = "flops", compiled: bool = False,
-         device: str | Card | None = None) -> Plan | ModulePlan:
-    """Checkpoint ``model`` so one training step fits ``memory_budget`` with the least
-    recompute, and return the :class:`Plan` (``print`` it for a table).
+         device: str | Card | None = None,
+         optimizer: torch.optim.Optimizer | None = None) -> Plan | ModulePlan:
+    """Checkpoint ``model`` so the training step the user runs fits ``memory_budget`` with the
+    least recompute, and return the :class:`Plan` (``print`` it for a table).
 
     Args:
         model: any ``nn.Module``. A zoo model is planned over its chain of blocks, its hand
@@ -259,15 +279,18 @@ def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | flo
             ones ``zoo.set_grad_checkpointing`` takes; ``modules`` overrides them), nested in
             containers where every block alone does not fit, returning a :class:`ModulePlan`
             whose peak is measured (:func:`plan_module`).
-        example_input: one batch as training will see it (shape, dtype and device decide the
-            figures; its values do not matter). Nothing is computed on it: the model is
-            profiled under ``FakeTensorMode``.
+        batch: one batch as the model takes it and training will see it: a tensor, a tuple of
+            positional arguments or a dict of keyword arguments (a Hugging Face batch with
+            ``input_ids``, ``attention_mask``, ``labels``); shapes, dtypes and devices decide
+            the figures, values do not. Nothing is computed on it: the model is profiled under
+            ``FakeTensorMode``.
         memory_budget: bytes, or a string like ``"10GB"`` / ``"12GiB"`` / ``"1500MB"``, for one
-            training step: parameters, gradients and activations (not optimizer state: leave
-            room for it). ``inf`` (or ``"inf"``) checkpoints nothing; for an input on a GPU, a
-            fraction of its memory (``0.8`` or ``"80%"``).
-        loss_fn: output -> scalar loss of the step (default: mean of squares; its memory is part
-            of the prediction, usually negligible).
+            whole training step: parameters, gradients, activations and, with ``optimizer``,
+            its state and step. ``inf`` (or ``"inf"``) checkpoints nothing; for an input on a
+            GPU or a ``device`` card, a fraction of its memory (``0.8`` or ``"80%"``).
+        loss_fn: output -> scalar loss of the step. Default: the output's own ``loss`` when it
+            carries one (a Hugging Face model given ``labels``), else the mean of squares; the
+            plan's printout says which.
         apply: make the model run the result (default True).
         cost: ``"flops"`` (default, exact) or ``"time"``: each block's forward timed on the
             input's device (or predicted on ``device``'s card), and the chain planned for
@@ -287,58 +310,81 @@ def plan(model: nn.Module, example_input: torch.Tensor, memory_budget: int | flo
             (``zoo.memory.on_card``) on the input as it is (a CPU input is fine), a fraction
             budget is of the card's memory, and ``cost="time"`` prices blocks by their
             predicted time on the card. Default: the input's own device.
+        optimizer: the optimizer training will step (over ``model``'s parameters): its state
+            (AdamW: two copies of the parameters, SGD with momentum: one) is held all step and
+            its ``step()`` runs after the backward, so both count in the budget and in
+            ``predicted_peak`` (``zoo.planner.whole_step``).
 
-    A budget at or above the plain model's peak checkpoints nothing. A budget below the lowest
-    peak any schedule reaches raises :class:`BudgetTooSmallError` naming that peak; nan,
-    negative or unreadable budgets raise a one-line ValueError.
+    Called inside ``torch.autocast(...)``, the plan is for that precision: forward and loss
+    under the autocast, backward and optimizer step after it, as PyTorch's mixed-precision
+    recipe runs them (``zoo.memory.precision``; fp16 with a ``GradScaler``'s scaled loss).
+    A budget at or above the plain step's peak checkpoints nothing. A budget below the lowest
+    peak any schedule reaches raises :class:`BudgetTooSmallError` naming that peak; a wrong
+    argument (a model that is not a module, a batch of another kind, a foreign optimizer, an
+    unreadable budget) is a one-line error.
     """
+    model = check_model(model)
+    inputs = Batch.of(batch)
+    check_optimizer(optimizer, model)
     if cost not in ("flops", "time"):
         raise ValueError(f"cost must be 'flops' or 'time', got {cost!r}")
-    if device is not None:
-        with on_card(device) as target:
-            budget = parse_budget(memory_budget, total=target.memory)
-            result = _plan(model, example_input, budget, loss_fn, modes, block_modes, modules,
-                           cost, compiled, target)
-    else:
-        here = example_input.device if isinstance(example_input, torch.Tensor) else None
-        result = _plan(model, example_input, parse_budget(memory_budget, here), loss_fn, modes,
-                       block_modes, modules, cost, compiled, None)
+    with step_precision() as precision, fake_logs_quiet(model, inputs):
+        if device is not None:
+            with on_card(device) as target:
+                budget = parse_budget(memory_budget, total=target.memory)
+                result = _plan(model, inputs, budget, loss_fn, modes, block_modes, modules,
+                               cost, compiled, target, optimizer)
+        else:
+            budget = parse_budget(memory_budget, inputs.device)
+            result = _plan(model, inputs, budget, loss_fn, modes, block_modes, modules, cost,
+                           compiled, None, optimizer)
+        result = dataclasses.replace(result, step=describe_step(inputs, loss_used(), optimizer,
+                                                                precision))
     if apply:
         result.apply(model)
     return result
 
 
-def _plan(model: nn.Module, example_input: torch.Tensor, budget: float,
+def _plan(model: nn.Module, example_input: Batch, budget: float,
           loss_fn: Callable[[Any], torch.Tensor] | None, modes: Any, block_modes: Any,
-          modules: Any, cost: str, compiled: bool, on: Card | None) -> Plan | ModulePlan:
+          modules: Any, cost: str, compiled: bool, on: Card | None,
+          optimizer: torch.optim.Optimizer | None) -> Plan | ModulePlan:
     """:func:`plan`'s choice, not applied; ``on``: the card timed for ``cost="time"``."""
     with collector_paused():
         if hasattr(model, "checkpoint_chain") and modules is None:
             with plan_set_aside(model):  # a plan applied before is not the plain step's
                 return _plan_zoo_model(model, example_input, budget, loss_fn, cost, modes,
-                                       block_modes, compiled, on)
+                                       block_modes, compiled, on, optimizer)
         if cost == "time":  # said, not refused: the plan by FLOPs is still a correct plan
             warnings.warn(f"zoo.plan: cost='time' times a zoo model's chain of blocks; "
                           f"{type(model).__name__} has none, so it is planned by FLOPs",
                           UserWarning, stacklevel=3)
-        spine = spine_planner(model, example_input, loss_fn, compiled=compiled) \
-            if modules is None else None
+        spine = spine_planner(model, example_input, loss_fn, compiled=compiled,
+                              optimizer=optimizer) if modules is None else None
         return spine.plan(budget) if spine is not None else \
-            plan_module(model, example_input, budget, loss_fn, modules)
+            plan_module(model, example_input, budget, loss_fn, modules, optimizer)
 
 
-def _plan_zoo_model(model: nn.Module, example_input: torch.Tensor, budget: float,
+def _plan_zoo_model(model: nn.Module, example_input: Batch, budget: float,
                     loss_fn: Callable[[Any], torch.Tensor] | None, cost: str, modes: Any,
-                    block_modes: Any, compiled: bool, on: Card | None) -> Plan:
+                    block_modes: Any, compiled: bool, on: Card | None,
+                    optimizer: torch.optim.Optimizer | None) -> Plan:
     """:func:`plan` for a model with the zoo's chain, with no plan applied to it."""
+    whole = WholeStep.of(model, example_input, loss_fn, optimizer, current_precision())
     if budget == float("inf"):
-        return _no_limit(model, example_input, loss_fn)
+        plain = _no_limit(model, example_input, loss_fn)
+        if whole is None:
+            return plain
+        peak = whole.peak(plain)
+        return dataclasses.replace(plain, predicted_peak=peak, plain_peak=peak)
     if cost == "time":
         profile = time_profile(model, example_input, profile_chain(model, example_input, loss_fn),
                                loss_fn, on=on)
-        return dataclasses.replace(solve_profile(profile, budget), cost="time")
+        choices = plan_choices(profile)
+        chosen = _pick(choices, budget) if whole is None else whole.pick(choices, budget)
+        return dataclasses.replace(chosen, cost="time")
     return Planner(model, example_input, loss_fn, modes=modes, block_modes=block_modes,
-                   compiled=compiled).plan(budget)
+                   compiled=compiled, optimizer=optimizer).plan(budget)
 
 
 def _no_limit(model: nn.Module, example_input: torch.Tensor,

@@ -57,7 +57,8 @@ class Plan:
     module without the zoo's chain, the dotted names of the submodules it was planned over
     (``zoo.planner.modules.spine``), whose calls the segments cover; ``spine_out_of_place``: its
     in-place activations run out of place (``zoo.planner.modules.spine.SpineStep``; not so in a plan
-    for ``torch.compile``).
+    for ``torch.compile``); ``step``: the step planned for, in words (batch, loss, optimizer,
+    precision: ``zoo.planner.whole_step.describe_step``).
     """
 
     segments: list[tuple[int, int, Any]]
@@ -75,6 +76,7 @@ class Plan:
     spine: list[str] | None = None
     spine_out_of_place: bool = True
     compiled: bool = False
+    step: str = ""
 
     def apply(self, model: nn.Module) -> None:
         """Make ``model`` run this plan (its chain's segments with their block modes, or its
@@ -142,9 +144,10 @@ class Plan:
         roomy = "; at or above the plain peak: nothing checkpointed" \
             if self.budget >= self.plain_peak else ""
         peak = format_bytes(self.predicted_peak)
-        return (f"budget {_budget(self.budget)}: predicted peak {peak}"
+        line = (f"budget {_budget(self.budget)}: predicted peak {peak}"
                 f" (plain {format_bytes(self.plain_peak)}, smallest feasible "
                 f"{format_bytes(self.smallest_peak)}{roomy})")
+        return f"{self.step}\n{line}" if self.step else line
 
     def __str__(self) -> str:
         if self.mode is not None:

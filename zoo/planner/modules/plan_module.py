@@ -21,7 +21,9 @@ from ...blocks import checkpoint_module, find_blocks, is_checkpointed
 from ...memory import format_bytes
 from ..errors import BudgetTooSmallError
 from ...memory.fake import fake_state
-from ...memory.training import default_loss
+from ...memory.inputs import Batch
+from ...memory.precision import step_precision
+from ...memory.training import forward_loss
 from ...memory.fake_mode import PlannerFakeMode
 from ...memory.step import measure_step
 from .nesting import clear_nested, nest, outer_candidates, restore_nested, set_nested
@@ -49,6 +51,7 @@ class ModulePlan:
     saved: dict[str, int] = field(default_factory=dict)
     nested: list[str] = field(default_factory=list)
     every_block_peak: int | None = None
+    step: str = ""
 
     @property
     def overhead(self) -> float:
@@ -69,7 +72,8 @@ class ModulePlan:
                   f"{'yes' if n in self.checkpointed else ''} |" for n in self.blocks]
         budget = "inf (no limit)" if self.budget == float("inf") else format_bytes(self.budget)
         every = self.smallest_peak if self.every_block_peak is None else self.every_block_peak
-        lines += ["", f"budget {budget}: measured peak {format_bytes(self.predicted_peak)} "
+        lines += ["", *([self.step] if self.step else []),
+                  f"budget {budget}: predicted peak {format_bytes(self.predicted_peak)} "
                   f"(plain {format_bytes(self.plain_peak)}, every block checkpointed "
                   f"{format_bytes(every)}, least reached {format_bytes(self.smallest_peak)})",
                   f"{len(self.checkpointed)} of {len(self.blocks)} blocks checkpointed: "
@@ -91,8 +95,7 @@ def block_costs(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_i
     fake = PlannerFakeMode()
     state = fake_state(model, fake)
     params = {StorageWeakRef(t.untyped_storage()).cdata for t in state.values()}
-    x = fake.from_tensor(example_input.detach()) if isinstance(example_input, torch.Tensor) \
-        else example_input
+    x = Batch.of(example_input).map(lambda t: fake.from_tensor(t.detach()))
     current: list[str] = []
     saved: dict[str, dict[int, int]] = {name: {} for name, _ in blocks}
     flops: dict[str, int] = dict.fromkeys(saved, 0)
@@ -126,8 +129,9 @@ def block_costs(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_i
             warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
             stack.enter_context(counter)
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+            stack.enter_context(step_precision())
             stack.enter_context(_reparametrize_module(model, state))
-            (loss_fn or default_loss)(model(x)).backward()
+            forward_loss(model, x, loss_fn).backward()
     finally:
         for h in handles:
             h.remove()
@@ -136,19 +140,21 @@ def block_costs(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_i
 
 def plan_module(model: nn.Module, example_input: Any, budget: int | float,
                 loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                modules: Any = None) -> ModulePlan:
+                modules: Any = None, optimizer: torch.optim.Optimizer | None = None
+                ) -> ModulePlan:
     """The fewest of ``model``'s blocks (``find_blocks(model, modules)``), taken in order of
     bytes saved per forward FLOP, whose checkpointing makes a fake step fit ``budget``; when
     even every block does not fit, outer regions around them (``zoo.planner.modules.nesting``) added
     greedily. Raises ``BudgetTooSmallError`` (from the package) naming the least peak reached
     (the nested floor) when nothing fits. The model is left as it was; call
-    :meth:`ModulePlan.apply`."""
+    :meth:`ModulePlan.apply`. ``optimizer``: its state and step are part of every measured
+    step (``zoo.memory.step.measure_step``)."""
     segmented = clear_nested(model, [])  # plan from the plain model (wrapping changes types)
     wrapped = {m: dict(m._zoo_checkpoint_options) for m in model.modules() if is_checkpointed(m)}
     for m in wrapped:
         checkpoint_module(m, False)
     try:
-        return _plan_plain(model, example_input, budget, loss_fn, modules)
+        return _plan_plain(model, Batch.of(example_input), budget, loss_fn, modules, optimizer)
     finally:
         for m, options in wrapped.items():
             checkpoint_module(m, True, **options)
@@ -170,8 +176,9 @@ def _fewest(step: Step, n: int, measured: dict[int, tuple[int, int]], budget: in
     return hi
 
 
-def _plan_plain(model: nn.Module, example_input: Any, budget: int | float,
-                loss_fn: Callable[[Any], torch.Tensor] | None, modules: Any) -> ModulePlan:
+def _plan_plain(model: nn.Module, example_input: Batch, budget: int | float,
+                loss_fn: Callable[[Any], torch.Tensor] | None, modules: Any,
+                optimizer: torch.optim.Optimizer | None) -> ModulePlan:
     blocks = find_blocks(model, modules)
     names = [n for n, _ in blocks]
     saved, flops = block_costs(model, blocks, example_input, loss_fn)
@@ -183,7 +190,7 @@ def _plan_plain(model: nn.Module, example_input: Any, budget: int | float,
         for n, m in blocks:
             checkpoint_module(m, n in chosen)
         set_nested(model, regions or [])
-        return measure_step(model, example_input, loss_fn)
+        return measure_step(model, example_input, loss_fn, optimizer=optimizer)
 
     k, nested = len(order), []
     try:

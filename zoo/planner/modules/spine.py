@@ -24,6 +24,8 @@ from ...blocks import checkpoint_module, is_checkpointed
 from ...checkpoint import run_plan
 from ...memory.fake import fake_state
 from ...memory.fake_mode import PlannerFakeMode
+from ...memory.inputs import Batch
+from ...memory.precision import forward_precision
 from .nesting import clear_nested
 from ...memory.tracker import storage_key
 
@@ -68,10 +70,9 @@ def _trace_calls(model: nn.Module, example_input: Any) -> tuple[_Call, dict[str,
 
     fake = PlannerFakeMode()
     state = fake_state(model, fake)
-    x = fake.from_tensor(example_input) if isinstance(example_input, torch.Tensor) \
-        else example_input
+    x = Batch.of(example_input).map(fake.from_tensor)
     ops = _Ops()
-    root = _Call("", "", (x,), 0, 0)
+    root = _Call("", "", x.args, len(x.kwargs), 0)
     stack, counts, handles = [root], {}, []
 
     def pre(name: str) -> Callable:
@@ -93,7 +94,8 @@ def _trace_calls(model: nn.Module, example_input: Any) -> tuple[_Call, dict[str,
     try:
         with fake, warnings.catch_warnings(), _reparametrize_module(model, state), ops:
             warnings.simplefilter("ignore")
-            root.out = model(x)
+            with forward_precision():
+                root.out = x.call(model)
     finally:
         for h in handles:
             h.remove()
@@ -154,7 +156,7 @@ def find_spine(model: nn.Module, example_input: Any) -> list[str]:
     root, counts, ops = _trace_calls(model, example_input)
     first = {c.name: c for c in _calls(root)}
     runs = [r for r in _runs(root, counts, ops)
-            if first[r[0]].args and first[r[0]].args[0] is root.args[0]]
+            if root.args and first[r[0]].args and first[r[0]].args[0] is root.args[0]]
     best = max(runs, key=len, default=[])
     return best if len(best) >= 2 else []
 

@@ -21,6 +21,7 @@ from ...memory.card_step import run_on_card
 from ...memory.cards import H100_ACHIEVED, Card, step_time
 from ...memory.cuda_allocator import CachingAllocator
 from ...memory.cuda_peak import CudaCounter
+from ...memory.inputs import Batch
 from .profile import ChainProfile
 
 __all__ = ["time_profile"]
@@ -50,7 +51,7 @@ def _block_seconds(model: nn.Module, example_input: torch.Tensor, n_blocks: int,
     model.run_chain = run_chain  # instance attribute: shadows the class's for these runs
     try:
         for _ in range(repeats + 1):
-            model(example_input)
+            Batch.of(example_input).call(model)
     finally:
         del model.run_chain
         model.set_checkpoint_plan(previous)
@@ -102,14 +103,10 @@ def _step_seconds(model: nn.Module, example_input: torch.Tensor,
                   loss_fn: Callable[[Any], torch.Tensor] | None, repeats: int) -> float:
     """Median seconds of a plain training step of ``model`` on ``example_input``, for real."""
     from ...memory import median_seconds
-    from ...memory.training import default_loss
+    from ...memory.training import train_step
 
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        (loss_fn or default_loss)(model(example_input)).backward()
-
-    seconds, _ = median_seconds(step, repeats=repeats, warmup=1,
-                                cuda=example_input.device.type == "cuda")
+    seconds, _ = median_seconds(train_step(model, example_input, loss_fn), repeats=repeats,
+                                warmup=1, cuda=Batch.of(example_input).device.type == "cuda")
     model.zero_grad(set_to_none=True)
     return seconds
 

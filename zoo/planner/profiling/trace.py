@@ -20,6 +20,8 @@ from torch import nn
 
 from ...checkpoint import checkpoint, is_recomputing, region
 from ...memory.fake import FakeStep
+from ...memory.precision import step_precision
+from ...memory.training import forward_loss
 from ...memory.on_card import step_counter
 from ...memory.tracker import StepCounter
 
@@ -198,6 +200,7 @@ def traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torc
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(fake.mode)
+            stack.enter_context(step_precision())
             stack.enter_context(kernels)
             stack.enter_context(counter)
             if saves:
@@ -208,7 +211,7 @@ def traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torc
                                     category=FutureWarning)
             # the fake tensors stand in for the parameters until backward has recomputed too
             stack.enter_context(_reparametrize_module(model, fake.state))
-            loss = loss_fn(model(fx))
+            loss = forward_loss(model, fx, loss_fn)
             trace.stopped = stop is not None and stop(trace)
             if not trace.stopped:
                 loss.backward()

@@ -1,0 +1,67 @@
+"""The user's optimizer in a measured step: its state held from the step before, its
+``step()`` run after the backward.
+
+A step's peak with an optimizer is that of a training step in the steady state: the optimizer's
+state (AdamW: two copies of the parameters, SGD with momentum: one; fused and foreach variants
+with the temporaries they allocate) exists before the forward, and ``optimizer.step()`` runs after
+the backward, while the gradients are alive. :func:`mirror` makes the same optimizer (its class,
+every hyperparameter of every group) over fake copies of the parameters, and
+:func:`fill_state` gives it the state one step leaves, so a fake step counts both exactly.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+__all__ = ["check_optimizer", "mirror", "fill_state", "state_tensors"]
+
+
+def check_optimizer(optimizer: Any, model: torch.nn.Module) -> None:
+    """A one-line error unless ``optimizer`` is a ``torch.optim.Optimizer`` over parameters of
+    ``model`` (or None)."""
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer over the model's parameters, "
+                        f"got {type(optimizer).__name__}; e.g. "
+                        f"optimizer=torch.optim.AdamW(model.parameters())")
+    own = {id(p) for p in model.parameters()}
+    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
+    if foreign:
+        raise ValueError(f"optimizer holds {foreign} tensor(s) that are not parameters of the "
+                         f"model being planned; give the optimizer made over this model's "
+                         f"parameters")
+
+
+def mirror(optimizer: torch.optim.Optimizer, fake_of: dict[int, torch.Tensor]
+           ) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class and hyperparameters over the fake parameters
+    ``fake_of`` (id of a real parameter -> its fake copy), with no state."""
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [fake_of[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return type(optimizer)(groups, **defaults)
+
+
+def fill_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give ``optimizer`` the state one step leaves: a step on zero gradients, which are then
+    dropped (the parameters' values do not matter to a measured step; fake ones have none)."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for p in params:
+        p.grad = None
+
+
+def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor of the optimizer's state, once."""
+    seen: dict[int, torch.Tensor] = {}
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                seen.setdefault(id(v), v)
+    return list(seen.values())

@@ -1,0 +1,44 @@
+"""A planning that speaks to the user in one line: torch's fake-tensor log kept quiet, and a batch
+the model cannot run on said as what it is.
+
+Planning runs the model under ``FakeTensorMode``. When an op fails there (a batch of the wrong
+shape for the model), torch's fake-tensor module logs the whole failure with its traceback
+before raising (``failed while attempting to run meta for aten.mm.default``): about twenty lines
+the user did not ask for, about an op they did not call. :func:`fake_logs_quiet` holds that log
+back for the duration and turns the failure into one line naming the batch.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+from torch import nn
+
+from ..memory.inputs import Batch
+
+__all__ = ["fake_logs_quiet", "BatchError"]
+
+_FAKE_LOG = "torch._subclasses.fake_tensor"
+
+
+class BatchError(ValueError):
+    """The model does not run on the batch it was planned with."""
+
+
+@contextlib.contextmanager
+def fake_logs_quiet(model: nn.Module, batch: Batch) -> Iterator[None]:
+    """The fake-tensor log off for the duration (module docstring); a ``RuntimeError`` raised by
+    the model's step becomes a one-line :class:`BatchError` (a ``ValueError``) naming the
+    model, the batch's shapes and torch's own first line."""
+    log = logging.getLogger(_FAKE_LOG)
+    was = log.disabled
+    log.disabled = True
+    try:
+        yield
+    except RuntimeError as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise BatchError(f"{type(model).__name__} does not run on the batch {batch.describe()}: "
+                         f"{first}; pass a batch the model takes, as training will") from None
+    finally:
+        log.disabled = was

@@ -1,0 +1,99 @@
+"""A plan's peak for the whole step the user runs: with their optimizer, in their precision.
+
+The chain's memory model (``profiling/``, ``search/``) predicts the forward and backward of a
+step in float32 to the byte. Two things of a user's step lie outside it: the optimizer (its state
+held all step, AdamW two copies of the parameters; its ``step()`` after the backward, with the
+temporaries of its foreach or fused kernels) and autocast (which keeps a cast copy of every
+parameter it casts until the forward's autocast block ends, and runs the ops of its own lists in
+bf16 or fp16). :class:`WholeStep` takes the chain's choices for the budget less the optimizer's
+state, then runs the chosen plan's whole step once under ``FakeTensorMode``
+(:func:`zoo.memory.step.measure_step`: forward and loss under the autocast, backward, the
+optimizer's step, on a card under ``zoo.memory.on_card``), whose bytes a real step holds to the
+byte; a plan over the budget gives way to the next with a lower peak. That measured peak is the
+plan's ``predicted_peak``: nothing of the step is run for real.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..memory.fake import FakeStep
+from ..memory.inputs import Batch
+from ..memory.precision import Precision, step_precision
+from ..memory.step import measure_step
+from ..memory.optimizer import state_tensors
+from .errors import BudgetTooSmallError
+from .modules.spine import Spine
+from .plans import Plan, clear_plan, plan_set_aside
+
+__all__ = ["WholeStep", "describe_step"]
+
+
+def describe_step(batch: Batch, loss: str, optimizer: torch.optim.Optimizer | None,
+                  precision: Precision) -> str:
+    """The step a plan was made for, in one line (a plan's printout)."""
+    opt = "no optimizer" if optimizer is None else f"optimizer {type(optimizer).__name__}"
+    return f"step: batch {batch.describe()}, loss: {loss}, {opt}, {precision.name}"
+
+
+class WholeStep:
+    """The whole step of ``model`` on ``batch`` with ``optimizer`` in ``precision`` (module
+    docstring); peaks of plans measured once each."""
+
+    def __init__(self, model: nn.Module, batch: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+                 optimizer: torch.optim.Optimizer | None, precision: Precision) -> None:
+        self.model, self.batch, self.loss_fn = model, Batch.of(batch), loss_fn
+        self.precision = precision
+        self.fake = FakeStep(model, self.batch, optimizer)
+        state = state_tensors(self.fake.optimizer) if self.fake.optimizer is not None else []
+        self.state_bytes = sum(t.untyped_storage().nbytes() for t in state)
+        self._peaks: dict[tuple, int] = {}
+
+    @staticmethod
+    def of(model: nn.Module, batch: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+           optimizer: torch.optim.Optimizer | None, precision: Precision) -> WholeStep | None:
+        """A :class:`WholeStep`, or None for the step the chain's model predicts exactly by
+        itself (no optimizer, float32)."""
+        if optimizer is None and precision.dtype is None:
+            return None
+        return WholeStep(model, batch, loss_fn, optimizer, precision)
+
+    def peak(self, plan: Plan) -> int:
+        """The peak of the whole step with ``plan`` applied (the model is left as it was)."""
+        key = (str(plan.segments), str(plan.block_modes), plan.mode)
+        if isinstance(self.model, Spine):  # planned over the wrapper: its own names
+            plan = dataclasses.replace(plan, spine=None)
+        if key not in self._peaks:
+            with step_precision(self.precision), plan_set_aside(self.model):
+                mode = getattr(self.model, "grad_checkpointing", None)
+                plan.apply(self.model)
+                try:
+                    self._peaks[key] = measure_step(self.model, self.batch, self.loss_fn,
+                                                    self.fake)[0]
+                finally:
+                    clear_plan(self.model, plan)
+                    if mode is not None:
+                        self.model.set_grad_checkpointing(mode)
+        return self._peaks[key]
+
+    def pick(self, choices: Sequence[Plan], budget: float) -> Plan:
+        """The cheapest of ``choices`` (peak ascending, recompute falling) whose whole step fits
+        ``budget``, with its measured peak as ``predicted_peak`` and the whole step's plain and
+        least peaks; :class:`BudgetTooSmallError` when not even the least fits."""
+        plain, least = self.peak(choices[-1]), self.peak(choices[0])
+        if least > budget:
+            raise BudgetTooSmallError(budget, least, plain)
+        room = budget - self.state_bytes
+        fitting = sorted((c for c in choices if c.predicted_peak <= room),
+                         key=lambda c: (c.recompute_flops, c.predicted_peak))
+        for chosen in fitting:  # the casts can reorder close peaks: each one measured
+            peak = self.peak(chosen)
+            if peak <= budget:
+                return dataclasses.replace(chosen, budget=budget, predicted_peak=peak,
+                                           plain_peak=plain, smallest_peak=least)
+        return dataclasses.replace(choices[0], budget=budget, predicted_peak=least,
+                                   plain_peak=plain, smallest_peak=least)
