@@ -101,7 +101,7 @@ NAMES: dict[str, Name] = {
     "torch._dynamo.reset": Name(OLDEST, "required (compiled memory)"),
     "torch._dynamo.list_backends": Name(OLDEST, "required (zoo-train --compile)"),
     "torch._dynamo.eval_frame.skip_code": Name(OLDEST, "required"),
-    "torch._dynamo.config.reorderable_logging_functions": Name(
+    "torch._dynamo.assume_constant_result": Name(
         OLDEST, "the plan's compile warning is not given"),
     "torch._dynamo.backends.common.aot_autograd": Name(OLDEST, "required (compiled memory)"),
     "torch._functorch.config.activation_memory_budget": Name(
@@ -253,10 +253,34 @@ def dynamo() -> Any:
     return torch._dynamo
 
 
-def reorderable_logging_functions() -> set | None:
-    """Dynamo's set of functions it calls after the compiled graph instead of breaking it
-    (``torch._dynamo.config.reorderable_logging_functions``), or ``None`` where it has none."""
-    return getattr(dynamo().config, "reorderable_logging_functions", None)
+def quiet_context_fn_warning(own: Callable[[Any], bool]) -> None:
+    """Hold back torch's "Detected that context_fn is passed to torch.utils.checkpoint under
+    torch.compile ... in-place ops" log line for the regions whose ``context_fn`` ``own`` says
+    is the zoo's (their exactness with in-place ops is tested); a user's own ``context_fn``
+    still gets it. The line is logged by ``tag_activation_checkpoint_impl`` while AOTAutograd
+    traces a region, whose local ``context_fn`` is the region's."""
+    import logging
+    import sys
+
+    class _OwnRegions(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if "context_fn is passed" not in str(record.msg):
+                return True
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code.co_name != "tag_activation_checkpoint_impl":
+                frame = frame.f_back
+            return frame is None or not own(frame.f_locals.get("context_fn"))
+
+    logging.getLogger("torch._higher_order_ops.wrap").addFilter(_OwnRegions())
+
+
+def run_while_tracing(fn: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``fn`` as Dynamo calls it for real while it traces a caller, its result taken as a
+    constant (``torch._dynamo.assume_constant_result``): no graph break, ``fullgraph=True``
+    keeps working, in the top frame or inlined (a reorderable logging function inside an
+    inlined frame is dropped). ``fn`` itself where Dynamo has no such decorator."""
+    assume = getattr(dynamo(), "assume_constant_result", None)
+    return fn if assume is None else assume(fn)
 
 
 def skip_code(code: Any) -> None:

@@ -96,7 +96,7 @@ def find_blocks(model: nn.Module, modules: Iterable[type | str] | type | str | N
     Raises :class:`NoBlocksError` (a ValueError) naming what was looked for when nothing matches.
     """
     if modules is not None:
-        wanted = [modules] if isinstance(modules, (type, str)) else list(modules)
+        wanted = _wanted(modules)
         found = [(n, m) for n, m in model.named_modules() if n and _matches(n, m, wanted)]
         if not found:
             names = ", ".join(w.__name__ if isinstance(w, type) else repr(w) for w in wanted)
@@ -118,6 +118,21 @@ def find_blocks(model: nn.Module, modules: Iterable[type | str] | type | str | N
     order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
     found.sort(key=lambda item: order[id(item[1])])
     return _outermost(found)
+
+
+def _wanted(modules: Any) -> list[type | str]:
+    """``modules`` as a list of module types and names; anything else is a one-line TypeError."""
+    wanted = [modules] if isinstance(modules, (type, str)) else modules
+    try:
+        wanted = list(wanted)
+    except TypeError:
+        wanted = [wanted]
+    bad = [w for w in wanted if not isinstance(w, (type, str))]
+    if bad:
+        raise TypeError(f"modules= takes module types, type names or dotted submodule names "
+                        f"(e.g. modules=[\"layer1.0\"] or modules=nn.TransformerEncoderLayer), "
+                        f"got {bad[0]!r} ({type(bad[0]).__name__})")
+    return wanted
 
 
 # Checkpointing a module in place: its class is swapped for a cached subclass whose forward runs

@@ -140,6 +140,14 @@ _KEEP_BASES = None if _torch.create_selective_checkpoint_contexts is None else \
     functools.partial(_torch.create_selective_checkpoint_contexts, _keep_bases)
 
 
+def _own_context_fn(context_fn: Any) -> bool:
+    """Whether a compiled region's ``context_fn`` is the zoo's own (the outputs' region)."""
+    return isinstance(context_fn, functools.partial) and context_fn.args[:1] == (_keep_bases,)
+
+
+_torch.quiet_context_fn_warning(_own_context_fn)
+
+
 def _tagged_region(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
                    save_ops: Collection[Any] | Callable[..., bool] | None,
                    context_fn: Callable[[], tuple[Any, Any]] | None) -> Any:

@@ -166,10 +166,16 @@ def cpu_peak_bytes(step: Callable[[], Any], track: Iterable[Any] = ()) -> int:
     """
     tracker = mem_tracker()
     tracker.track_external(*track)
+    formatting = warnings.formatwarning  # MemTracker's module tracker replaces it to warn
     with tracker, warnings.catch_warnings():
         # temporary modules (e.g. a slice of an nn.Sequential) may be gone before their backward
         warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
+        # a planned spine calls its modules from its first one: the per-module hierarchy is
+        # then not a tree, which the total this reads does not depend on
+        warnings.filterwarnings("ignore", message="The module hierarchy tracking",
+                                category=UserWarning)
         step()
+    warnings.formatwarning = formatting
     return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
 
 

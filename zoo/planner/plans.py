@@ -185,20 +185,16 @@ _WATCHED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary(
 
 
 def _watch_compile(model: nn.Module, message: str | None) -> None:
-    """Warn ``message`` at ``model``'s first call under ``torch.compile``: a forward pre-hook
-    that reads ``torch.compiler.is_compiling()`` and calls :func:`_say`, which Dynamo runs after
-    the compiled graph (a reorderable logging function: no graph break, ``fullgraph=True``
-    keeps working) and which says each message once. None: no warning (an earlier one is
-    taken off)."""
+    """Warn ``message`` the first time ``torch.compile`` traces ``model``, however the compile
+    wraps it (the module, a function calling it, a whole training step): a forward pre-hook
+    that reads ``torch.compiler.is_compiling()`` and calls :func:`_say`, which Dynamo runs for
+    real while tracing (``_torch.run_while_tracing``: no graph break) and which says each
+    message once. None: no warning (an earlier one is taken off)."""
     old = _WATCHED.pop(model, None)
     if old is not None:
         old.remove()
     if message is None:
         return
-    reorderable = _torch.reorderable_logging_functions()
-    if reorderable is not None:
-        reorderable.add(_say)
-
     _WATCHED[model] = model.register_forward_pre_hook(_CompileCheck(message))
 
 
@@ -210,16 +206,20 @@ class _CompileCheck:
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
-            _say(self.message)
+            _say_while_tracing(self.message)
 
 
 _SAID: set[str] = set()
 
 
-def _say(message: str) -> None:
+def _say(message: str) -> bool:
     if message not in _SAID:
         _SAID.add(message)
         warnings.warn(message, UserWarning, stacklevel=2)
+    return True
+
+
+_say_while_tracing = _torch.run_while_tracing(_say)
 
 
 def clear_plan(model: nn.Module, plan: Plan) -> None:
