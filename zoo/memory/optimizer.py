@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_optimizer", "mirror", "fill_state", "state_tensors"]
+__all__ = ["check_optimizer", "mirror", "fill_state", "state_tensors", "state_bytes"]
 
 
 def check_optimizer(optimizer: Any, model: torch.nn.Module) -> None:
@@ -55,6 +55,23 @@ def fill_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
     for p in params:
         p.grad = None
+
+
+def state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of the state ``optimizer`` holds after a step (none for None), counted on a mirror
+    over fake parameters: nothing is allocated, ``optimizer`` is left as it is."""
+    if optimizer is None:
+        return 0
+    from .._torch import FakeTensorMode
+
+    params = {id(p): p for g in optimizer.param_groups for p in g["params"]}
+    mode = FakeTensorMode()
+    fakes = {i: mode.from_tensor(p.detach()).requires_grad_(p.requires_grad)
+             for i, p in params.items()}
+    with mode:
+        fake = mirror(optimizer, fakes)
+        fill_state(fake)
+        return sum(t.untyped_storage().nbytes() for t in state_tensors(fake))
 
 
 def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from ..memory import parse_bytes
+from ..memory.inputs import Batch
+from ..memory.optimizer import state_bytes
 from .profiling.profile import ChainProfile, profile_chain
 from .search.multi_level import chain_floor
 
@@ -58,19 +60,26 @@ def largest_feasible(fits: Callable[[int], bool], limit: int = 1 << 20) -> int:
     return lo
 
 
-def largest_batch(model: nn.Module, make_input: Callable[[int], torch.Tensor],
+def largest_batch(model: nn.Module, make_input: Callable[[int], Any] | Any,
                   memory_budget: int | float | str,
                   loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                  limit: int = 1 << 16, tries: int = 6) -> tuple[int, ChainProfile]:
+                  limit: int = 1 << 16, tries: int = 6,
+                  optimizer: torch.optim.Optimizer | None = None) -> tuple[int, ChainProfile]:
     """The largest batch whose best schedule fits ``memory_budget``, and its profile.
 
-    ``make_input(b)`` builds an example batch of size ``b``. Extrapolates from two profiles,
+    ``make_input(b)`` builds an example batch of size ``b`` (a tensor, tuple or dict); or give
+    one batch, which is resized along the batch dimension it is found to have
+    (``zoo.memory.inputs.Batch.resized``). ``optimizer``: its state is taken off the budget
+    (``zoo.plan(..., optimizer=...)`` at the answer then checks the whole step). Extrapolates
+    from two profiles,
     profiles the answer, and refines the line through the two closest profiles until the answer
     repeats (a peak is a maximum of affine terms: at tiny batches a constant term such as the
     parameters' gradients can hide the slope). Returns ``(0, profile at batch 1)`` when not even
     batch 1 fits.
     """
-    budget = parse_bytes(memory_budget)
+    budget = parse_bytes(memory_budget) - state_bytes(optimizer)
+    if not callable(make_input):
+        make_input = Batch.of(make_input).resized
 
     def feasible(p: ChainProfile) -> bool:
         return chain_floor(p) <= budget  # what multi-level schedules reach

@@ -128,22 +128,17 @@ def lr_factor(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
 
 def plan_memory(cfg: TrainConfig, model: nn.Module, world_size: int, side: int,
                 say: Callable[[str], None]) -> TrainConfig:
-    """``--memory_budget``: checkpoint the model's chain so a training step fits (``zoo.plan``);
-    with ``--batch_size auto`` first pick the largest batch that fits. Returns ``cfg`` with the
-    batch resolved. The optimizer's state (SGD momentum: one copy of the parameters, AdamW two)
-    is taken off the budget first: the planner counts parameters, gradients and activations.
-    ``--card``: every step is sized with that card's kernels and allocator (predicted here,
-    ``zoo.memory.on_card``), and its predicted time is said."""
+    """``--memory_budget``: checkpoint the model's chain so a whole training step fits
+    (``zoo.plan`` with the run's optimizer, whose state and step count in the budget, and under
+    ``--amp`` its autocast); with ``--batch_size auto`` first pick the largest batch that fits.
+    Returns ``cfg`` with the batch resolved. ``--card``: every step is sized with that card's
+    kernels and allocator (predicted here, ``zoo.memory.on_card``), and its predicted time is
+    said."""
     from ..memory import card, format_bytes, on_card, parse_bytes
-    from ..planner import BudgetTooSmallError, largest_batch, plan, solve_profile
+    from ..planner import BudgetTooSmallError, largest_batch, plan
 
     budget = parse_bytes(cfg.memory_budget)
-    copies = 2 if cfg.optimizer == "adamw" else int(cfg.momentum > 0)
-    state = copies * sum(p.numel() * p.element_size() for p in model.parameters())
-    room = budget - state
-    if room <= 0:
-        raise ConfigError(f"memory_budget {format_bytes(budget)} does not even hold the optimizer's "
-                          f"state ({format_bytes(state)}); give a larger budget")
+    optimizer = build_optimizer(cfg, model)  # the run's, made again after: no state yet
     device = next(model.parameters()).device
 
     def make_input(batch: int) -> torch.Tensor:  # zeros: planning draws no random numbers
@@ -156,36 +151,43 @@ def plan_memory(cfg: TrainConfig, model: nn.Module, world_size: int, side: int,
         if cfg.amp and device.type == "cpu" and cfg.card is None \
         else contextlib.nullcontext()  # (CUDA AMP: planned in float32, a safe over-estimate)
     model.train()
+    per_rank = cfg.batch_size // world_size if cfg.batch_size != "auto" else None
     with amp, on_card(cfg.card) if cfg.card else contextlib.nullcontext():
-        if cfg.batch_size == "auto":
-            per_rank, profile = largest_batch(model, make_input, room, loss_fn)
-            if per_rank == 0:
-                raise ConfigError(f"not even a batch of 1 fits memory_budget "
-                                  f"{format_bytes(budget)} with {cfg.model}; give a larger budget")
-            cfg = dataclasses.replace(cfg, batch_size=per_rank * world_size)
-            say(f"batch_size auto: {cfg.batch_size} ({per_rank} per device) is the largest batch "
-                f"that fits memory_budget {format_bytes(budget)} with a planned schedule")
-            result = solve_profile(profile, room)
-            model.set_checkpoint_plan(result.segments)
-        else:
+        if per_rank is None:
+            per_rank, _ = largest_batch(model, make_input, budget, loss_fn,
+                                        optimizer=optimizer)
+        while True:
             try:
-                result = plan(model, make_input(cfg.batch_size // world_size), room,
-                              loss_fn=loss_fn)
+                result = plan(model, make_input(max(per_rank, 1)), budget, loss_fn=loss_fn,
+                              optimizer=optimizer)
+                break
             except BudgetTooSmallError as e:
-                least = e.smallest + state
-                raise ConfigError(
-                    f"memory_budget {format_bytes(budget)} is below the smallest peak any "
-                    f"checkpoint schedule of {cfg.model} reaches at batch {cfg.batch_size}: "
-                    f"{format_bytes(least)} ({least} bytes, of which {format_bytes(state)} "
-                    f"optimizer state; plain training needs {format_bytes(e.plain + state)}). "
-                    f"Give --memory_budget {least} or more, a smaller --batch_size, or "
-                    f"--batch_size auto") from None
+                if cfg.batch_size != "auto" or per_rank <= 1:
+                    raise ConfigError(_too_small(cfg, budget, e, max(per_rank, 1))) from None
+                per_rank -= 1  # the whole step (optimizer, casts) holds a little more
+    if cfg.batch_size == "auto":
+        cfg = dataclasses.replace(cfg, batch_size=per_rank * world_size)
+        say(f"batch_size auto: {cfg.batch_size} ({per_rank} per device) is the largest batch "
+            f"that fits memory_budget {format_bytes(budget)} with a planned schedule")
     where = f" on the {card(cfg.card).name} (predicted here)" if cfg.card else ""
-    say(f"memory plan for memory_budget {format_bytes(budget)}{where} ({format_bytes(state)} "
-        f"optimizer state, {format_bytes(room)} for the step):\n{result}")
+    say(f"memory plan for memory_budget {format_bytes(budget)}{where}, the whole step with "
+        f"{type(optimizer).__name__}'s state and step:\n{result}")
     if cfg.card:
         _say_card_speed(cfg, model, make_input(cfg.batch_size // world_size), loss_fn, say)
     return cfg
+
+
+def _too_small(cfg: TrainConfig, budget: int, e: Exception, per_rank: int) -> str:
+    """The one line for a ``--memory_budget`` no plan meets."""
+    from ..memory import format_bytes
+    if cfg.batch_size == "auto":
+        return (f"not even a batch of 1 fits memory_budget {format_bytes(budget)} with "
+                f"{cfg.model}; give a larger budget")
+    return (f"memory_budget {format_bytes(budget)} is below the smallest peak any checkpoint "
+            f"schedule of {cfg.model} reaches at batch {cfg.batch_size} with its "
+            f"{cfg.optimizer} optimizer: {format_bytes(e.smallest)} ({e.smallest} bytes; plain "
+            f"training needs {format_bytes(e.plain)}). Give --memory_budget {e.smallest} or "
+            f"more, a smaller --batch_size, or --batch_size auto")
 
 
 def _say_card_speed(cfg: TrainConfig, model: nn.Module, x: torch.Tensor,
