@@ -21,7 +21,7 @@ from typing import Any
 from . import (chain, families, gpu, model_commands, outside, overhead, planner_levels,
                planner_modes, planner_promise, planner_time, planner_vs_compile, planner_vs_uniform, plots,
                primitive, reversible)
-from . import card_plan, host_report, prediction, region_cost
+from . import card_plan, host_report, planner_step, prediction, region_cost
 
 __all__ = ["SUBCOMMANDS", "usage", "main"]
 
@@ -43,6 +43,7 @@ SUBCOMMANDS: dict[str, Callable[..., Any]] = {
     "planner-time": planner_time.planner_time,
     "planner-vs-compile": planner_vs_compile.planner_vs_compile,
     "planner-promise": planner_promise.planner_promise,
+    "planner-step": planner_step.planner_step,
     "gpu": gpu.gpu,
     "host-cost": host_report.run_host_cost,
     "region-cost": region_cost.region_cost,

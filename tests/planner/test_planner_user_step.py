@@ -71,12 +71,8 @@ def test_every_plan_of_the_whole_step_is_exact_and_trains_like_plain(name):
     rows = step_rows(name, make, batch())
     assert len(rows) == 12  # 2 optimizers x 2 precisions x 3 budgets
     for r in rows:
-        assert abs(r.error) <= 1e-3, r
+        assert r.measured == r.predicted <= r.budget, r
         assert r.exact, r
-    fp32 = [r for r in rows if r.precision == "fp32"]
-    assert all(r.measured == r.predicted <= r.budget for r in fp32), fp32
-    # bf16 on this CPU: a real step may hold a few hundred bytes the fake one does not
-    assert all(r.measured <= r.budget + 1024 for r in rows), rows
 
 
 def test_a_batch_dict_with_mask_and_labels_is_planned_with_the_models_own_loss():
@@ -128,9 +124,17 @@ def test_a_bf16_autocast_plan_keeps_its_budget():
         plan = zoo.plan(model, x, plain // 2, optimizer=opt)
         assert torch.is_autocast_enabled("cpu")  # the caller's autocast is put back
     assert "bf16 autocast (cpu)" in str(plan)
-    measured = real_whole_peak(model, x, opt, "bf16")
-    assert measured <= plan.budget
-    assert abs(measured - plan.predicted_peak) <= 1e-3 * plan.predicted_peak
+    assert real_whole_peak(model, x, opt, "bf16") == plan.predicted_peak <= plan.budget
+
+
+def test_batchnorm_after_a_bf16_convolution_saves_float32_statistics_as_the_kernel_does():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+    x = torch.randn(4, 3, 8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fake = zoo.memory.step.measure_step(model, x)[0]
+        step = zoo.memory.train_step(model, x)
+    assert zoo.memory.step.peak_bytes(step, [model]) == fake
 
 
 def test_largest_batch_resizes_a_batch_and_leaves_room_for_the_optimizer():

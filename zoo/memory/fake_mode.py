@@ -26,9 +26,28 @@ class _Unusual(Exception):
     """An argument the short key does not describe: torch's key is made instead."""
 
 
+_BATCH_NORMS = {torch.ops.aten.native_batch_norm.default,
+                torch.ops.aten._native_batch_norm_legit.default}
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
 class PlannerFakeMode(FakeTensorMode):
     """``FakeTensorMode`` whose cache keys for plain arguments are made directly (module
-    docstring); everything else is torch's."""
+    docstring), and whose BatchNorm on a bf16 or fp16 input with float32 parameters (autocast
+    runs the convolution before it in bf16 and keeps BatchNorm's parameters float32) returns its
+    saved mean and inverse deviation in float32, as the CPU and CUDA kernels do: torch's meta
+    function makes them the input's dtype (half the bytes). Everything else is torch's."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func in _BATCH_NORMS and args[0].dtype in _REDUCED and args[1] is not None \
+                and args[1].dtype == torch.float32 and out[1].dtype != torch.float32:
+            to = torch.ops.aten._to_copy.default
+            stats = [super(PlannerFakeMode, self).__torch_dispatch__(
+                to, types, (t,), {"dtype": torch.float32}) for t in out[1:3]]
+            out = (out[0], *stats, *out[3:])
+        return out
 
     def _cache_key(self, *call: Any) -> Any:
         """torch's ``_cache_key(state, func, args, kwargs)``, short where the arguments are
