@@ -3,6 +3,7 @@ optimizer's state and step, their autocast; each plan's predicted peak against t
 measured bytes, and the planned model trained bit for bit like plain."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 
@@ -236,3 +237,18 @@ def test_a_compiled_zoo_region_logs_no_context_fn_warning(caplog):
     with caplog.at_level(logging.WARNING):
         fn(torch.randn(4, 8, requires_grad=True)).backward()
     assert not [r for r in caplog.records if "context_fn is passed" in r.getMessage()]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_card_plan_predicts_what_predict_step_says_of_the_planned_step(precision):
+    torch.manual_seed(0)
+    model = zoo.create_model("resnet20", num_classes=10)
+    x = torch.randn(64, 3, 32, 32)
+    opt = torch.optim.AdamW(model.parameters())
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else \
+        contextlib.nullcontext()
+    with amp:
+        plain = zoo.plan(model, x, "inf", device="h100", optimizer=opt, apply=False)
+        plan = zoo.plan(model, x, plain.predicted_peak * 5 // 6, device="h100", optimizer=opt)
+        step = zoo.memory.predict_step(model, x, "h100", optimizer=opt)
+    assert plan.segments != [] and step.peak == plan.predicted_peak <= plan.budget

@@ -17,9 +17,10 @@ from .cards import Card, card
 from .cuda_allocator import CachingAllocator
 from .cuda_ops import CudaKernels
 from .cuda_peak import CudaCounter, regions_counted
+from .fake import FakeStep
 from .tracker import StepCounter
 
-__all__ = ["on_card", "step_counter"]
+__all__ = ["on_card", "step_counter", "held_from_start"]
 
 _CARD: ContextVar[Card | None] = ContextVar("zoo_card", default=None)
 
@@ -46,6 +47,13 @@ def step_counter() -> tuple[StepCounter, contextlib.AbstractContextManager]:
     counter = CudaCounter(CachingAllocator(), on.workspace)
     counter.hold_workspaces()
     return counter, _card_kernels(counter)
+
+
+def held_from_start(fake: FakeStep) -> list:
+    """The tensors a fake step counts from its start: the model's parameters and buffers (and an
+    optimizer's state), and on a card the batch too, which a training loop has moved there
+    (``torch.cuda.max_memory_allocated`` counts it; this CPU's step does not allocate it)."""
+    return fake.tensors + (fake.input.tensors() if _CARD.get() is not None else [])
 
 
 @contextlib.contextmanager

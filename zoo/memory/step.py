@@ -20,7 +20,7 @@ from torch import nn
 from .fake import FakeStep
 from .precision import step_precision
 from .training import forward_loss
-from .on_card import step_counter
+from .on_card import held_from_start, step_counter
 from .tracker import StepCounter
 
 __all__ = ["measure_step", "peak_bytes"]
@@ -41,7 +41,7 @@ def measure_step(model: nn.Module, example_input: Any,
     fake = fake or FakeStep(model, example_input, optimizer)
     fake.clear()
     counter, kernels = step_counter()  # the CPU's, or a card's under zoo.memory.on_card
-    counter.track(fake.tensors)
+    counter.track(held_from_start(fake))
     try:
         with fake.mode, step_precision(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)

@@ -22,7 +22,7 @@ from ...checkpoint import checkpoint, is_recomputing, region
 from ...memory.fake import FakeStep
 from ...memory.precision import step_precision
 from ...memory.training import forward_loss
-from ...memory.on_card import step_counter
+from ...memory.on_card import held_from_start, step_counter
 from ...memory.tracker import StepCounter
 
 __all__ = ["Trace", "traced_step", "grad_bytes"]
@@ -153,7 +153,7 @@ def traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torc
     tensors, fx = fake.tensors, fake.input
     fake.clear()
     counter, kernels = step_counter()  # the CPU's, or a card's under zoo.memory.on_card
-    counter.track(tensors)
+    counter.track(held_from_start(fake))
     trace = Trace(counter, {counter.key(t) for t in tensors})
     counter.on_op = trace.op_done
     handles = [p.register_hook(trace.note_grad) for p in tensors
