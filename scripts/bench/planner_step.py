@@ -75,16 +75,24 @@ def _seeded(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
     return seeded
 
 
+def _old(r: dict[str, Any]) -> str:
+    if not r["arithmetic"]:
+        return "no plan (budget less state below its least) | -"
+    miss = r["arithmetic_measured"] - r["arithmetic"]
+    over = " (over budget)" if r["arithmetic_measured"] > r["budget"] else ""
+    return f"{miss:+,} B | {r['arithmetic_measured']:,}{over}"
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| model | optimizer | precision | budget (B) | predicted (B) | measured (B) | "
-             "measured - predicted | within budget | trains like plain |",
-             "|---|---|---|---:|---:|---:|---:|---|---|"]
+             "measured - predicted | trains like plain | arithmetic: measured - promised | "
+             "its measured (B) |", "|---|---|---|---:|---:|---:|---:|---|---:|---:|"]
     for r in rows:
+        over = "" if r["measured"] <= r["budget"] else " (over budget)"
         lines.append(f"| {r['model']} | {r['optimizer']} | {r['precision']} | {r['budget']:,} | "
-                     f"{r['predicted']:,} | {r['measured']:,} | "
+                     f"{r['predicted']:,} | {r['measured']:,}{over} | "
                      f"{r['measured'] - r['predicted']:+,} B | "
-                     f"{'yes' if r['measured'] <= r['budget'] else 'no'} | "
-                     f"{'bit for bit' if r['exact'] else 'NO'} |")
+                     f"{'bit for bit' if r['exact'] else 'NO'} | {_old(r)} |")
     return "\n".join(lines)
 
 

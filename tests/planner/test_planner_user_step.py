@@ -252,3 +252,48 @@ def test_a_card_plan_predicts_what_predict_step_says_of_the_planned_step(precisi
         plan = zoo.plan(model, x, plain.predicted_peak * 5 // 6, device="h100", optimizer=opt)
         step = zoo.memory.predict_step(model, x, "h100", optimizer=opt)
     assert plan.segments != [] and step.peak == plan.predicted_peak <= plan.budget
+
+
+def test_an_fp16_plan_with_a_grad_scaler_is_the_scaled_step():
+    torch.manual_seed(0)
+    model = zoo.create_model("resnet20", num_classes=10)
+    x = torch.randn(16, 3, 32, 32)
+    opt = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    step()
+    measured = zoo.memory.step.peak_bytes(step, [model, opt])
+    with torch.autocast("cpu", dtype=torch.float16):
+        plan = zoo.plan(model, x, "inf", optimizer=opt, apply=False)
+    assert "fp16 autocast (cpu)" in plan.step
+    # the scaler's own scalars (its scale, found_inf, the inverse scale): a few bytes
+    assert abs(measured - plan.predicted_peak) <= 16
+
+
+@pytest.mark.parametrize("route", ["chain", "time", "compiled", "spine"])
+def test_every_route_of_plan_takes_a_batch_tuple(route):
+    torch.manual_seed(0)
+    if route == "spine":
+        model = nn.Sequential(*[m for _ in range(6)
+                                for m in (nn.Conv2d(4, 4, 3, padding=1), nn.ReLU())])
+        x = torch.randn(4, 4, 8, 8)
+    else:
+        model = zoo.create_model("resnet20", num_classes=10)
+        x = torch.randn(8, 3, 16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    kw = {"cost": "time"} if route == "time" else {"compiled": True} if route == "compiled" \
+        else {}
+    with pytest.raises(BudgetTooSmallError) as e:
+        zoo.plan(model, (x,), 1, optimizer=opt, apply=False, **kw)
+    plan = zoo.plan(model, (x,), (e.value.smallest + e.value.plain) // 2, optimizer=opt, **kw)
+    if route == "spine":
+        assert plan.spine is not None
+    assert real_whole_peak(model, (x,), opt, "fp32") == plan.predicted_peak <= plan.budget

@@ -1,6 +1,6 @@
 """The planner's subcommands (``planner``, ``planner-modes``, ``planner-levels``,
-``planner-time``, ``planner-vs-compile``, ``planner-promise``) end to end on the CPU, on the zoo's CIFAR CNN and
-ResNet-20 at tiny batches: each writes its JSON with the machine and the command, and its
+``planner-time``, ``planner-vs-compile``, ``planner-promise``, ``planner-step``) end to end on
+the CPU, on the zoo's CIFAR CNN and ResNet-20 at tiny batches: each writes its JSON with the machine and the command, and its
 figures say what the planner promises (within the budget, never dearer than what it is
 compared with). Not timed tests: times are only checked to be there."""
 from __future__ import annotations
@@ -134,3 +134,14 @@ def test_planner_promise_measures_what_each_plan_predicts(tmp_path: Path, capsys
     assert c["plan"] == "0/2 blocks, 0 levels" and not c["warns"]
     assert c["compiled"] <= c["predicted"] == m["plain_peak_bytes"]
     assert "| cifar_cnn | 2 | 1.000 |" in capsys.readouterr().out
+
+
+def test_planner_step_predicts_the_whole_step_and_trains_like_plain(tmp_path: Path) -> None:
+    out = tmp_path / "step.json"
+    bench("planner-step", "--models", "resnet20", "--out", out)
+    data = json.loads(out.read_text())
+    assert data["command"].startswith("python ") and data["machine"]
+    rows = data["rows"]
+    assert {(r["optimizer"], r["precision"]) for r in rows} == {
+        ("AdamW", "fp32"), ("AdamW", "bf16"), ("SGD", "fp32"), ("SGD", "bf16")}
+    assert all(r["measured"] == r["predicted"] <= r["budget"] and r["exact"] for r in rows)

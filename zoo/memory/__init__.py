@@ -1,7 +1,8 @@
 """Measurement: peak memory (exact on CPU, allocator figures on CUDA), FLOPs, and step time.
 
 Every figure of the project comes from here, so the planner, the benchmarks and the tests measure
-the same way, on the same step (:func:`train_step`: forward, :func:`default_loss`, backward):
+the same way, on the same step (:func:`train_step`: forward and loss, backward, the optimizer's
+step when there is one, on a batch as the model takes it, in the caller's autocast):
 
 * CPU peak memory with ``torch.distributed._tools.mem_tracker.MemTracker`` (:func:`cpu_peak_bytes`,
   :func:`step_cost`): byte for byte, so two runs give the same figure, and under
@@ -13,7 +14,9 @@ the same way, on the same step (:func:`train_step`: forward, :func:`default_loss
   to the plain model measured in the same run.
 * BatchNorm state against the plain model's (:func:`bn_state`, :func:`bn_difference`).
 
-Files: ``training.py`` (the step, its loss), ``batchnorm.py``, ``host.py`` (dispatched ops, host
+Files: ``training.py`` (the step, its loss), ``inputs.py`` (the batch: a tensor, a tuple or a
+dict), ``precision.py`` (autocast as the step replays it), ``optimizer.py`` (the optimizer's
+state and step in a fake step), ``batchnorm.py``, ``host.py`` (dispatched ops, host
 time on ``meta``), ``tracker.py`` (op-by-op bytes and FLOPs), ``fake_mode.py`` and ``fake.py``
 (fake state), ``step.py`` (one fake step: ``measure_step``), ``compiled.py`` (compiled graphs
 replayed), and for a CUDA card that is not here ``cuda_ops.py``, ``cuda_allocator.py``,

@@ -3,7 +3,10 @@ in bf16 autocast, at three budgets from the plain step's peak down to the least 
 the plan's ``predicted_peak`` beside the real step's measured peak (forward, loss, backward,
 ``optimizer.step()``, on this CPU, exact bytes, without MemTracker's module hooks:
 :func:`zoo.memory.step.peak_bytes`), and whether the planned model trains bit for bit like the
-plain one for three optimizer steps.
+plain one for three optimizer steps. Beside it, the arithmetic the planner used to leave to its users ("the budget
+is for parameters, gradients and activations: leave room for the optimizer"): a float32 plan
+for the budget less the optimizer's state, its predicted peak plus that state, and its own
+step measured the same way.
 
 Used by ``python scripts/benchmark.py planner-step`` and by the tests on small models.
 """
@@ -19,6 +22,7 @@ import torch
 from torch import nn
 
 from ..memory.inputs import Batch
+from ..memory.optimizer import state_bytes
 from ..memory.step import peak_bytes
 from ..memory.training import train_step
 from .choose import plan
@@ -45,6 +49,8 @@ class StepRow:
     predicted: int
     measured: int
     exact: bool  # three optimizer steps bit for bit like plain's
+    arithmetic: int = 0  # fp32 plan for the budget less the state, plus the state
+    arithmetic_measured: int = 0  # that plan's real whole step
 
     @property
     def error(self) -> float:
@@ -96,6 +102,21 @@ def trains_like_plain(plain: nn.Module, planned: nn.Module, batch: Any, make_opt
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _arithmetic(make: Callable[[], nn.Module], batch: Batch, make_opt: Callable,
+                precision: str, budget: int) -> tuple[int, int]:
+    """The old arithmetic's promise and what its plan's whole step measures (module docstring);
+    (0, 0) where the budget less the state is below the fp32 chain's least peak."""
+    torch.manual_seed(0)
+    model = make().train()
+    optimizer = make_opt(model)
+    state = state_bytes(optimizer)
+    try:
+        old = plan(model, batch, budget - state)
+    except BudgetTooSmallError:
+        return 0, 0
+    return old.predicted_peak + state, real_whole_peak(model, batch, optimizer, precision)
+
+
 def step_rows(name: str, make: Callable[[], nn.Module], batch: Any,
               optimizers: Optimizers = OPTIMIZERS,
               precisions: tuple[str, ...] = ("fp32", "bf16")) -> list[StepRow]:
@@ -119,6 +140,8 @@ def step_rows(name: str, make: Callable[[], nn.Module], batch: Any,
                 chosen.apply(planned)
                 planned.load_state_dict(plain.state_dict())
                 exact = trains_like_plain(plain, planned, batch, make_opt, precision)
+                arithmetic, arithmetic_measured = _arithmetic(make, batch, make_opt, precision,
+                                                              budget)
                 rows.append(StepRow(name, opt_name, precision, budget, chosen.predicted_peak,
-                                    measured, exact))
+                                    measured, exact, arithmetic, arithmetic_measured))
     return rows
