@@ -12,10 +12,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zoo.memory import train_step
 from zoo.memory.cards import CARDS, Card, card, fit_host, op_seconds, step_time
-from zoo.memory.cuda_allocator import (CachingAllocator, SimulatedOutOfMemory, round_size,
+from zoo.memory.cards.allocator import (CachingAllocator, SimulatedOutOfMemory, round_size,
                                        segment_size)
-from zoo.memory.cuda_ops import EFFICIENT, FLASH, MATH, CudaKernels, sdpa_backend
-from zoo.memory.cuda_peak import HOPPER_WORKSPACE, CudaCounter, OpRecord, run_counted
+from zoo.memory.cards.kernels import EFFICIENT, FLASH, MATH, CudaKernels, sdpa_backend
+from zoo.memory.cards.peak import HOPPER_WORKSPACE, CudaCounter, OpRecord, run_counted
 
 MiB = 1 << 20
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from .fake import FakeStep
 from .training import default_loss
-from .on_card import step_counter
+from .cards.on_card import step_counter
 from .tracker import StepCounter
 
 __all__ = ["measure_step", "peak_bytes"]

@@ -22,7 +22,7 @@ from torch import nn
 from ..memory import parse_budget
 from ..memory.cards import Card
 from ..memory.fake import FakeStep, collector_paused
-from ..memory.on_card import on_card
+from ..memory.cards.on_card import on_card
 from .errors import BudgetTooSmallError
 from .modules.plan_module import ModulePlan, plan_module
 from .modules.spine import Spine, clear_spine, find_spine

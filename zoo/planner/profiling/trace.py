@@ -20,7 +20,7 @@ from torch import nn
 
 from ...checkpoint import checkpoint, is_recomputing, region
 from ...memory.fake import FakeStep
-from ...memory.on_card import step_counter
+from ...memory.cards.on_card import step_counter
 from ...memory.tracker import StepCounter
 
 __all__ = ["Trace", "traced_step", "grad_bytes"]

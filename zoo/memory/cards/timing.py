@@ -1,6 +1,6 @@
 """A training step's time on a named CUDA card, predicted from the ops a fake step dispatches.
 
-Per op (:class:`~zoo.memory.cuda_peak.OpRecord`), a roofline: the larger of its FLOPs over the
+Per op (:class:`~zoo.memory.cards.peak.OpRecord`), a roofline: the larger of its FLOPs over the
 card's peak for its arithmetic and its bytes over the bandwidth; views cost nothing. The host's
 time is ``python_ops x per_op + engine_ops x per_engine_op + regions x per_region``
 (:class:`HostCost`, fitted by least squares on recorded host-cost rows: :func:`fit_host`); the
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cuda_peak import HOPPER_WORKSPACE, OLDER_WORKSPACE, OpRecord
+from .peak import HOPPER_WORKSPACE, OLDER_WORKSPACE, OpRecord
 
 __all__ = ["Card", "CARDS", "card", "HostCost", "H100_HOST", "Achieved", "ROOFLINE",
            "H100_ACHIEVED", "StepTime", "op_bound", "op_seconds", "device_parts",
