@@ -3,9 +3,10 @@
     python scripts/benchmark.py gpu                         # all parts, one process each
     python scripts/benchmark.py gpu --part densenet_b64     # one part
     python scripts/benchmark.py gpu --smoke                 # tiny sizes on the CPU: checks the machinery
+    python scripts/benchmark.py gpu --dtype bf16            # one precision (default both)
 
 Parts (:mod:`bench.suite`): overhead, overhead_graphs, densenet_b64, densenet_b256,
-resnet50, bert, max_batch. Each writes ``<out_dir>/gpu_<part>_<device>.json`` (machine, torch
+resnet50, bert, max_batch, each in float32 and in bfloat16 autocast. Each writes ``<out_dir>/gpu_<part>_<device>.json`` (machine, torch
 version, command, settings, rows, goals) and ``<out_dir>/gpu_<part>_<device>.md`` (its Markdown
 table) and prints the table. Nothing beyond torch, torchvision, timm and the zoo is needed.
 """
@@ -24,7 +25,8 @@ import zoo
 from zoo.memory import parse_bytes
 
 from .report import comma_list, write_json
-from .suite import PARTS, device_tag, markdown, run_part
+from .suite import DTYPES, PARTS, device_tag, markdown, run_part
+from .suite_check import problems
 
 __all__ = ["gpu", "run_one"]
 
@@ -32,16 +34,21 @@ SMOKE_BUDGET = "16MB"
 
 
 def run_one(part: str, settings: dict[str, Any], out_dir: str | Path) -> Path:
-    """Run ``part``, print its Markdown, write its JSON and Markdown; the JSON's path."""
+    """Run ``part``, print its Markdown, write its JSON and Markdown; the JSON's path. What
+    the part fails to hold (:func:`~bench.suite_check.problems`: a failed row, an exactness
+    error, a missing precision) is written in the JSON too, and raised after (ValueError)."""
     start = time.perf_counter()
     payload = run_part(part, **settings)
     payload["wall_s"] = time.perf_counter() - start
+    payload["problems"] = problems(payload)
     text = markdown(payload)
     stem = Path(out_dir) / f"gpu_{part}_{device_tag(payload['machine'], settings['smoke'])}"
     path = write_json(stem.with_suffix(".json"), payload)
     stem.with_suffix(".md").write_text(text)
     print(f"{text}\n({payload['wall_s']:.0f} s) wrote {path} and {stem.with_suffix('.md')}\n",
           flush=True)
+    if payload["problems"]:
+        raise ValueError(f"part {part} does not hold: " + "; ".join(payload["problems"]))
     return path
 
 
@@ -58,38 +65,56 @@ def _each_part_apart(flags: dict[str, Any]) -> list[str]:
                               env=env).returncode]
 
 
+def _every_part_here(settings: dict[str, Any], out_dir: str) -> list[str]:
+    paths, wrong = [], []
+    for p in PARTS:
+        try:
+            paths.append(str(run_one(p, settings, out_dir)))
+        except ValueError as e:
+            wrong.append(str(e))
+    if wrong:
+        raise ValueError(" | ".join(wrong))
+    return paths
+
+
 def gpu(part: str = "all", smoke: bool = False, device: str | None = None,
         out_dir: str = "docs/results", repeats: int | None = None, warmup: int | None = None,
         budget: str | None = None, checkpoints: str | tuple | None = None,
-        backend: str | None = None) -> list[str]:
+        backend: str | None = None, dtype: str = "both") -> list[str]:
     """Every GPU figure, one part at a time (--part), each part in < 10 minutes.
 
     ``--part`` runs one part (overhead, overhead_graphs, densenet_b64, densenet_b256, resnet50,
     bert, max_batch); ``all`` runs each in its own process. ``--smoke``: tiny models and sizes on
-    the CPU, aot_eager compile (checks the machinery; its figures mean nothing). ``--device``
-    (default cuda; cpu with --smoke), ``--repeats`` timed rounds (20; smoke 2), ``--warmup`` (3;
+    the CPU, aot_eager compile (checks the machinery; its figures mean nothing). A part that
+    holds a failed row, an exactness error or a missing precision's row is written and then
+    fails the command. ``--dtype`` fp32, bf16 (autocast) or both (default). ``--device``
+    (default cuda; cpu with --smoke), ``--repeats`` timed rounds (10; smoke 2), ``--warmup`` (2;
     smoke 1), ``--budget`` max_batch's memory budget (11GB), ``--checkpoints`` the overhead
     parts' subset of 'torch non-reentrant,torch reentrant,zoo.checkpoint', ``--backend`` the
     torch.compile backend (inductor; smoke aot_eager).
     """
     if part != "all" and part not in PARTS:
         raise ValueError(f"unknown part {part!r}; expected all or one of {', '.join(PARTS)}")
+    dtypes = DTYPES if dtype == "both" else (dtype,)
+    if any(d not in DTYPES for d in dtypes):
+        raise ValueError(f"unknown --dtype {dtype!r}; expected fp32, bf16 or both")
     device = device or ("cpu" if smoke else "cuda")
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but torch sees no CUDA device; on a machine without a "
                          "GPU run --smoke (tiny sizes on the CPU) or --device cpu")
-    settings = {"device": device, "smoke": smoke, "repeats": repeats or (2 if smoke else 20),
-                "warmup": warmup if warmup is not None else (1 if smoke else 3),
+    settings = {"device": device, "smoke": smoke, "repeats": repeats or (2 if smoke else 10),
+                "warmup": warmup if warmup is not None else (1 if smoke else 2),
                 "budget": parse_bytes(budget or (SMOKE_BUDGET if smoke else "11GB")),
                 "backend": backend or ("aot_eager" if smoke else "inductor"),
-                "checkpoints": tuple(comma_list(checkpoints)) if checkpoints else None}
+                "checkpoints": tuple(comma_list(checkpoints)) if checkpoints else None,
+                "dtypes": dtypes}
     if part != "all":
         return [str(run_one(part, settings, out_dir))]
-    if smoke:  # seconds: in this process
-        return [str(run_one(p, settings, out_dir)) for p in PARTS]
+    if smoke:  # seconds: in this process, every part run before the first problem is raised
+        return _every_part_here(settings, out_dir)
     failed = _each_part_apart({"device": device, "out_dir": out_dir, "repeats": repeats,
                                "warmup": warmup, "budget": budget, "checkpoints": checkpoints,
-                               "backend": backend})
+                               "backend": backend, "dtype": dtype})
     if failed:
         print(f"error: part(s) {', '.join(failed)} failed (see above)", file=sys.stderr)
         sys.exit(1)

@@ -14,7 +14,7 @@ Two ways to the same answer:
   capping the device at the budget; an out-of-memory error means "does not fit", the memory is
   freed and the search goes on.
 * :class:`CardPredictor` (any machine, no GPU, a named card of ``zoo.memory.cards``): one step
-  under ``zoo.memory.card_step.predict_step``, the card's kernels (fused attention, what CUDA's
+  under ``zoo.memory.predict_step``, the card's kernels (fused attention, what CUDA's
   kernels save) and caching allocator capped at the budget; a batch fits when the step raises no
   ``SimulatedOutOfMemory``, and its predicted step time on the card gives samples/s.
 
@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from zoo.memory import cpu_peak_bytes
-from zoo.memory.card_step import CardStep, predict_step
+from zoo.memory.cards.step import CardStep, predict_step
 from zoo.memory.cards import Card, card
-from zoo.memory.cuda_allocator import SimulatedOutOfMemory
+from zoo.memory.cards.allocator import SimulatedOutOfMemory
 
 from .measure import training_step
 from .variants import build_variant, create
@@ -124,7 +124,7 @@ class PeakPredictor:
 class CardPredictor:
     """One training step of ``model_name``'s variants on card ``on`` at any batch size under a
     memory ``budget`` (reserved bytes, as ``set_per_process_memory_fraction`` caps them): its
-    :class:`~zoo.memory.card_step.CardStep` (peak and time), or None where the card's caching
+    :class:`~zoo.memory.cards.step.CardStep` (peak and time), or None where the card's caching
     allocator would run out of memory. Results are cached.
 
     The models are real CPU models (``predict_step`` makes fake copies of their state), one per

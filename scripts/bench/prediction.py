@@ -6,7 +6,7 @@ The rows come from what H100 runs wrote under docs/results/: the variants runs
 device capped at the budget), the GPU suite's tables (``gpu_<part>_h100.md``: peak and median
 step, taken later, with today's region) and the host-cost run (``host_cost_cuda.json``: the
 step's time at small batches). Each row's step runs here once under ``FakeTensorMode`` with
-:func:`zoo.memory.cuda_peak.run_counted` (CUDA's attention and dropout, the caching allocator
+:func:`zoo.memory.cards.peak.run_counted` (CUDA's attention and dropout, the caching allocator
 replayed, cuBLAS workspaces) and the card's roofline plus the host's cost
 (:mod:`zoo.memory.cards`). Nothing is tuned per row: the host's two constants are fitted once
 over the host-cost rows (printed), the rest is the card's data sheet.
@@ -26,8 +26,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from zoo.memory import format_bytes
 from zoo.memory.cards import (H100_ACHIEVED, H100_HOST, Achieved, Card, HostCost, card,
                               device_parts, fit_achieved, fit_host, host_ops, step_time)
-from zoo.memory.cuda_allocator import SimulatedOutOfMemory
-from zoo.memory.cuda_peak import run_counted
+from zoo.memory.cards.allocator import SimulatedOutOfMemory
+from zoo.memory.cards.peak import run_counted
 
 from .measure import training_step
 from .report import comma_list, command_line, machine_info, write_json

@@ -18,13 +18,15 @@ command, settings, rows, goals) that ``gpu`` writes as JSON and as a Markdown ta
   DenseNet-BC-100 and BERT-base (an out-of-memory-safe search on the device capped at the
   budget, with the CPU's FakeTensorMode prediction beside it).
 
-Times are medians of >= 20 interleaved steps after warm-up; a variant that fails (a compiled one
-that cannot compile today) is a row with its one-line error. ``smoke=True`` runs every part with
+Every part runs in float32 and in bfloat16 autocast (:func:`precision`), rows labelled
+``dtype``. Times are medians of >= 10 interleaved steps after warm-up; a variant that fails is
+a row with its one-line error, and ``gpu`` then fails (:mod:`.suite_check`). ``smoke=True`` runs every part with
 tiny models and sizes on the CPU (compiling with the ``aot_eager`` backend) in seconds: it checks
 the machinery, its figures mean nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import re
@@ -45,10 +47,12 @@ from .report import benchmark_table, command_line, machine_info, max_batch_table
 from .runs import run_max_batch
 from .variants import build_variants, create
 
-__all__ = ["PARTS", "Workload", "workloads", "run_part", "device_tag", "markdown"]
+__all__ = ["PARTS", "DTYPES", "Workload", "workloads", "precision", "run_part", "device_tag",
+           "markdown"]
 
 PARTS = ("overhead", "overhead_graphs", "densenet_b64", "densenet_b256", "resnet50", "bert",
          "max_batch")
+DTYPES = ("fp32", "bf16")  # float32, and bfloat16 autocast
 EFFICIENT = "efficient"  # stands for "zoo <the model's first checkpoint mode>"
 
 
@@ -130,16 +134,46 @@ def _max_batch(w: Workload, dev: torch.device, budget: int) -> list[dict]:
     return [dict(row, model=_label(w.model)) for row in payload["rows"]]
 
 
-def run_part(part: str, device: str = "cuda", smoke: bool = False, repeats: int = 20,
-             warmup: int = 3, budget: int = 11 * 10**9, backend: str = "inductor",
-             checkpoints: tuple[str, ...] | None = None) -> dict:
-    """One part (see the module docstring): a JSON-ready payload with its goals.
+def precision(dev: torch.device, dtype: str) -> contextlib.AbstractContextManager:
+    """The precision a part's steps run in: ``fp32`` as is, ``bf16`` under
+    ``torch.autocast(<device>, dtype=torch.bfloat16)`` (mixed precision, the way people train:
+    the parameters, gradients and optimizer stay float32)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown precision {dtype!r}; expected one of {', '.join(DTYPES)}")
+    return contextlib.nullcontext() if dtype == "fp32" else \
+        torch.autocast(dev.type, dtype=torch.bfloat16)
+
+
+def run_part(part: str, device: str = "cuda", smoke: bool = False, repeats: int = 10,
+             warmup: int = 2, budget: int = 11 * 10**9, backend: str = "inductor",
+             checkpoints: tuple[str, ...] | None = None,
+             dtypes: tuple[str, ...] = DTYPES) -> dict:
+    """One part (see the module docstring) in each precision of ``dtypes`` (rows labelled
+    ``dtype``; goal lines prefixed with it): a JSON-ready payload with its goals.
     ``checkpoints``: the overhead parts' checkpoints (default all; ``none`` is always timed)."""
     if part not in PARTS:
         raise ValueError(f"unknown part {part!r}; expected one of {', '.join(PARTS)}")
     dev = torch.device(device)
     settings = {"part": part, "smoke": smoke, "repeats": repeats, "warmup": warmup,
-                "budget_bytes": budget, "backend": backend}
+                "budget_bytes": budget, "backend": backend, "dtypes": list(dtypes)}
+    rows, goal_rows = [], []
+    for dtype in dtypes:
+        with precision(dev, dtype):
+            these = _part_rows(part, dev, smoke, repeats, warmup, budget, backend, checkpoints,
+                               settings)
+        rows += [dict(r, dtype=dtype) for r in these]
+        goal_rows += [dict(g, goal=f"{dtype}: {g['goal']}", dtype=dtype)
+                      for g in goals(part, these)]
+    return {"kind": "gpu_suite", "part": part, "machine": machine_info(dev),
+            "command": command_line(), "date": datetime.date.today().isoformat(),
+            "settings": settings, "rows": rows, "goals": goal_rows}
+
+
+def _part_rows(part: str, dev: torch.device, smoke: bool, repeats: int, warmup: int,
+               budget: int, backend: str, checkpoints: tuple[str, ...] | None,
+               settings: dict) -> list[dict]:
+    """The rows of one part in the precision the caller set."""
+    device = str(dev)
     if part.startswith("overhead"):
         if part == "overhead":
             modes = ["eager", "compiled"]
@@ -160,9 +194,7 @@ def run_part(part: str, device: str = "cuda", smoke: bool = False, repeats: int 
     else:
         rows = [r for w in workloads(smoke)[part]
                 for r in _benchmark(w, dev, repeats, warmup, backend)]
-    return {"kind": "gpu_suite", "part": part, "machine": machine_info(dev),
-            "command": command_line(), "date": datetime.date.today().isoformat(),
-            "settings": settings, "rows": rows, "goals": goals(part, rows)}
+    return rows
 
 
 # -- the goals the GPU figures are held to -------------------------------------------------------
@@ -253,28 +285,41 @@ def _goal_lines(goal_rows: list[dict]) -> str:
 
 
 def markdown(payload: dict) -> str:
-    """A part as docs/benchmarks/gpu.md shows it: device, torch, command, table, goals."""
+    """A part as docs/benchmarks/gpu.md shows it: device, torch, command, then per precision
+    (a ``####`` heading: float32, bfloat16 autocast) its table and goal lines."""
     m, part = payload["machine"], payload["part"]
     where = m.get("gpu") or f"CPU ({m['cpu']}, {m['torch_threads']} threads)"
     smoke = " (smoke: tiny sizes, figures meaningless)" if payload["settings"]["smoke"] else ""
     cuda = f", CUDA {m['cuda']}" if m.get("cuda") else ""
     head = f"### {part}{smoke}\n{where}, torch {m['torch']}{cuda}\n`{payload['command']}`\n"
-    rows = payload["rows"]
+    sections = []
+    for dtype in dict.fromkeys(r.get("dtype", "fp32") for r in payload["rows"]):
+        rows = [r for r in payload["rows"] if r.get("dtype", "fp32") == dtype]
+        goal_rows = [g for g in payload["goals"] if g.get("dtype", "fp32") == dtype]
+        sections.append(f"#### {_PRECISION.get(dtype, dtype)}\n\n{_table(payload, rows)}\n\n"
+                        f"{_goal_lines(goal_rows)}\n")
+    return f"{head}\n" + "\n".join(sections)
+
+
+_PRECISION = {"fp32": "fp32 (float32)", "bf16": "bf16 (bfloat16 autocast)"}
+
+
+def _table(payload: dict, rows: list[dict]) -> str:
+    part = payload["part"]
     if part.startswith("overhead"):
-        table = f"{overhead_header(payload)}\n\n{overhead_table(rows)}"
-    elif part == "max_batch":
+        return f"{overhead_header(payload)}\n\n{overhead_table(rows)}"
+    if part == "max_batch":
         models = list(dict.fromkeys(r["model"] for r in rows))
-        table = "\n\n".join(f"**{name}**\n\n" + max_batch_table(
+        return "\n\n".join(f"**{name}**\n\n" + max_batch_table(
             [r for r in rows if r["model"] == name]) for name in models)
-    else:
-        table = benchmark_table(rows)
-        acts = [f"{r['variant']} {format_bytes(r['activation_bytes'])}" for r in rows
-                if "activation_bytes" in r]
-        compiles = [f"{r['variant']} b{r['batch_size']} {r['first_step_s']:.0f} s" for r in rows
-                    if r["variant"].startswith("compiled") and "first_step_s" in r]
-        if compiles:
-            table += "\n\nFirst step, compiling included: " + "; ".join(compiles)
-        if part == "bert" and acts:
-            table += "\n\nActivation memory (peak less parameters, gradients, input): " + \
-                     "; ".join(acts)
-    return f"{head}\n{table}\n\n{_goal_lines(payload['goals'])}\n"
+    table = benchmark_table(rows)
+    acts = [f"{r['variant']} {format_bytes(r['activation_bytes'])}" for r in rows
+            if "activation_bytes" in r]
+    compiles = [f"{r['variant']} b{r['batch_size']} {r['first_step_s']:.0f} s" for r in rows
+                if r["variant"].startswith("compiled") and "first_step_s" in r]
+    if compiles:
+        table += "\n\nFirst step, compiling included: " + "; ".join(compiles)
+    if part == "bert" and acts:
+        table += "\n\nActivation memory (peak less parameters, gradients, input): " + \
+                 "; ".join(acts)
+    return table

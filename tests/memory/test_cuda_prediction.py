@@ -12,10 +12,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zoo.memory import train_step
 from zoo.memory.cards import CARDS, Card, card, fit_host, op_seconds, step_time
-from zoo.memory.cuda_allocator import (CachingAllocator, SimulatedOutOfMemory, round_size,
+from zoo.memory.cards.allocator import (CachingAllocator, SimulatedOutOfMemory, round_size,
                                        segment_size)
-from zoo.memory.cuda_ops import EFFICIENT, FLASH, MATH, CudaKernels, sdpa_backend
-from zoo.memory.cuda_peak import HOPPER_WORKSPACE, CudaCounter, OpRecord, run_counted
+from zoo.memory.cards.kernels import EFFICIENT, FLASH, MATH, CudaKernels, sdpa_backend
+from zoo.memory.cards.peak import HOPPER_WORKSPACE, CudaCounter, OpRecord, run_counted
 
 MiB = 1 << 20
 
@@ -161,11 +161,20 @@ def test_step_is_the_slower_of_device_and_host():
 
 
 def test_unknown_card_is_one_line():
-    with pytest.raises(ValueError, match="unknown card 'h200'; expected one of h100"):
-        card("h200")
+    with pytest.raises(ValueError, match="unknown card 'v100'; expected one of h100"):
+        card("v100")
     mine = Card("mine", 1e12, 2e12, 4e12, 1e11, 8 * 10**9, (7, 5))
     assert card(mine) is mine and mine.workspace < HOPPER_WORKSPACE
-    assert set(CARDS) >= {"h100", "a100", "l4", "rtx4090"}
+    assert set(CARDS) >= {"h100", "h200", "a100", "l4", "rtx4090"}
+
+
+def test_the_h200_is_an_h100_with_more_and_faster_memory_and_every_card_a_host_link():
+    h100, h200 = card("H100"), card("h-200")
+    assert (h200.fp32, h200.tf32, h200.bf16, h200.capability) == \
+        (h100.fp32, h100.tf32, h100.bf16, h100.capability)
+    assert h200.memory == 141 * 10**9 and h200.bandwidth == 4.8e12
+    assert h200.host_link == h100.host_link == 2 * card("a100").host_link == 64e9
+    assert Card("mine", 1e12, 2e12, 4e12, 1e11, 8 * 10**9, (7, 5)).host_link == 32e9
 
 
 def test_fit_host_recovers_its_constants():

@@ -250,11 +250,13 @@ def test_a_failure_names_its_cause_and_logs_its_traceback(
 
 @pytest.mark.slow
 def test_gpu_smoke_writes_every_part(tmp_path: Path) -> None:
-    """``gpu --smoke``: every part of the GPU command runs on the CPU with tiny sizes and
-    writes its JSON (machine, command, rows, goals) and Markdown."""
+    """``gpu --smoke --dtype both``: every part of the GPU command runs on the CPU with tiny
+    sizes, in float32 and bfloat16 autocast, and writes its JSON (machine, command, rows,
+    goals) and Markdown; the command succeeds only with no failed row, no exactness error and
+    every row in both precisions (bench.suite_check)."""
     threads = torch.get_num_threads()
     try:
-        bench("gpu", "--smoke", "--out_dir", str(tmp_path))
+        bench("gpu", "--smoke", "--dtype", "both", "--out_dir", str(tmp_path))
     finally:
         torch.set_num_threads(threads)
     parts = ("overhead", "overhead_graphs", "densenet_b64", "densenet_b256", "resnet50", "bert",
@@ -268,23 +270,28 @@ def test_gpu_smoke_writes_every_part(tmp_path: Path) -> None:
         assert all({"goal", "value", "limit", "met"} <= set(g) for g in d["goals"])
         md = (tmp_path / f"gpu_{part}_smoke_cpu.md").read_text()
         assert f"torch {torch.__version__}" in md and d["command"] in md
-    dense = {r["variant"]: r for r in data["densenet_b64"]["rows"]}
-    assert list(dense) == ["plain", "zoo bottleneck", "compiled plain",
-                           "compiled zoo bottleneck", "official", "timm"]
-    for name, r in dense.items():
-        if r["status"] == "failed":  # compiled ones, until zoo models compile
-            assert name.startswith("compiled") and "\n" not in r["error"]
-        else:  # on the CPU a compiled step has no exact peak: MemTracker keeps compile out
-            assert r["median_s"] > 0 and len(r["times_s"]) == 2
-            assert (r["peak_bytes"] is None) == name.startswith("compiled")
-            assert name.startswith("compiled") or r["peak_bytes"] > 0
+    for d in data.values():
+        assert d["problems"] == [] and all(r.get("status", "ok") == "ok" for r in d["rows"])
+        assert [r for r in d["rows"] if r["dtype"] == "fp32"] and \
+            len([r for r in d["rows"] if r["dtype"] == "bf16"]) == len(d["rows"]) // 2
+        assert "#### bf16 (bfloat16 autocast)" in (tmp_path / f"gpu_{d['part']}_smoke_cpu.md"
+                                                   ).read_text()
+    bf16 = {r["variant"]: r for r in data["densenet_b64"]["rows"] if r["dtype"] == "bf16"}
+    dense = {r["variant"]: r for r in data["densenet_b64"]["rows"] if r["dtype"] == "fp32"}
+    assert list(dense) == list(bf16) == ["plain", "zoo bottleneck", "compiled plain",
+                                         "compiled zoo bottleneck", "official", "timm"]
+    assert bf16["plain"]["peak_bytes"] < dense["plain"]["peak_bytes"]
+    for name, r in dense.items():  # on the CPU a compiled step has no exact peak
+        assert r["median_s"] > 0 and len(r["times_s"]) == 2
+        assert (r["peak_bytes"] is None) == name.startswith("compiled")
+        assert name.startswith("compiled") or r["peak_bytes"] > 0
     assert dense["zoo bottleneck"]["bn_count_error"] == 0
     assert dense["official"]["bn_count_error"] == dense["timm"]["bn_count_error"] == 1
     assert dense["zoo bottleneck"]["peak_bytes"] < dense["timm"]["peak_bytes"]
     bert = {r["variant"]: r for r in data["bert"]["rows"]}
     assert bert["zoo block"]["activation_bytes"] < bert["plain"]["activation_bytes"]
     assert {r["variant"] for r in data["resnet50"]["rows"]} >= {"plain", "official"}
-    biggest = data["max_batch"]["rows"]
+    biggest = [r for r in data["max_batch"]["rows"] if r["dtype"] == "fp32"]
     assert [r["variant"] for r in biggest] == ["plain", "zoo bottleneck", "plain", "zoo block"]
     assert all(r["largest_batch"] >= 1 and r["batch_ratio"] >= 1 for r in biggest)
     runs = {(r["checkpoint"], r["run_as"]) for r in data["overhead"]["rows"]}

@@ -1,6 +1,6 @@
 """``max-batch`` for a named CUDA card, predicted on a machine without one: the batch found fits
 under the card's capped caching allocator and the next one does not (exact, by the same
-predictor as ``zoo.memory.card_step.predict_step``), and each batch comes with its predicted
+predictor as ``zoo.memory.predict_step``), and each batch comes with its predicted
 samples/s on the card. The zoo's CIFAR CNN at a budget of a few batches keeps it quick."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from bench.max_batch import CardPredictor
 from bench.plots import plot_max_batch
 from bench.runs import run_max_batch
 from bench.variants import build_variant
-from zoo.memory.card_step import predict_step
-from zoo.memory.cuda_allocator import SimulatedOutOfMemory
+from zoo.memory import predict_step
+from zoo.memory.cards.allocator import SimulatedOutOfMemory
 
 pytestmark = pytest.mark.slow  # a benchmark command's code, end to end: the whole suite's lane
 

@@ -6,7 +6,7 @@ import pytest
 
 from bench.prediction import _Predictor, recorded_rows
 from zoo.memory.cards import H100_ACHIEVED, H100_HOST, step_time
-from zoo.memory.cuda_peak import HOPPER_WORKSPACE
+from zoo.memory.cards.peak import HOPPER_WORKSPACE
 
 
 def _recorded(model: str, batches: tuple[int, ...]):

@@ -19,8 +19,7 @@ dict), ``precision.py`` (autocast as the step replays it), ``optimizer.py`` (the
 state and step in a fake step), ``batchnorm.py``, ``host.py`` (dispatched ops, host
 time on ``meta``), ``tracker.py`` (op-by-op bytes and FLOPs), ``fake_mode.py`` and ``fake.py``
 (fake state), ``step.py`` (one fake step: ``measure_step``), ``compiled.py`` (compiled graphs
-replayed), and for a CUDA card that is not here ``cuda_ops.py``, ``cuda_allocator.py``,
-``cuda_peak.py``, ``cards.py``, ``card_step.py`` and ``on_card.py``."""
+replayed). What a CUDA card that is not here would do: the ``cards`` package."""
 from __future__ import annotations
 
 import functools
@@ -218,9 +217,9 @@ def median_seconds(step: Callable[[], Any], repeats: int = 5, warmup: int = 2,
     return statistics.median(times), times
 
 
-# A step on a named CUDA card, predicted without one (zoo.memory.cards: the cards' numbers)
-from .card_step import CardStep, predict_step  # noqa: E402
-from .on_card import on_card  # noqa: E402
+# A step on a named CUDA card, predicted without one (zoo.memory.cards: the card model)
+from .cards.step import CardStep, predict_step  # noqa: E402
+from .cards.on_card import on_card  # noqa: E402
 from .cards import CARDS, Card, card  # noqa: E402
 
 __all__ += ["CardStep", "predict_step", "CARDS", "Card", "card", "on_card"]

@@ -20,7 +20,7 @@ from torch import nn
 from .fake import FakeStep
 from .precision import step_precision
 from .training import forward_loss
-from .on_card import held_from_start, step_counter
+from .cards.on_card import held_from_start, step_counter
 from .tracker import StepCounter
 
 __all__ = ["measure_step", "peak_bytes"]

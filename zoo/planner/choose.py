@@ -26,7 +26,7 @@ from ..memory.precision import current_precision, step_precision
 from ..memory.training import loss_used
 from ..memory.cards import Card
 from ..memory.fake import FakeStep, collector_paused
-from ..memory.on_card import on_card
+from ..memory.cards.on_card import on_card
 from .errors import BudgetTooSmallError
 from .modules.plan_module import ModulePlan, plan_module
 from .modules.spine import Spine, clear_spine, find_spine

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...memory.card_step import run_on_card
+from ...memory.cards.step import run_on_card
 from ...memory.cards import H100_ACHIEVED, Card, step_time
-from ...memory.cuda_allocator import CachingAllocator
-from ...memory.cuda_peak import CudaCounter
+from ...memory.cards.allocator import CachingAllocator
+from ...memory.cards.peak import CudaCounter
 from ...memory.inputs import Batch
 from .profile import ChainProfile
 

@@ -22,7 +22,7 @@ from ...checkpoint import checkpoint, is_recomputing, region
 from ...memory.fake import FakeStep
 from ...memory.precision import step_precision
 from ...memory.training import forward_loss
-from ...memory.on_card import held_from_start, step_counter
+from ...memory.cards.on_card import held_from_start, step_counter
 from ...memory.tracker import StepCounter
 
 __all__ = ["Trace", "traced_step", "grad_bytes"]

@@ -3,8 +3,8 @@
 What a caller with a model and an input asks (the planner choosing by time on a card, a batch
 search sizing for a card): the step (forward, loss, backward) runs once on fake copies of the
 model's state (:class:`~zoo.memory.fake.FakeStep`, nothing allocated or computed) under
-:func:`~zoo.memory.cuda_peak.run_counted` (the card's kernels and allocator), and its ops are
-timed by :mod:`.cards`. ``model`` is left untouched.
+:func:`~zoo.memory.cards.peak.run_counted` (the card's kernels and allocator), and its ops are
+timed by :mod:`.timing`. ``model`` is left untouched.
 """
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .cards import H100_ACHIEVED, H100_HOST, Achieved, Card, HostCost, StepTime, card, step_time
-from .. import _torch
-from .cuda_peak import CudaCounter, run_counted
-from .fake import FakeStep
-from .precision import step_precision
-from .training import forward_loss
+from .timing import H100_ACHIEVED, H100_HOST, Achieved, Card, HostCost, StepTime, card, step_time
+from ... import _torch
+from .peak import CudaCounter, run_counted
+from ..fake import FakeStep
+from ..precision import step_precision
+from ..training import forward_loss
 
 __all__ = ["CardStep", "predict_step", "run_on_card"]
 

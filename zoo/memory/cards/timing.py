@@ -1,6 +1,6 @@
 """A training step's time on a named CUDA card, predicted from the ops a fake step dispatches.
 
-Per op (:class:`~zoo.memory.cuda_peak.OpRecord`), a roofline: the larger of its FLOPs over the
+Per op (:class:`~zoo.memory.cards.peak.OpRecord`), a roofline: the larger of its FLOPs over the
 card's peak for its arithmetic and its bytes over the bandwidth; views cost nothing. The host's
 time is ``python_ops x per_op + engine_ops x per_engine_op + regions x per_region``
 (:class:`HostCost`, fitted by least squares on recorded host-cost rows: :func:`fit_host`); the
@@ -15,23 +15,27 @@ from dataclasses import dataclass
 
 import torch
 
-from .cuda_peak import HOPPER_WORKSPACE, OLDER_WORKSPACE, OpRecord
+from .peak import HOPPER_WORKSPACE, OLDER_WORKSPACE, OpRecord
 
-__all__ = ["Card", "CARDS", "card", "HostCost", "H100_HOST", "Achieved", "ROOFLINE",
-           "H100_ACHIEVED", "StepTime", "op_bound", "op_seconds", "device_parts",
-           "device_seconds", "host_ops", "step_time", "fit_host", "fit_achieved"]
+__all__ = ["Card", "CARDS", "card", "PCIE_GEN4", "PCIE_GEN5", "HostCost", "H100_HOST",
+           "Achieved", "ROOFLINE", "H100_ACHIEVED", "StepTime", "op_bound", "op_seconds",
+           "device_parts", "device_seconds", "host_ops", "step_time", "fit_host", "fit_achieved"]
 
 _aten = torch.ops.aten
 _MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm}
 _CONVS = {_aten.convolution, _aten.convolution_backward, _aten.cudnn_convolution}
 _HALF = (torch.float16, torch.bfloat16)
+PCIE_GEN4 = 32e9  # bytes/s one way, x16 link, as data sheets count it (31.5e9 after coding)
+PCIE_GEN5 = 64e9  # twice Gen4's
 
 
 @dataclass(frozen=True)
 class Card:
     """A CUDA card's published numbers: dense peak FLOP/s on the CUDA cores in float32
     (``fp32``) and on the tensor cores in TF32 and bfloat16/float16, memory bandwidth in
-    bytes/s, memory in bytes, compute capability."""
+    bytes/s, memory in bytes, compute capability, and ``host_link``: bytes/s in one direction
+    between the card and the host's memory (what offloading to the host moves at; default a
+    PCIe Gen4 x16 link, 32 GB/s each way)."""
 
     name: str
     fp32: float
@@ -40,6 +44,7 @@ class Card:
     bandwidth: float
     memory: int
     capability: tuple[int, int]
+    host_link: float = PCIE_GEN4
 
     @property
     def workspace(self) -> int:
@@ -47,16 +52,23 @@ class Card:
         return HOPPER_WORKSPACE if self.capability[0] >= 9 else OLDER_WORKSPACE
 
 
-# NVIDIA's data sheets: H100 SXM5 (2022), A100 SXM4 80GB (2021), L4 (2023), and the Ada
-# Lovelace architecture whitepaper for the RTX 4090; dense tensor peaks (not "with sparsity").
+# NVIDIA's data sheets: H100 SXM5 (2022), H200 SXM (2024), A100 SXM4 80GB (2021), L4 (2023),
+# and the Ada Lovelace architecture whitepaper for the RTX 4090; dense tensor peaks (not "with
+# sparsity"). The H200 is the H100 SXM5's compute (its sheet: 67 TFLOP/s FP32, 989 TF32 and
+# 1,979 BF16 "with sparsity") with 141 GB of HBM3e at 4.8 TB/s. Host links, one direction: PCIe
+# Gen5 x16 for the H100 and H200 SXM (the sheets' "PCIe Gen5: 128GB/s" counts both), Gen4 x16
+# for the others; a GH200's NVLink-C2C moves 450 GB/s each way (its sheet's 900 GB/s, both):
+# a Card of its numbers with host_link=450e9.
 CARDS: dict[str, Card] = {
     "h100": Card("NVIDIA H100 SXM5 80GB", 66.9e12, 494.7e12, 989.4e12, 3.35e12, 80 * 10**9,
-                 (9, 0)),
+                 (9, 0), PCIE_GEN5),
+    "h200": Card("NVIDIA H200 SXM 141GB", 66.9e12, 494.7e12, 989.4e12, 4.8e12, 141 * 10**9,
+                 (9, 0), PCIE_GEN5),
     "a100": Card("NVIDIA A100 SXM4 80GB", 19.5e12, 156e12, 312e12, 2.039e12, 80 * 10**9,
-                 (8, 0)),
-    "l4": Card("NVIDIA L4", 30.3e12, 60e12, 121e12, 300e9, 24 * 10**9, (8, 9)),
+                 (8, 0), PCIE_GEN4),
+    "l4": Card("NVIDIA L4", 30.3e12, 60e12, 121e12, 300e9, 24 * 10**9, (8, 9), PCIE_GEN4),
     "rtx4090": Card("NVIDIA GeForce RTX 4090", 82.6e12, 82.6e12, 165.2e12, 1008e9, 24 * 10**9,
-                    (8, 9)),
+                    (8, 9), PCIE_GEN4),
 }
 
 

@@ -1,9 +1,9 @@
 """Measure fake steps as a named CUDA card would run them: ``with on_card("h100"): ...``.
 
 Every fake step :mod:`zoo.memory` and the planner measure inside the block counts the card's
-bytes instead of the CPU's: the ops CUDA's kernels would run (:class:`~.cuda_ops.CudaKernels`:
+bytes instead of the CPU's: the ops CUDA's kernels would run (:class:`~.kernels.CudaKernels`:
 fused attention, one-byte dropout masks) and the caching allocator's blocks
-(:class:`~.cuda_peak.CudaCounter`, a cuBLAS workspace of the card's size included). This is how
+(:class:`~.peak.CudaCounter`, a cuBLAS workspace of the card's size included). This is how
 ``zoo.plan(..., device="h100")`` and ``train.py --card h100`` size a step for a card on a
 machine without one; outside the block nothing changes.
 """
@@ -13,12 +13,12 @@ import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
 
-from .cards import Card, card
-from .cuda_allocator import CachingAllocator
-from .cuda_ops import CudaKernels
-from .cuda_peak import CudaCounter, regions_counted
-from .fake import FakeStep
-from .tracker import StepCounter
+from .timing import Card, card
+from .allocator import CachingAllocator
+from .kernels import CudaKernels
+from .peak import CudaCounter, regions_counted
+from ..fake import FakeStep
+from ..tracker import StepCounter
 
 __all__ = ["on_card", "step_counter", "held_from_start"]
 
@@ -28,7 +28,7 @@ _CARD: ContextVar[Card | None] = ContextVar("zoo_card", default=None)
 @contextlib.contextmanager
 def on_card(name: str | Card) -> Iterator[Card]:
     """Fake steps measured inside count as on card ``name`` (a key of
-    :data:`~.cards.CARDS` or a :class:`~.cards.Card`); yields the card."""
+    :data:`~.timing.CARDS` or a :class:`~.timing.Card`); yields the card."""
     token = _CARD.set(card(name))
     try:
         yield _CARD.get()
@@ -38,9 +38,9 @@ def on_card(name: str | Card) -> Iterator[Card]:
 
 def step_counter() -> tuple[StepCounter, contextlib.AbstractContextManager]:
     """A counter for one fake step, and the modes to enter between the fake mode and the
-    counter: the CPU's :class:`~.tracker.StepCounter` and nothing outside :func:`on_card`;
-    inside, the card's :class:`~.cuda_peak.CudaCounter` (its cuBLAS workspaces held from the
-    start: :meth:`~.cuda_peak.CudaCounter.hold_workspaces`) and the card's kernels."""
+    counter: the CPU's :class:`~zoo.memory.tracker.StepCounter` and nothing outside :func:`on_card`;
+    inside, the card's :class:`~.peak.CudaCounter` (its cuBLAS workspaces held from the
+    start: :meth:`~.peak.CudaCounter.hold_workspaces`) and the card's kernels."""
     on = _CARD.get()
     if on is None:
         return StepCounter(), contextlib.nullcontext()

@@ -1,12 +1,12 @@
 """Peak ``torch.cuda.max_memory_allocated`` of a training step, predicted without a GPU.
 
-The step runs on fake CPU tensors under :class:`~zoo.memory.cuda_ops.CudaKernels` (attention and
+The step runs on fake CPU tensors under :class:`~zoo.memory.cards.kernels.CudaKernels` (attention and
 dropout save what CUDA's kernels save), and every storage it makes or frees is replayed through
-:class:`~zoo.memory.cuda_allocator.CachingAllocator`, after the parameters, buffers and input.
+:class:`~zoo.memory.cards.allocator.CachingAllocator`, after the parameters, buffers and input.
 :class:`CudaCounter` also allocates the two cuBLAS workspaces where the step first runs a matmul
 on each thread (forward and the autograd engine's; aten/src/ATen/cuda/CublasHandlePool.cpp: 32
 MiB each on compute capability 9.x and newer, 8 MiB + 128 KiB before), and records every op
-(:class:`OpRecord`: FLOPs, bytes read and written) for :mod:`.cards`."""
+(:class:`OpRecord`: FLOPs, bytes read and written) for :mod:`.timing`."""
 from __future__ import annotations
 
 import contextlib
@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from .. import _torch
-from .._torch import tree_flatten
-from .cuda_allocator import CachingAllocator, round_size
-from .cuda_ops import CudaKernels
-from .tracker import StepCounter, storage_key
+from ... import _torch
+from ..._torch import tree_flatten
+from .allocator import CachingAllocator, round_size
+from .kernels import CudaKernels
+from ..tracker import StepCounter, storage_key
 
 __all__ = ["HOPPER_WORKSPACE", "OLDER_WORKSPACE", "OpRecord", "CudaCounter",
            "predict_cuda_peak", "run_counted", "regions_counted"]
