@@ -99,8 +99,10 @@ def test_a_tuple_batch_is_the_models_positional_arguments():
 
 
 @pytest.mark.parametrize("make_opt", [
-    lambda p: torch.optim.AdamW(p), lambda p: torch.optim.AdamW(p, foreach=True),
-    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.1)],
+    lambda p: torch.optim.AdamW(p),
+    pytest.param(lambda p: torch.optim.AdamW(p, foreach=True), marks=pytest.mark.slow),
+    pytest.param(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), marks=pytest.mark.slow),
+    pytest.param(lambda p: torch.optim.SGD(p, lr=0.1), marks=pytest.mark.slow)],
     ids=["adamw", "adamw-foreach", "sgd-momentum", "sgd"])
 def test_the_optimizers_state_and_step_are_in_the_predicted_peak(make_opt):
     torch.manual_seed(0)
@@ -254,6 +256,7 @@ def test_a_card_plan_predicts_what_predict_step_says_of_the_planned_step(precisi
     assert plan.segments != [] and step.peak == plan.predicted_peak <= plan.budget
 
 
+@pytest.mark.slow
 def test_an_fp16_plan_with_a_grad_scaler_is_the_scaled_step():
     torch.manual_seed(0)
     model = zoo.create_model("resnet20", num_classes=10)
@@ -278,7 +281,8 @@ def test_an_fp16_plan_with_a_grad_scaler_is_the_scaled_step():
     assert abs(measured - plan.predicted_peak) <= 16
 
 
-@pytest.mark.parametrize("route", ["chain", "time", "compiled", "spine"])
+@pytest.mark.parametrize("route", [pytest.param(r, marks=pytest.mark.slow)
+                                   for r in ("chain", "time", "compiled")] + ["spine"])
 def test_every_route_of_plan_takes_a_batch_tuple(route):
     torch.manual_seed(0)
     if route == "spine":
