@@ -30,7 +30,7 @@ from ..memory.cards.on_card import on_card
 from .errors import BudgetTooSmallError
 from .modules.plan_module import ModulePlan, plan_module
 from .modules.spine import Spine, clear_spine, find_spine
-from .plans import Plan, plan_set_aside
+from .plans import Plan, cheapest, plan_set_aside
 from .profiling.profile import ChainProfile, profile_chain
 from .profiling.timing import time_profile
 from .search.front import Front
@@ -91,14 +91,14 @@ def plan_choices(profile: ChainProfile, variants: Sequence[ChainProfile] = (),
 
 
 def _pick(choices: Sequence[Plan], budget: float) -> Plan:
-    """The cheapest plan that fits ``budget``, the lowest peak among equals; at or above the
-    plain peak, the plain step (the last choice)."""
+    """The cheapest plan that fits ``budget`` (:func:`cheapest`); at or above the plain peak,
+    the plain step (the last choice)."""
     fitting = [c for c in choices if c.predicted_peak <= budget]
     if not fitting:
         raise BudgetTooSmallError(budget, choices[0].predicted_peak, choices[-1].plain_peak)
     if fitting[-1] is choices[-1] and budget >= choices[-1].plain_peak:
         return dataclasses.replace(choices[-1], budget=budget)
-    chosen = min(fitting, key=lambda c: (c.recompute_flops, c.predicted_peak))
+    chosen = min(fitting, key=cheapest)
     return dataclasses.replace(chosen, budget=budget)
 
 

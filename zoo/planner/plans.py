@@ -19,7 +19,7 @@ from .profiling.chain_profile import ChainProfile
 from .search.savesets import apply_save_sets, save_sets_removed
 from .modules.spine import apply_spine, spine_steps
 
-__all__ = ["Plan", "plan_set_aside", "clear_plan"]
+__all__ = ["Plan", "plan_set_aside", "clear_plan", "cheapest"]
 
 
 @contextlib.contextmanager
@@ -179,6 +179,13 @@ class Plan:
             f"a plain step's {self._amount(self.step_flops)}",
         ]
         return "\n".join(lines)
+
+
+def cheapest(plan: Plan) -> tuple:
+    """The order plans that fit a budget are taken in: least recompute, then one that
+    ``torch.compile`` keeps (:attr:`Plan.compile_safe`: free, it costs no recompute), then
+    the lowest peak."""
+    return plan.recompute_flops, not plan.compile_safe, plan.predicted_peak
 
 
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()

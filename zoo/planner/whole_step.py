@@ -28,7 +28,7 @@ from ..memory.step import measure_step
 from ..memory.optimizer import state_tensors
 from .errors import BudgetTooSmallError
 from .modules.spine import Spine
-from .plans import Plan, clear_plan, plan_set_aside
+from .plans import Plan, clear_plan, plan_set_aside, cheapest
 
 __all__ = ["WholeStep", "describe_step"]
 
@@ -88,8 +88,7 @@ class WholeStep:
         if least > budget:
             raise BudgetTooSmallError(budget, least, plain)
         room = budget - self.state_bytes
-        fitting = sorted((c for c in choices if c.predicted_peak <= room),
-                         key=lambda c: (c.recompute_flops, c.predicted_peak))
+        fitting = sorted((c for c in choices if c.predicted_peak <= room), key=cheapest)
         for chosen in fitting:  # the casts can reorder close peaks: each one measured
             peak = self.peak(chosen)
             if peak <= budget:
