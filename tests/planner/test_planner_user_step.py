@@ -17,7 +17,7 @@ from zoo.memory import format_bytes
 from zoo.memory.inputs import Batch
 from zoo.planner import BudgetTooSmallError, largest_batch
 from zoo.planner import plans
-from zoo.planner.quiet import BatchError
+from zoo.memory.quiet import BatchError
 from zoo.planner.step_sweep import real_whole_peak, step_rows
 
 
@@ -301,3 +301,11 @@ def test_every_route_of_plan_takes_a_batch_tuple(route):
     if route == "spine":
         assert plan.spine is not None
     assert real_whole_peak(model, (x,), opt, "fp32") == plan.predicted_peak <= plan.budget
+
+
+def test_predict_step_on_a_batch_of_the_wrong_shape_is_one_line(caplog):
+    seq = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with caplog.at_level(logging.DEBUG), pytest.raises(BatchError) as e:
+        zoo.memory.predict_step(seq, torch.randn(4, 7), "h100")
+    assert "\n" not in str(e.value)
+    assert not [r for r in caplog.records if "meta" in r.getMessage()]

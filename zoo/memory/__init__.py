@@ -16,7 +16,7 @@ step when there is one, on a batch as the model takes it, in the caller's autoca
 
 Files: ``training.py`` (the step, its loss), ``inputs.py`` (the batch: a tensor, a tuple or a
 dict), ``precision.py`` (autocast as the step replays it), ``optimizer.py`` (the optimizer's
-state and step in a fake step), ``batchnorm.py``, ``host.py`` (dispatched ops, host
+state and step in a fake step), ``quiet.py`` (one line for a batch the model cannot run on), ``batchnorm.py``, ``host.py`` (dispatched ops, host
 time on ``meta``), ``tracker.py`` (op-by-op bytes and FLOPs), ``fake_mode.py`` and ``fake.py``
 (fake state), ``step.py`` (one fake step: ``measure_step``), ``compiled.py`` (compiled graphs
 replayed). What a CUDA card that is not here would do: the ``cards`` package."""

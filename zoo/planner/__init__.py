@@ -14,8 +14,7 @@ Files, by phase (each imports only what sits below it, no circles):
   ``plans.py`` (:class:`Plan`, what a plan is and how it is applied), ``batch.py`` (the largest
   batch that fits a budget), ``whole_step.py`` (the plan's peak for the whole step: the
   optimizer's state and step, autocast), ``sweep.py`` and ``step_sweep.py`` (every budget's
-  plan measured against its prediction; the whole step against a real one), ``quiet.py`` (one
-  line for a batch the model cannot run on), ``errors.py``;
+  plan measured against its prediction; the whole step against a real one), ``errors.py``;
 * ``profiling/``: what each block costs: ``trace.py`` (an instrumented fake step),
   ``repeats.py`` (repeated blocks profiled once), ``contexts.py``, ``profile.py`` and its record
   ``chain_profile.py``, ``timing.py`` (measured times for ``cost="time"``);

@@ -38,7 +38,7 @@ from .search.modes import ModeCost, profile_modes
 from .search.multi_level import MAX_UNITS, chain_floor
 from .search.one_level import predict_peak, schedules
 from .search.savesets import SAVE_SETS
-from .quiet import fake_logs_quiet
+from ..memory.quiet import fake_logs_quiet
 from .whole_step import WholeStep, describe_step
 
 __all__ = ["plan", "Planner", "solve_profile", "profile_block_modes", "block_plan", "plan_choices",

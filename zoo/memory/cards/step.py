@@ -20,6 +20,8 @@ from .timing import H100_ACHIEVED, H100_HOST, Achieved, Card, HostCost, StepTime
 from ... import _torch
 from .peak import CudaCounter, run_counted
 from ..fake import FakeStep
+from ..inputs import Batch, check_model
+from ..quiet import fake_logs_quiet
 from ..precision import step_precision
 from ..training import forward_loss
 
@@ -46,9 +48,11 @@ def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
     fractions of the card's peaks its kernels reach (both calibrated on an H100 machine);
     ``limit``: a cap on reserved bytes, as ``set_per_process_memory_fraction`` sets. The batch,
     loss, precision and ``optimizer`` are read as :func:`zoo.memory.step.measure_step` reads
-    them."""
+    them; a batch the model cannot run on is one line (:mod:`zoo.memory.quiet`)."""
     target = card(on)
-    counter = run_on_card(model, example_input, target, loss_fn, limit, optimizer=optimizer)
+    batch = Batch.of(example_input)
+    with fake_logs_quiet(check_model(model), batch):
+        counter = run_on_card(model, batch, target, loss_fn, limit, optimizer=optimizer)
     return CardStep(target, counter.peak,
                     step_time(counter.records, counter.regions, target, host, achieved))
 

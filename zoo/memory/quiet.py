@@ -1,7 +1,7 @@
-"""A planning that speaks to the user in one line: torch's fake-tensor log kept quiet, and a batch
+"""A planning or a card prediction that speaks to the user in one line: torch's fake-tensor log kept quiet, and a batch
 the model cannot run on said as what it is.
 
-Planning runs the model under ``FakeTensorMode``. When an op fails there (a batch of the wrong
+Planning and ``predict_step`` run the model under ``FakeTensorMode``. When an op fails there (a batch of the wrong
 shape for the model), torch's fake-tensor module logs the whole failure with its traceback
 before raising (``failed while attempting to run meta for aten.mm.default``): about twenty lines
 the user did not ask for, about an op they did not call. :func:`fake_logs_quiet` holds that log
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from ..memory.inputs import Batch
+from .inputs import Batch
 
 __all__ = ["fake_logs_quiet", "BatchError"]
 
