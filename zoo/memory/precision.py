@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Precision", "step_precision", "forward_precision", "current_precision"]
+__all__ = ["Precision", "step_precision", "forward_precision", "current_precision", "scale_loss"]
 
 _DEVICE_TYPES = ("cuda", "cpu")  # where autocast is asked; the first enabled one is the step's
 

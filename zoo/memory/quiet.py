@@ -29,7 +29,7 @@ class BatchError(ValueError):
 @contextlib.contextmanager
 def fake_logs_quiet(model: nn.Module, batch: Batch) -> Iterator[None]:
     """The fake-tensor log off for the duration (module docstring); a ``RuntimeError`` raised by
-    the model's step becomes a one-line :class:`BatchError` (a ``ValueError``) naming the
+    the model's step (torch's own class, not a subclass such as an out-of-memory error) becomes a one-line :class:`BatchError` (a ``ValueError``) naming the
     model, the batch's shapes and torch's own first line."""
     log = logging.getLogger(_FAKE_LOG)
     was = log.disabled
@@ -37,6 +37,8 @@ def fake_logs_quiet(model: nn.Module, batch: Batch) -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:
+        if type(e) is not RuntimeError:  # an out-of-memory error and its kind are not the batch's
+            raise
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise BatchError(f"{type(model).__name__} does not run on the batch {batch.describe()}: "
                          f"{first}; pass a batch the model takes, as training will") from None
