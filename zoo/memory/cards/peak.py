@@ -20,6 +20,7 @@ import torch
 from ... import _torch
 from ..._torch import tree_flatten
 from .allocator import CachingAllocator, round_size
+from .autocast import CudaAutocast
 from .kernels import CudaKernels
 from ..tracker import StepCounter, storage_key
 
@@ -159,13 +160,20 @@ def predict_cuda_peak(step: Callable[[], Any], track: Any = (), limit: int | Non
 
 def run_counted(step: Callable[[], Any], track: Any = (), limit: int | None = None,
                 warmup: int = 0, workspace: int = HOPPER_WORKSPACE,
-                counter: CudaCounter | None = None) -> CudaCounter:
+                counter: CudaCounter | None = None,
+                autocast: torch.dtype | None = None) -> CudaCounter:
     """:func:`predict_cuda_peak`'s run, the counter itself returned (its ``peak``, its
     ``records`` of the last step). ``counter``: a fresh one to count in (``step`` may then read
-    its records as it runs); ``limit`` and ``workspace`` are then its own."""
+    its records as it runs); ``limit`` and ``workspace`` are then its own. ``autocast``: the
+    step runs under ``torch.autocast`` at this dtype as CUDA's autocast runs it
+    (:class:`~.autocast.CudaAutocast`); None: as it is (float32)."""
     counter = counter or CudaCounter(CachingAllocator(limit), workspace)
     counter.track(*track) if isinstance(track, (list, tuple)) else counter.track(track)
-    with CudaKernels(), counter, regions_counted(counter):
+    precision = contextlib.ExitStack()
+    if autocast is not None:
+        precision.enter_context(CudaAutocast())
+        precision.enter_context(torch.autocast("cpu", dtype=autocast))
+    with precision, CudaKernels(), counter, regions_counted(counter):
         for _ in range(warmup):
             step()
         counter.reset_peak()

@@ -37,21 +37,24 @@ class CardStep:
 def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
                  loss_fn: Callable[[Any], torch.Tensor] | None = None,
                  host: HostCost = H100_HOST, achieved: Achieved = H100_ACHIEVED,
-                 limit: int | None = None) -> CardStep:
+                 limit: int | None = None, autocast: torch.dtype | None = None) -> CardStep:
     """Peak and time of one training step of ``model`` (as configured: checkpoint mode or
     plan) on ``example_input``, on card ``on`` (a name of ``zoo.memory.cards.CARDS`` or a
     :class:`~zoo.memory.cards.Card`). ``host`` and ``achieved``: the host's costs and the
     fractions of the card's peaks its kernels reach (both calibrated on an H100 machine);
-    ``limit``: a cap on reserved bytes, as ``set_per_process_memory_fraction`` sets."""
+    ``limit``: a cap on reserved bytes, as ``set_per_process_memory_fraction`` sets;
+    ``autocast``: the step under ``torch.autocast("cuda", dtype=autocast)`` (e.g.
+    ``torch.bfloat16``: CUDA's autocast op lists, :mod:`.autocast`); None: float32."""
     target = card(on)
-    counter = run_on_card(model, example_input, target, loss_fn, limit)
+    counter = run_on_card(model, example_input, target, loss_fn, limit, autocast=autocast)
     return CardStep(target, counter.peak,
                     step_time(counter.records, counter.regions, target, host, achieved))
 
 
 def run_on_card(model: nn.Module, example_input: Any, on: str | Card,
                 loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                limit: int | None = None, counter: CudaCounter | None = None) -> CudaCounter:
+                limit: int | None = None, counter: CudaCounter | None = None,
+                autocast: torch.dtype | None = None) -> CudaCounter:
     """:func:`predict_step`'s fake step, the counter returned (its ``peak``, ``records`` and
     ``regions``). ``counter``: a fresh one to count in, which ``model`` may read as it runs."""
     target = card(on)
@@ -68,6 +71,7 @@ def run_on_card(model: nn.Module, example_input: Any, on: str | Card,
             warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
             return run_counted(step, fake.tensors + [fake.input]
                                if isinstance(fake.input, torch.Tensor) else fake.tensors,
-                               limit, workspace=target.workspace, counter=counter)
+                               limit, workspace=target.workspace, counter=counter,
+                               autocast=autocast)
     finally:
         fake.clear()
