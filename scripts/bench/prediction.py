@@ -24,12 +24,14 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zoo.memory import format_bytes
-from zoo.memory.cards import (H100_ACHIEVED, H100_HOST, Achieved, Card, HostCost, card,
+from zoo.memory.cards import (H100_ACHIEVED, H100_HOST, Achieved, Card, HostCost,
                               device_parts, fit_achieved, fit_host, host_ops, step_time)
+from zoo.memory.cards import card as named_card
 from zoo.memory.cards.allocator import SimulatedOutOfMemory
 from zoo.memory.cards.peak import run_counted
 
 from .measure import training_step
+from .prediction_before import file_before
 from .report import comma_list, command_line, machine_info, write_json
 from .variants import build_variant, create
 
@@ -272,16 +274,23 @@ def _summary(name: str, errors: list[float], limit: float) -> str:
 
 def prediction(card_name: str = "h100", models: str = "", memory: bool = True,
                timing: bool = True, fit: bool = True,
-               json_out: str = "docs/results/prediction_h100.json") -> dict:
+               json_out: str = "docs/results/prediction_h100.json", card: str = "",
+               before: bool = False) -> dict:
     """Recorded H100 rows against their prediction on this machine (no GPU): peaks and steps.
 
     ``card_name``: a card of zoo.memory.cards.CARDS (the rows were measured on an H100).
     ``models``: comma-separated model names to keep (default: every recorded row).
     ``fit``: fit the host's per-op and per-region cost on the host-cost rows and the achieved
     fractions of the card's peaks on the device-bound rows here (else the constants
-    ``zoo.memory.cards.H100_HOST`` and ``H100_ACHIEVED``, which are what this fit printed)."""
+    ``zoo.memory.cards.H100_HOST`` and ``H100_ACHIEVED``, which are what this fit printed).
+    ``--card NAME --before``: instead, every row the GPU suite will measure predicted on card
+    NAME with those constants frozen, written to docs/results/prediction_before_NAME.json
+    (:mod:`.prediction_before`), to commit before the card runs."""
+    if before:
+        return file_before(card or card_name, None if json_out.endswith("_h100.json")
+                           else json_out)
     start = time.perf_counter()
-    on = card(card_name)
+    on = named_card(card or card_name)
     rows = recorded_rows()
     if models:
         keep = set(comma_list(models))
