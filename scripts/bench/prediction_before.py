@@ -69,7 +69,7 @@ def _benchmark_rows(part: str, on: Card, dtype: str) -> list[dict]:
             for name in w.names(model):
                 row = {"model": _label(w.model), "size": w.size, "batch_size": batch,
                        "variant": name}
-                if name.startswith("compiled"):
+                if name.startswith(("compiled", "graphed")):
                     rows.append(dict(row, why=_COMPILED))
                     continue
                 v = build_variant(model, name)
