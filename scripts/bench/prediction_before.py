@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from zoo.memory import predict_step
+from zoo.memory import format_bytes, predict_step
 from zoo.memory.cards import H100_ACHIEVED, H100_HOST, Card, card
 
 from .max_batch import CardPredictor, search_largest_batch
@@ -28,7 +28,7 @@ from .report import command_line, machine_info, write_json
 from .suite import DTYPES, PARTS, _label, workloads
 from .variants import build_variant, create
 
-__all__ = ["before_rows", "file_before"]
+__all__ = ["before_rows", "file_before", "before_table"]
 
 ROOT = Path(__file__).resolve().parents[2]
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}
@@ -130,5 +130,28 @@ def file_before(card_name: str, json_out: str | None = None) -> dict:
     payload["wall_s"] = time.perf_counter() - start
     path = json_out or f"docs/results/prediction_before_{card_name.lower()}.json"
     write_json(path, payload)
-    print(f"wrote {path}: {len(payload['rows'])} rows in {payload['wall_s']:.0f} s")
+    print(f"{before_table(payload, Path(path).name)}\n\nwrote {path}: {len(payload['rows'])} "
+          f"rows in {payload['wall_s']:.0f} s")
     return payload
+
+
+def before_table(payload: dict, source: str) -> str:
+    """The filed rows of the benchmark and largest-batch parts as the prediction page shows
+    them (the overhead chains stay in the JSON)."""
+    lines = ["| source | precision | filed | part | variant | batch | predicted peak | "
+             "predicted step (device / host) |", "|---|---|---|---|---|---:|---:|---:|"]
+    for r in payload["rows"]:
+        if r["part"].startswith("overhead"):
+            continue
+        batch = r.get("batch_size", r.get("largest_batch"))
+        part = r["part"] + (f" ({r['model']}, largest batch in 11 GB)"
+                            if r["part"] == "max_batch" else "")
+        head = f"| {source} | {r['dtype']} | before | {part} | {r['variant']} | {batch} |"
+        if "why" in r:
+            lines.append(f"{head} not predicted | not predicted |")
+            continue
+        step = f"{r['predicted_s'] * 1e3:.1f} ms"
+        if "predicted_device_s" in r:
+            step += f" ({r['predicted_device_s'] * 1e3:.1f} / {r['predicted_host_s'] * 1e3:.1f})"
+        lines.append(f"{head} {format_bytes(r['predicted_peak_bytes'])} | {step} |")
+    return "\n".join(lines)

@@ -140,11 +140,13 @@ def _max_batch(w: Workload, dev: torch.device, budget: int) -> list[dict]:
 def precision(dev: torch.device, dtype: str) -> contextlib.AbstractContextManager:
     """The precision a part's steps run in: ``fp32`` as is, ``bf16`` under
     ``torch.autocast(<device>, dtype=torch.bfloat16)`` (mixed precision, the way people train:
-    the parameters, gradients and optimizer stay float32)."""
+    the parameters, gradients and optimizer stay float32), its cache of parameters' casts off:
+    one context spans the part, and no variant's casts may outlive its step into another's
+    peak (the card prediction runs the same way)."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown precision {dtype!r}; expected one of {', '.join(DTYPES)}")
     return contextlib.nullcontext() if dtype == "fp32" else \
-        torch.autocast(dev.type, dtype=torch.bfloat16)
+        torch.autocast(dev.type, dtype=torch.bfloat16, cache_enabled=False)
 
 
 def run_part(part: str, device: str = "cuda", smoke: bool = False, repeats: int = 10,

@@ -11,8 +11,9 @@ casts to, once per op and input dtypes, by calling it on fake CUDA tensors (Fake
 needs no GPU for a forward op; the autograd engine is what needs one), then casts the CPU
 arguments alike and runs the op with autocast off for what it calls (as CUDA's kernels do). An
 op CUDA has no kernel for falls through, so the ops it is made of are cast one by one. No list
-is copied: the policy is CUDA's kernel's, on the torch installed. Parameters cast to bfloat16
-are cached until the outermost autocast exits, as autocast's own cache keeps them.
+is copied: the policy is CUDA's kernel's, on the torch installed. Where autocast's cache is on,
+parameters cast to bfloat16 are cached until the outermost autocast exits, as its cache keeps
+them.
 """
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ class CudaAutocast:
     def _cast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if t.dtype not in _ELIGIBLE or t.dtype == dtype:
             return t
-        cached = t.requires_grad and t.is_leaf and t.dtype == torch.float32
+        cached = t.requires_grad and t.is_leaf and t.dtype == torch.float32 and \
+            torch.is_autocast_cache_enabled()
         hit = self._cache.get(id(t)) if cached else None
         if hit is not None and hit[0]() is t:
             return hit[1]

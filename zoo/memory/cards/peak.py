@@ -166,13 +166,14 @@ def run_counted(step: Callable[[], Any], track: Any = (), limit: int | None = No
     ``records`` of the last step). ``counter``: a fresh one to count in (``step`` may then read
     its records as it runs); ``limit`` and ``workspace`` are then its own. ``autocast``: the
     step runs under ``torch.autocast`` at this dtype as CUDA's autocast runs it
-    (:class:`~.autocast.CudaAutocast`); None: as it is (float32)."""
+    (:class:`~.autocast.CudaAutocast`), its cache of parameters' casts off, as the GPU suite
+    measures; None: as it is (float32)."""
     counter = counter or CudaCounter(CachingAllocator(limit), workspace)
     counter.track(*track) if isinstance(track, (list, tuple)) else counter.track(track)
     precision = contextlib.ExitStack()
     if autocast is not None:
         precision.enter_context(CudaAutocast())
-        precision.enter_context(torch.autocast("cpu", dtype=autocast))
+        precision.enter_context(torch.autocast("cpu", dtype=autocast, cache_enabled=False))
     with precision, CudaKernels(), counter, regions_counted(counter):
         for _ in range(warmup):
             step()
