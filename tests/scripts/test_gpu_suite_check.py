@@ -87,3 +87,9 @@ def test_gpu_smoke_fails_on_a_variant_that_fails_in_bf16(tmp_path: Path, monkeyp
     assert "zoo selective (bf16) failed: RuntimeError: no bf16 kernel here" in err
     assert "(fp32) failed" not in err
     assert (tmp_path / "gpu_bert_smoke_cpu.json").exists()
+
+
+def test_an_unknown_precision_is_one_line(capsys):
+    assert cli.main(["gpu", "--smoke", "--dtype", "fp16"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "error: unknown --dtype 'fp16'; expected fp32, bf16 or both"
