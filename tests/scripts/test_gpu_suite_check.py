@@ -93,3 +93,17 @@ def test_an_unknown_precision_is_one_line(capsys):
     assert cli.main(["gpu", "--smoke", "--dtype", "fp16"]) == 2
     assert capsys.readouterr().err.strip() == \
         "error: unknown --dtype 'fp16'; expected fp32, bf16 or both"
+
+
+def test_a_whole_gpu_run_takes_every_part_the_uncompiled_first():
+    """A lease that ends early keeps the parts that compile nothing."""
+    from bench.gpu import FIRST_UNCOMPILED
+
+    def compiles(part: str) -> bool:
+        return part.startswith("overhead") or any(
+            v.startswith(("compiled", "graphed"))
+            for w in suite.workloads(False)[part] for v in w.variants)
+
+    assert sorted(FIRST_UNCOMPILED) == sorted(suite.PARTS)
+    flags = [compiles(p) for p in FIRST_UNCOMPILED]
+    assert flags == sorted(flags) and not flags[0] and flags[-1]
