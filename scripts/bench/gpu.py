@@ -6,8 +6,9 @@
     python scripts/benchmark.py gpu --dtype bf16            # one precision (default both)
 
 Parts (:mod:`bench.suite`): overhead, overhead_graphs, densenet_b64, densenet_b256,
-resnet50, bert, max_batch, each in float32 and in bfloat16 autocast. Each writes ``<out_dir>/gpu_<part>_<device>.json`` (machine, torch
-version, command, settings, rows, goals) and ``<out_dir>/gpu_<part>_<device>.md`` (its Markdown
+resnet50, bert, max_batch, each in float32 and in bfloat16 autocast. Each writes
+``<out_dir>/gpu_<part>_<device>.json`` (machine, torch version, command, settings, rows, goals,
+problems) and ``<out_dir>/gpu_<part>_<device>.md`` (its Markdown
 table) and prints the table. Nothing beyond torch, torchvision, timm and the zoo is needed.
 """
 from __future__ import annotations

@@ -22,9 +22,9 @@ command, settings, rows, goals) that ``gpu`` writes as JSON and as a Markdown ta
 
 Every part runs in float32 and in bfloat16 autocast (:func:`precision`), rows labelled
 ``dtype``. Times are medians of >= 10 interleaved steps after warm-up; a variant that fails is
-a row with its one-line error, and ``gpu`` then fails (:mod:`.suite_check`). ``smoke=True`` runs every part with
-tiny models and sizes on the CPU (compiling with the ``aot_eager`` backend) in seconds: it checks
-the machinery, its figures mean nothing.
+a row with its one-line error, and ``gpu`` then fails (:mod:`.suite_check`). ``smoke=True``
+runs every part with tiny models and sizes on the CPU (compiling with the ``aot_eager``
+backend) in seconds: it checks the machinery, its figures mean nothing.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Peak ``torch.cuda.max_memory_allocated`` of a training step, predicted without a GPU.
 
-The step runs on fake CPU tensors under :class:`~zoo.memory.cards.kernels.CudaKernels` (attention and
-dropout save what CUDA's kernels save), and every storage it makes or frees is replayed through
-:class:`~zoo.memory.cards.allocator.CachingAllocator`, after the parameters, buffers and input.
+The step runs on fake CPU tensors under :class:`~zoo.memory.cards.kernels.CudaKernels`
+(attention and dropout save what CUDA's kernels save), and every storage it makes or frees is
+replayed through :class:`~zoo.memory.cards.allocator.CachingAllocator`, after the parameters,
+buffers and input.
 :class:`CudaCounter` also allocates the two cuBLAS workspaces where the step first runs a matmul
 on each thread (forward and the autograd engine's; aten/src/ATen/cuda/CublasHandlePool.cpp: 32
 MiB each on compute capability 9.x and newer, 8 MiB + 128 KiB before), and records every op
