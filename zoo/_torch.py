@@ -73,6 +73,9 @@ NAMES: dict[str, Name] = {
     "torch._C._is_any_autocast_enabled": Name(OLDEST, "exact: autocast read per device"),
     "torch._C._dispatch_tls_is_dispatch_key_excluded": Name(OLDEST, "required (op counter)"),
     "torch._C.DispatchKey": Name(OLDEST, "required"),
+    "torch._C._dispatch_get_all_op_names": Name(OLDEST, "required (a card's autocast)"),
+    "torch._C._dispatch_has_kernel_for_dispatch_key": Name(
+        OLDEST, "required (a card's autocast)"),
     # modules and their hooks
     "torch.nn.modules.module._global_forward_pre_hooks": Name(OLDEST, "required (BN guard)"),
     "torch.nn.modules.batchnorm._NormBase": Name(OLDEST, "required (BN guard)"),
@@ -83,6 +86,8 @@ NAMES: dict[str, Name] = {
     "torch.utils._python_dispatch.TorchDispatchMode": Name(OLDEST, "required"),
     "torch.utils._python_dispatch._get_current_dispatch_mode": Name(OLDEST, "required"),
     "torch.utils._python_dispatch._pop_mode_temporarily": Name(OLDEST, "required"),
+    "torch.utils._python_dispatch._disable_current_modes": Name(
+        OLDEST, "required (a card's autocast)"),
     "torch.utils._pytree.tree_map_only": Name(OLDEST, "required"),
     "torch.utils._pytree.tree_flatten": Name(OLDEST, "required"),
     "torch.utils._pytree.tree_leaves": Name(OLDEST, "required"),
@@ -131,6 +136,7 @@ ATTRIBUTES = {
     "_sequence_nr": "sequence_nr",
     "_buffers": "module_buffers",
     "_parameters": "module_parameters",
+    "_destroy": "library_destroy",
 }
 
 
@@ -185,6 +191,10 @@ execution_engine = torch.autograd.Variable._execution_engine
 is_any_autocast_enabled = getattr(_C, "_is_any_autocast_enabled", None)
 dispatch_tls_is_dispatch_key_excluded = _C._dispatch_tls_is_dispatch_key_excluded
 DispatchKey = _C.DispatchKey
+dispatch_get_all_op_names = _C._dispatch_get_all_op_names
+dispatch_has_kernel_for_dispatch_key = _C._dispatch_has_kernel_for_dispatch_key
+#: ``library._destroy()``: takes a ``torch.library.Library``'s registrations back out.
+library_destroy = operator.methodcaller("_destroy")
 
 
 #: ``t._version``: a tensor's in-place version counter, which autograd checks saved tensors with
@@ -213,6 +223,7 @@ module_parameters = operator.attrgetter("_parameters")
 TorchDispatchMode = torch.utils._python_dispatch.TorchDispatchMode
 get_current_dispatch_mode = torch.utils._python_dispatch._get_current_dispatch_mode
 pop_mode_temporarily = torch.utils._python_dispatch._pop_mode_temporarily
+disable_current_modes = torch.utils._python_dispatch._disable_current_modes
 tree_map_only = torch.utils._pytree.tree_map_only
 tree_flatten = torch.utils._pytree.tree_flatten
 tree_leaves = torch.utils._pytree.tree_leaves

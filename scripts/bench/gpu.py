@@ -6,8 +6,9 @@
     python scripts/benchmark.py gpu --dtype bf16            # one precision (default both)
 
 Parts (:mod:`bench.suite`): overhead, overhead_graphs, densenet_b64, densenet_b256,
-resnet50, bert, max_batch, each in float32 and in bfloat16 autocast. Each writes ``<out_dir>/gpu_<part>_<device>.json`` (machine, torch
-version, command, settings, rows, goals) and ``<out_dir>/gpu_<part>_<device>.md`` (its Markdown
+resnet50, bert, max_batch, each in float32 and in bfloat16 autocast. Each writes
+``<out_dir>/gpu_<part>_<device>.json`` (machine, torch version, command, settings, rows, goals,
+problems) and ``<out_dir>/gpu_<part>_<device>.md`` (its Markdown
 table) and prints the table. Nothing beyond torch, torchvision, timm and the zoo is needed.
 """
 from __future__ import annotations
@@ -31,6 +32,10 @@ from .suite_check import problems
 __all__ = ["gpu", "run_one"]
 
 SMOKE_BUDGET = "16MB"
+# the order of a whole run on a GPU: the parts without compiled rows first (a minute or so each),
+# so a lease that ends early has them; then the ones that compile (docs/benchmarks/gpu.md)
+FIRST_UNCOMPILED = ("resnet50", "bert", "max_batch", "densenet_b64", "densenet_b256",
+                    "overhead", "overhead_graphs")
 
 
 def run_one(part: str, settings: dict[str, Any], out_dir: str | Path) -> Path:
@@ -60,7 +65,7 @@ def _each_part_apart(flags: dict[str, Any]) -> list[str]:
     env = dict(os.environ)  # the children import this same zoo
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(zoo.__file__).parents[1]),
                                                       env.get("PYTHONPATH")]))
-    return [part for part in PARTS
+    return [part for part in FIRST_UNCOMPILED
             if subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmark.py"), "gpu", "--part", part, *args],
                               env=env).returncode]
 

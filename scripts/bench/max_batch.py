@@ -129,11 +129,13 @@ class CardPredictor:
 
     The models are real CPU models (``predict_step`` makes fake copies of their state), one per
     variant that needs its own (``official`` is a twin), built with ``torch.manual_seed(seed)``.
+    ``autocast``: steps under CUDA's autocast at this dtype (None: float32).
     """
 
     def __init__(self, model_name: str | Callable[..., Any], budget: int, on: str | Card = "h100",
-                 size: int | None = None, seed: int = 0, **model_kwargs: Any) -> None:
-        self.card = card(on)
+                 size: int | None = None, seed: int = 0, autocast: torch.dtype | None = None,
+                 **model_kwargs: Any) -> None:
+        self.card, self.autocast = card(on), autocast
         if budget > self.card.memory:
             raise ValueError(f"a budget of {budget / 1e9:.1f} GB exceeds the "
                              f"{self.card.name}'s {self.card.memory / 1e9:.0f} GB; give a "
@@ -163,7 +165,8 @@ class CardPredictor:
             v.prepare()
             x = self._base.example_input(int(batch_size), self.size)
             try:
-                self.cache[key] = predict_step(v.model.train(), x, self.card, limit=self.budget)
+                self.cache[key] = predict_step(v.model.train(), x, self.card, limit=self.budget,
+                                               autocast=self.autocast)
             except SimulatedOutOfMemory:
                 self.cache[key] = None
         return self.cache[key]

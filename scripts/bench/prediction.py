@@ -24,12 +24,15 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zoo.memory import format_bytes
-from zoo.memory.cards import (H100_ACHIEVED, H100_HOST, Achieved, Card, HostCost, card,
+from zoo.memory.cards import (H100_ACHIEVED, H100_HOST, Achieved, Card, HostCost,
                               device_parts, fit_achieved, fit_host, host_ops, step_time)
+from zoo.memory.cards import card as named_card
 from zoo.memory.cards.allocator import SimulatedOutOfMemory
 from zoo.memory.cards.peak import run_counted
 
 from .measure import training_step
+from .prediction_before import file_before
+from .prediction_check import check_before
 from .report import comma_list, command_line, machine_info, write_json
 from .variants import build_variant, create
 
@@ -56,6 +59,7 @@ class Recorded:
     seconds: float | None = None  # median step
     limit: int | None = None      # the cap the device ran under (largest-batch runs)
     plain_seconds: float | None = None  # the plain row's median of the same run
+    dtype: str = "fp32"           # every recorded H100 row ran in float32
 
     @property
     def key(self) -> tuple:
@@ -188,19 +192,25 @@ class _Predictor:
             return v, maker.example_input(row.batch, row.size)
 
 
+# whether a prediction was filed before its measurement (out of sample) or after it
+_AFTER_PEAK = "after (nothing fitted)"
+_AFTER_TIME = "after (fitted on)"
+
+
 def _pct(predicted: float, measured: float) -> str:
     return f"{(predicted / measured - 1) * 100:+.1f}%"
 
 
 def _memory_table(rows: list[Recorded], predict: _Predictor) -> tuple[str, list[dict]]:
-    lines = ["| source | model | batch | variant | cap | measured | predicted | error |",
-             "|---|---|---:|---|---|---:|---:|---:|"]
+    lines = ["| source | precision | filed | model | batch | variant | cap | measured | "
+             "predicted | error |", "|---|---|---|---|---:|---|---|---:|---:|---:|"]
     out = []
     for r in (r for r in rows if r.peak is not None):
         c = predict(r)
         cap = f"{r.limit / 1e9:.0f} GB" + (" (replay past it)" if c.capped_out else "") \
             if r.limit else "-"
-        lines.append(f"| {r.source} | {r.model} | {r.batch} | {r.variant} | {cap} | "
+        lines.append(f"| {r.source} | {r.dtype} | {_AFTER_PEAK} | {r.model} | {r.batch} | "
+                     f"{r.variant} | {cap} | "
                      f"{format_bytes(r.peak)} | {format_bytes(c.peak)} | "
                      f"{_pct(c.peak, r.peak)} |")
         out.append({**r.__dict__, "predicted_peak": c.peak, "error": c.peak / r.peak - 1,
@@ -230,10 +240,11 @@ def _achieved_fit(rows: list[Recorded], predict: _Predictor, on: Card, host: Hos
 
 def _time_table(rows: list[Recorded], predict: _Predictor, on: Card, host: HostCost,
                 achieved: Achieved) -> tuple[str, list[dict]]:
-    lines = ["| source | model | batch | variant | ops | regions | measured | roofline | error "
-             "| device | host | predicted | error | x plain measured | x plain predicted "
-             "| difference |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| source | precision | filed | model | batch | variant | ops | regions | measured "
+             "| roofline | error | device | host | predicted | error | x plain measured "
+             "| x plain predicted | difference |",
+             "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
+             "|---:|"]
     out, plain_pred = [], {}
     timed = [r for r in rows if r.seconds is not None]
     for r in sorted(timed, key=lambda r: r.variant != "plain"):
@@ -247,8 +258,8 @@ def _time_table(rows: list[Recorded], predict: _Predictor, on: Card, host: HostC
         ratio_p = t.step / base if base else None
         ratio_cells = (f"{ratio_m:.2f} | {ratio_p:.2f} | {ratio_p - ratio_m:+.2f}"
                        if ratio_m and ratio_p else "- | - | -")
-        lines.append(f"| {r.source} | {r.model} | {r.batch} | {r.variant} | "
-                     f"{'/'.join(map(str, host_ops(c.records)))} | "
+        lines.append(f"| {r.source} | {r.dtype} | {_AFTER_TIME} | {r.model} | {r.batch} | "
+                     f"{r.variant} | {'/'.join(map(str, host_ops(c.records)))} | "
                      f"{c.regions} | {r.seconds * 1e3:.1f} ms | {pure * 1e3:.1f} ms | "
                      f"{_pct(pure, r.seconds)} | {t.device * 1e3:.1f} ms | "
                      f"{t.host * 1e3:.1f} ms | {t.step * 1e3:.1f} ms | "
@@ -272,16 +283,27 @@ def _summary(name: str, errors: list[float], limit: float) -> str:
 
 def prediction(card_name: str = "h100", models: str = "", memory: bool = True,
                timing: bool = True, fit: bool = True,
-               json_out: str = "docs/results/prediction_h100.json") -> dict:
+               json_out: str = "docs/results/prediction_h100.json", card: str = "",
+               before: bool = False) -> dict:
     """Recorded H100 rows against their prediction on this machine (no GPU): peaks and steps.
 
     ``card_name``: a card of zoo.memory.cards.CARDS (the rows were measured on an H100).
     ``models``: comma-separated model names to keep (default: every recorded row).
     ``fit``: fit the host's per-op and per-region cost on the host-cost rows and the achieved
     fractions of the card's peaks on the device-bound rows here (else the constants
-    ``zoo.memory.cards.H100_HOST`` and ``H100_ACHIEVED``, which are what this fit printed)."""
+    ``zoo.memory.cards.H100_HOST`` and ``H100_ACHIEVED``, which are what this fit printed).
+    ``--card NAME --before``: instead, every row the GPU suite will measure predicted on card
+    NAME with those constants frozen, written to docs/results/prediction_before_NAME.json
+    (:mod:`.prediction_before`), to commit before the card runs."""
+    if before:
+        return file_before(card or card_name, None if json_out.endswith("_h100.json")
+                           else json_out)
+    if (card or card_name).lower() != "h100":  # out of sample: the before-file's card
+        checked = check_before(card or card_name, RESULTS)
+        print(checked["table"], flush=True)
+        return checked
     start = time.perf_counter()
-    on = card(card_name)
+    on = named_card(card or card_name)
     rows = recorded_rows()
     if models:
         keep = set(comma_list(models))

@@ -28,7 +28,8 @@ def _name(row: dict) -> str:
 
 def _inexact(row: dict, same_kernels: bool) -> list[str]:
     variant = row.get("variant") or ""
-    checked = variant.startswith("zoo") or (same_kernels and variant.startswith("compiled"))
+    checked = variant.startswith("zoo") or \
+        (same_kernels and variant.startswith(("compiled", "graphed")))
     if not checked:
         return []
     return [f"{k} {row[k]}" for k in _EXACT if row.get(k) not in (None, 0, 0.0)]

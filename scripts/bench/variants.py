@@ -38,14 +38,15 @@ from zoo.models import ZooModel
 from zoo.models.densenet import DenseBlock, DenseNet
 from zoo.nn import restore_batchnorm
 
-__all__ = ["PLAIN", "OFFICIAL", "COMPILED_PREFIX", "TIMM", "Variant", "create", "variant_names",
-           "extra_variant_names", "canonical_name", "build_variants", "build_variant",
+__all__ = ["PLAIN", "OFFICIAL", "COMPILED_PREFIX", "GRAPHED_PREFIX", "TIMM", "Variant", "create",
+           "variant_names", "extra_variant_names", "canonical_name", "build_variants", "build_variant",
            "compiled_variant", "timm_densenet"]
 
 PLAIN = "plain"
 OFFICIAL = "official"
 ZOO_PREFIX = "zoo "
 COMPILED_PREFIX = "compiled "
+GRAPHED_PREFIX = "graphed "  # torch.compile(mode="reduce-overhead"): CUDA graph trees
 TIMM = "timm"
 
 
@@ -80,8 +81,8 @@ def variant_names(model: ZooModel) -> list[str]:
 
 def extra_variant_names(model: ZooModel) -> list[str]:
     """The variants built only when named: compiled ones, and ``timm`` for DenseNet-B models."""
-    names = [COMPILED_PREFIX + PLAIN, *(COMPILED_PREFIX + ZOO_PREFIX + m
-                                        for m in model.checkpoint_modes)]
+    names = [prefix + name for prefix in (COMPILED_PREFIX, GRAPHED_PREFIX)
+             for name in (PLAIN, *(ZOO_PREFIX + m for m in model.checkpoint_modes))]
     if isinstance(model, DenseNet) and _is_densenet_b(model):
         names.append(TIMM)
     return names
@@ -93,6 +94,8 @@ def canonical_name(model: ZooModel, name: str) -> str:
     name = name.strip()
     if name.startswith(("compiled_", COMPILED_PREFIX)):
         return COMPILED_PREFIX + canonical_name(model, name[len(COMPILED_PREFIX):])
+    if name.startswith(("graphed_", GRAPHED_PREFIX)):
+        return GRAPHED_PREFIX + canonical_name(model, name[len(GRAPHED_PREFIX):])
     if name.startswith("zoo_"):
         name = ZOO_PREFIX + name[4:]
     return ZOO_PREFIX + name if name in model.checkpoint_modes else name
@@ -131,6 +134,9 @@ def build_variant(model: ZooModel, name: str, reuse: bool = False,
     _check_names(model, [name])
     if name.startswith(COMPILED_PREFIX):
         return compiled_variant(model, name[len(COMPILED_PREFIX):], compile_backend)
+    if name.startswith(GRAPHED_PREFIX):
+        return compiled_variant(model, name[len(GRAPHED_PREFIX):], compile_backend,
+                                graphs=True)
     if name == TIMM:
         return Variant(TIMM, timm_densenet(model), False, "timm DenseNet, set_grad_checkpointing"
                        "(True) (torch's checkpoint per layer's bottleneck), same weights")
@@ -155,17 +161,23 @@ def build_variant(model: ZooModel, name: str, reuse: bool = False,
                    + (", torch's BatchNorm" if has_bn else ""))
 
 
-def compiled_variant(model: ZooModel, name: str, backend: str = "inductor") -> Variant:
+def compiled_variant(model: ZooModel, name: str, backend: str = "inductor",
+                     graphs: bool = False) -> Variant:
     """A copy of ``model`` in the mode of the variant ``name`` (``plain`` or ``zoo <mode>``),
     compiled whole: ``torch.compile(fullgraph=True, dynamic=False)``, so a graph break is an
-    error (reported by the benchmark as the variant's failure) rather than a silent eager run."""
+    error (reported by the benchmark as the variant's failure) rather than a silent eager run.
+    ``graphs``: with ``mode="reduce-overhead"`` (inductor's CUDA graph trees: the host launches
+    one graph per step; on a CPU, or with another backend, it compiles as without)."""
     twin = copy.deepcopy(model)
     mode = False if name == PLAIN else name[len(ZOO_PREFIX):]
     twin.set_grad_checkpointing(mode)
-    forward = torch.compile(twin, fullgraph=True, dynamic=False, backend=backend)
-    return Variant(COMPILED_PREFIX + name, twin, mode, f"torch.compile(fullgraph=True, backend="
-                   f"{backend!r}) of the model, {'no checkpointing' if not mode else repr(mode)}",
-                   forward=forward)
+    how = {"mode": "reduce-overhead"} if graphs and backend == "inductor" \
+        else {"backend": backend}
+    forward = torch.compile(twin, fullgraph=True, dynamic=False, **how)
+    prefix = GRAPHED_PREFIX if graphs else COMPILED_PREFIX
+    what = ", ".join(f"{k}={v!r}" for k, v in how.items())
+    return Variant(prefix + name, twin, mode, f"torch.compile(fullgraph=True, {what}) of the "
+                   f"model, {'no checkpointing' if not mode else repr(mode)}", forward=forward)
 
 
 # -- official: torch's checkpoint on the repeated blocks of the chain ---------------------------

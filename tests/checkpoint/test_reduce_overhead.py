@@ -69,3 +69,43 @@ def test_reduce_overhead_trains_like_eager_plain(build, mode, device):
         return compiled(inputs)
 
     assert_same_training(plain, plain, ckpt, step, x, steps=3)
+
+
+def _hooks_entered(step) -> int:
+    """Saved-tensor hooks entered while ``step()`` runs (an eager region enters one each)."""
+    hooks = torch.autograd.graph.saved_tensors_hooks
+    enter, count = hooks.__enter__, [0]
+
+    def counted(self):
+        count[0] += 1
+        return enter(self)
+
+    hooks.__enter__ = counted
+    try:
+        step()
+    finally:
+        hooks.__enter__ = enter
+    return count[0]
+
+
+def test_a_compiled_efficient_model_keeps_no_eager_region_at_run_time():
+    """Compiled whole (fullgraph), the efficient DenseNet's regions are graph regions: its step
+    enters no saved-tensor hook, so nothing outside the forward and backward graphs holds a
+    graph's output between them. CUDA graph trees check exactly that on replay (an output seen
+    to die while the backward graph was recorded must be dead again: pytorch/pytorch#154306
+    fails it with torch's eager non-reentrant checkpoint around a graphed module); eager, the
+    same model enters one hook per region."""
+    from zoo.models.densenet import DenseNet
+
+    torch.manual_seed(0)
+    model = DenseNet(4, (2, 2, 2), 8, bn_size=4, compression=0.5, stem="cifar", num_classes=10,
+                     efficient=True)
+    x = torch.randn(2, 3, 32, 32)
+    compiled = torch.compile(model, fullgraph=True, dynamic=False, backend="aot_eager")
+
+    def step(forward):
+        return lambda: forward(x).float().square().mean().backward()
+
+    step(compiled)()  # compiles
+    assert _hooks_entered(step(compiled)) == 0
+    assert _hooks_entered(step(model)) >= 6

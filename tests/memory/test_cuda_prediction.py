@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from zoo.memory import train_step
+from zoo.memory import predict_step, train_step
+from zoo.memory.cards.step import run_on_card
 from zoo.memory.cards import CARDS, Card, card, fit_host, op_seconds, step_time
 from zoo.memory.cards.allocator import (CachingAllocator, SimulatedOutOfMemory, round_size,
                                        segment_size)
@@ -223,3 +224,46 @@ def test_regions_and_recompute_ops_are_counted():
     assert recomputed.count(torch.ops.aten.addmm) == 2
     assert recomputed.count(torch.ops.aten.relu) == 2
     assert not any(r.recompute for r in counter.records if not r.backward)
+
+
+def test_card_autocast_follows_cudas_op_lists_not_the_cpus():
+    """Under CudaAutocast, CPU autocast casts as CUDA's would: LayerNorm, softmax and the loss
+    in float32, matmuls in bfloat16, cat to the widest input; without it (and after it) CPU
+    autocast keeps LayerNorm in bfloat16."""
+    from zoo.memory.cards.autocast import CudaAutocast
+
+    with FakeTensorMode():
+        x = torch.randn(4, 8, requires_grad=True)
+        w = torch.randn(8, 8, requires_grad=True)
+        with CudaAutocast() as cuda, torch.autocast("cpu", dtype=torch.bfloat16):
+            y = F.linear(x, w)
+            norm = F.layer_norm(y, (8,))
+            loss = F.cross_entropy(y, torch.zeros(4, dtype=torch.long))
+            dtypes = (y.dtype, norm.dtype, y.softmax(-1).dtype, torch.cat([y, norm]).dtype,
+                      loss.dtype)
+        loss.backward()
+        assert dtypes == (torch.bfloat16, torch.float32, torch.float32, torch.float32,
+                          torch.float32)
+        assert w.grad.dtype == torch.float32 and cuda.casts
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert F.layer_norm(F.linear(x, w), (8,)).dtype == torch.bfloat16
+
+
+def test_bf16_on_the_card_halves_what_a_step_keeps_and_runs_on_the_tensor_cores():
+    """A transformer block in bfloat16 autocast on the H100: a lower peak than float32, its
+    matmuls timed at the BF16 tensor peak (records in bfloat16), and the float32 step as
+    before (the probes of CUDA's kernels count no op and no byte)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024),
+                          nn.LayerNorm(1024), nn.Linear(1024, 256))
+    x = torch.randn(4096, 256)
+    fp32 = predict_step(model, x, "h100")
+    bf16 = predict_step(model, x, "h100", autocast=torch.bfloat16)
+    again = predict_step(model, x, "h100")
+    assert (again.peak, again.time) == (fp32.peak, fp32.time)
+    assert bf16.peak < fp32.peak and bf16.time.device < fp32.time.device
+    counter = run_on_card(model, x, "h100", autocast=torch.bfloat16)
+    mms = [r for r in counter.records if r.op in (torch.ops.aten.addmm, torch.ops.aten.mm)]
+    assert mms and all(r.dtype == torch.bfloat16 for r in mms)
+    norms = [r for r in counter.records if r.op is torch.ops.aten.native_layer_norm]
+    assert norms and all(r.dtype == torch.float32 for r in norms)

@@ -87,3 +87,23 @@ def test_gpu_smoke_fails_on_a_variant_that_fails_in_bf16(tmp_path: Path, monkeyp
     assert "zoo selective (bf16) failed: RuntimeError: no bf16 kernel here" in err
     assert "(fp32) failed" not in err
     assert (tmp_path / "gpu_bert_smoke_cpu.json").exists()
+
+
+def test_an_unknown_precision_is_one_line(capsys):
+    assert cli.main(["gpu", "--smoke", "--dtype", "fp16"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "error: unknown --dtype 'fp16'; expected fp32, bf16 or both"
+
+
+def test_a_whole_gpu_run_takes_every_part_the_uncompiled_first():
+    """A lease that ends early keeps the parts that compile nothing."""
+    from bench.gpu import FIRST_UNCOMPILED
+
+    def compiles(part: str) -> bool:
+        return part.startswith("overhead") or any(
+            v.startswith(("compiled", "graphed"))
+            for w in suite.workloads(False)[part] for v in w.variants)
+
+    assert sorted(FIRST_UNCOMPILED) == sorted(suite.PARTS)
+    flags = [compiles(p) for p in FIRST_UNCOMPILED]
+    assert flags == sorted(flags) and not flags[0] and flags[-1]

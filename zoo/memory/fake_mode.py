@@ -26,8 +26,7 @@ class _Unusual(Exception):
     """An argument the short key does not describe: torch's key is made instead."""
 
 
-_BATCH_NORMS = {torch.ops.aten.native_batch_norm.default,
-                torch.ops.aten._native_batch_norm_legit.default}
+_BATCH_NORMS = {torch.ops.aten.native_batch_norm.default}
 _REDUCED = (torch.bfloat16, torch.float16)
 
 
@@ -43,9 +42,9 @@ class PlannerFakeMode(FakeTensorMode):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func in _BATCH_NORMS and args[0].dtype in _REDUCED and args[1] is not None \
                 and args[1].dtype == torch.float32 and out[1].dtype != torch.float32:
-            to = torch.ops.aten._to_copy.default
+            like = torch.ops.aten.empty_like.default
             stats = [super(PlannerFakeMode, self).__torch_dispatch__(
-                to, types, (t,), {"dtype": torch.float32}) for t in out[1:3]]
+                like, types, (t,), {"dtype": torch.float32}) for t in out[1:3]]
             out = (out[0], *stats, *out[3:])
         return out
 

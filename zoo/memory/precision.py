@@ -57,6 +57,11 @@ class Precision:
         """Whether the step scales its loss (fp16: a ``GradScaler``)."""
         return self.dtype == torch.float16
 
+    def on_cpu(self) -> Precision:
+        """The same dtype under CPU autocast: what a card's fake step (its tensors on the CPU)
+        runs, CUDA's op lists put in by ``zoo.memory.cards.autocast``."""
+        return Precision("cpu", self.dtype) if self.dtype is not None else self
+
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype is None:
             return contextlib.nullcontext()

@@ -22,7 +22,8 @@ from torch import nn
 from ..memory import parse_budget
 from ..memory.inputs import Batch, check_model
 from ..memory.optimizer import check_optimizer
-from ..memory.precision import current_precision, step_precision
+from ..memory.cards.autocast import cuda_autocast
+from ..memory.precision import Precision, current_precision, step_precision
 from ..memory.training import loss_used
 from ..memory.cards import Card
 from ..memory.fake import FakeStep, collector_paused
@@ -328,9 +329,11 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
     check_optimizer(optimizer, model)
     if cost not in ("flops", "time"):
         raise ValueError(f"cost must be 'flops' or 'time', got {cost!r}")
-    with step_precision() as precision, fake_logs_quiet(model, inputs):
+    ambient = Precision.ambient()  # on a card: CUDA's op lists, run by the CPU's autocast
+    with step_precision(ambient.on_cpu() if device is not None else ambient), \
+            fake_logs_quiet(model, inputs):
         if device is not None:
-            with on_card(device) as target:
+            with on_card(device) as target, cuda_autocast(ambient.dtype is not None):
                 budget = parse_budget(memory_budget, total=target.memory)
                 result = _plan(model, inputs, budget, loss_fn, modes, block_modes, modules,
                                cost, compiled, target, optimizer)
@@ -338,6 +341,8 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
             budget = parse_budget(memory_budget, inputs.device)
             result = _plan(model, inputs, budget, loss_fn, modes, block_modes, modules, cost,
                            compiled, None, optimizer)
+        precision = dataclasses.replace(ambient, device_type="cuda") \
+            if device is not None and ambient.dtype is not None else ambient
         result = dataclasses.replace(result, step=describe_step(inputs, loss_used(), optimizer,
                                                                 precision))
     if apply:

@@ -13,6 +13,8 @@ import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
 
+from ..precision import current_precision
+from .autocast import cuda_autocast
 from .timing import Card, card
 from .allocator import CachingAllocator
 from .kernels import CudaKernels
@@ -58,5 +60,7 @@ def held_from_start(fake: FakeStep) -> list:
 
 @contextlib.contextmanager
 def _card_kernels(counter: CudaCounter) -> Iterator[None]:
-    with CudaKernels(), regions_counted(counter):
+    """The card's kernels, and CUDA's autocast op lists for a step measured in autocast."""
+    with cuda_autocast(current_precision().dtype is not None), CudaKernels(), \
+            regions_counted(counter):
         yield

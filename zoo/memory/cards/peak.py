@@ -1,8 +1,9 @@
 """Peak ``torch.cuda.max_memory_allocated`` of a training step, predicted without a GPU.
 
-The step runs on fake CPU tensors under :class:`~zoo.memory.cards.kernels.CudaKernels` (attention and
-dropout save what CUDA's kernels save), and every storage it makes or frees is replayed through
-:class:`~zoo.memory.cards.allocator.CachingAllocator`, after the parameters, buffers and input.
+The step runs on fake CPU tensors under :class:`~zoo.memory.cards.kernels.CudaKernels`
+(attention and dropout save what CUDA's kernels save), and every storage it makes or frees is
+replayed through :class:`~zoo.memory.cards.allocator.CachingAllocator`, after the parameters,
+buffers and input.
 :class:`CudaCounter` also allocates the two cuBLAS workspaces where the step first runs a matmul
 on each thread (forward and the autograd engine's; aten/src/ATen/cuda/CublasHandlePool.cpp: 32
 MiB each on compute capability 9.x and newer, 8 MiB + 128 KiB before), and records every op
@@ -20,6 +21,8 @@ import torch
 from ... import _torch
 from ..._torch import tree_flatten
 from .allocator import CachingAllocator, round_size
+from ..precision import current_precision
+from .autocast import cuda_autocast
 from .kernels import CudaKernels
 from ..tracker import StepCounter, storage_key
 
@@ -159,13 +162,22 @@ def predict_cuda_peak(step: Callable[[], Any], track: Any = (), limit: int | Non
 
 def run_counted(step: Callable[[], Any], track: Any = (), limit: int | None = None,
                 warmup: int = 0, workspace: int = HOPPER_WORKSPACE,
-                counter: CudaCounter | None = None) -> CudaCounter:
+                counter: CudaCounter | None = None,
+                autocast: torch.dtype | None = None) -> CudaCounter:
     """:func:`predict_cuda_peak`'s run, the counter itself returned (its ``peak``, its
     ``records`` of the last step). ``counter``: a fresh one to count in (``step`` may then read
-    its records as it runs); ``limit`` and ``workspace`` are then its own."""
+    its records as it runs); ``limit`` and ``workspace`` are then its own. ``autocast``: the
+    step runs under ``torch.autocast`` at this dtype as CUDA's autocast runs it
+    (:class:`~.autocast.CudaAutocast`), its cache of parameters' casts off, as the GPU suite
+    measures; None: as it is (float32)."""
     counter = counter or CudaCounter(CachingAllocator(limit), workspace)
     counter.track(*track) if isinstance(track, (list, tuple)) else counter.track(track)
-    with CudaKernels(), counter, regions_counted(counter):
+    precision = contextlib.ExitStack()  # a step in autocast follows CUDA's op lists
+    precision.enter_context(cuda_autocast(autocast is not None
+                                          or current_precision().dtype is not None))
+    if autocast is not None:
+        precision.enter_context(torch.autocast("cpu", dtype=autocast, cache_enabled=False))
+    with precision, CudaKernels(), counter, regions_counted(counter):
         for _ in range(warmup):
             step()
         counter.reset_peak()

@@ -22,7 +22,7 @@ from .peak import CudaCounter, run_counted
 from ..fake import FakeStep
 from ..inputs import Batch, check_model
 from ..quiet import fake_logs_quiet
-from ..precision import step_precision
+from ..precision import Precision, step_precision
 from ..training import forward_loss
 
 __all__ = ["CardStep", "predict_step", "run_on_card"]
@@ -40,19 +40,24 @@ class CardStep:
 def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
                  loss_fn: Callable[[Any], torch.Tensor] | None = None,
                  host: HostCost = H100_HOST, achieved: Achieved = H100_ACHIEVED,
-                 limit: int | None = None,
+                 limit: int | None = None, autocast: torch.dtype | None = None,
                  optimizer: torch.optim.Optimizer | None = None) -> CardStep:
     """Peak and time of one training step of ``model`` (as configured: checkpoint mode or
     plan) on ``example_input``, on card ``on`` (a name of ``zoo.memory.cards.CARDS`` or a
     :class:`~zoo.memory.cards.Card`). ``host`` and ``achieved``: the host's costs and the
     fractions of the card's peaks its kernels reach (both calibrated on an H100 machine);
-    ``limit``: a cap on reserved bytes, as ``set_per_process_memory_fraction`` sets. The batch,
-    loss, precision and ``optimizer`` are read as :func:`zoo.memory.step.measure_step` reads
-    them; a batch the model cannot run on is one line (:mod:`zoo.memory.quiet`)."""
+    ``limit``: a cap on reserved bytes, as ``set_per_process_memory_fraction`` sets;
+    ``autocast``: the whole step under ``torch.autocast("cuda", dtype=autocast)`` with its cache
+    of casts off, as the GPU suite measures (e.g. ``torch.bfloat16``: CUDA's autocast op lists,
+    :mod:`.autocast`). Without it, the batch, loss, precision and ``optimizer`` are read as
+    :func:`zoo.memory.step.measure_step` reads them (called inside ``torch.autocast``, on CPU or
+    CUDA, the forward runs CUDA's op lists at that dtype); a batch the model cannot run on is one
+    line (:mod:`zoo.memory.quiet`)."""
     target = card(on)
     batch = Batch.of(example_input)
     with fake_logs_quiet(check_model(model), batch):
-        counter = run_on_card(model, batch, target, loss_fn, limit, optimizer=optimizer)
+        counter = run_on_card(model, batch, target, loss_fn, limit, optimizer=optimizer,
+                              autocast=autocast)
     return CardStep(target, counter.peak,
                     step_time(counter.records, counter.regions, target, host, achieved))
 
@@ -60,7 +65,8 @@ def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
 def run_on_card(model: nn.Module, example_input: Any, on: str | Card,
                 loss_fn: Callable[[Any], torch.Tensor] | None = None,
                 limit: int | None = None, counter: CudaCounter | None = None,
-                optimizer: torch.optim.Optimizer | None = None) -> CudaCounter:
+                optimizer: torch.optim.Optimizer | None = None,
+                autocast: torch.dtype | None = None) -> CudaCounter:
     """:func:`predict_step`'s fake step, the counter returned (its ``peak``, ``records`` and
     ``regions``). ``counter``: a fresh one to count in, which ``model`` may read as it runs."""
     target = card(on)
@@ -74,9 +80,10 @@ def run_on_card(model: nn.Module, example_input: Any, on: str | Card,
                 fake.optimizer.step()
 
     try:
-        with fake.mode, step_precision(), warnings.catch_warnings():
+        precision = Precision() if autocast is not None else Precision.ambient().on_cpu()
+        with fake.mode, step_precision(precision), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
             return run_counted(step, fake.tensors + fake.input.tensors(), limit,
-                               workspace=target.workspace, counter=counter)
+                               workspace=target.workspace, counter=counter, autocast=autocast)
     finally:
         fake.clear()

@@ -1,0 +1,157 @@
+"""``prediction --before``: every row the GPU suite will measure, predicted before it runs.
+
+For each part of the suite (:mod:`.suite`), each variant, each precision (float32 and bfloat16
+autocast, as ``gpu`` runs them), eager and compiled: the predicted ``max_memory_allocated`` and
+step time on a named card, with the model's constants frozen (``H100_HOST``, ``H100_ACHIEVED``:
+fitted on the H100 rows, never on the card predicted) and the commits that made them and the
+predictions. The file is committed before the card runs; the prediction page then shows the
+card's measurements beside it, out of sample. A new card's constants are refitted only in a new
+before-file. Compiled variants are filed without figures: their graphs (inductor's kernels, CUDA
+graphs) are not replayed by the card model, which says so in the row.
+"""
+from __future__ import annotations
+
+import datetime
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zoo.memory import format_bytes, predict_step
+from zoo.memory.cards import H100_ACHIEVED, H100_HOST, Card, card
+
+from .max_batch import CardPredictor, search_largest_batch
+from .region_chain import CHECKPOINTS, REGIONS, WIDTH, chain_input, make_chain
+from .report import command_line, machine_info, write_json
+from .suite import DTYPES, PARTS, _label, workloads
+from .variants import build_variant, create
+
+__all__ = ["before_rows", "file_before", "before_table"]
+
+ROOT = Path(__file__).resolve().parents[2]
+_AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}
+_COMPILED = "not predicted: the card model replays eager steps only (compiled graphs, CUDA " \
+            "graphs and their kernels are not replayed)"
+BUDGET = 11 * 10**9  # the max_batch part's
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor, on: Card, dtype: str) -> dict[str, Any]:
+    s = predict_step(model.train(), x, on, autocast=_AUTOCAST[dtype])
+    return {"predicted_peak_bytes": s.peak, "predicted_device_s": s.time.device,
+            "predicted_host_s": s.time.host, "predicted_s": s.time.step}
+
+
+def _overhead_rows(part: str, on: Card, dtype: str) -> list[dict]:
+    modes = ("eager", "compiled") if part == "overhead" else ("eager", "reduce-overhead")
+    rows = []
+    for checkpoint in CHECKPOINTS:
+        x = chain_input("conv", requires_grad=True)
+        figures = _step(make_chain(REGIONS, WIDTH, checkpoint), x, on, dtype)
+        for mode in modes:
+            rows.append({"checkpoint": checkpoint, "run_as": mode, "batch_size": 1,
+                         **(figures if mode == "eager" else {"why": _COMPILED})})
+    return rows
+
+
+def _benchmark_rows(part: str, on: Card, dtype: str) -> list[dict]:
+    rows = []
+    for w in workloads(False)[part]:
+        torch.manual_seed(0)
+        model = create(w.model, **w.kwargs)
+        for batch in w.batches:
+            x = model.example_input(batch, w.size)
+            for name in w.names(model):
+                row = {"model": _label(w.model), "size": w.size, "batch_size": batch,
+                       "variant": name}
+                if name.startswith(("compiled", "graphed")):
+                    rows.append(dict(row, why=_COMPILED))
+                    continue
+                v = build_variant(model, name)
+                v.prepare()
+                rows.append(dict(row, **_step(v.model, x, on, dtype)))
+    return rows
+
+
+def _max_batch_rows(on: Card, dtype: str) -> list[dict]:
+    rows = []
+    for w in workloads(False)["max_batch"]:
+        with torch.device("meta"):
+            names = w.names(create(w.model, **w.kwargs))
+        predictor = CardPredictor(w.model, BUDGET, on, w.size, autocast=_AUTOCAST[dtype],
+                                  **w.kwargs)
+        for name in names:
+            b, seen = search_largest_batch(lambda n, v=name: predictor.peak(v, n), BUDGET)
+            step = predictor(name, b) if b else None
+            rows.append({"model": _label(w.model), "variant": name, "budget_bytes": BUDGET,
+                         "largest_batch": b, "predicted_peak_bytes": seen.get(b),
+                         "predicted_s": step.time.step if step else None})
+    return rows
+
+
+def before_rows(on: Card, dtypes: tuple[str, ...] = DTYPES) -> list[dict]:
+    """Every row of every part of the GPU suite on card ``on``, predicted (module docstring)."""
+    rows = []
+    for part in PARTS:
+        for dtype in dtypes:
+            if part.startswith("overhead"):
+                these = _overhead_rows(part, on, dtype)
+            elif part == "max_batch":
+                these = _max_batch_rows(on, dtype)
+            else:
+                these = _benchmark_rows(part, on, dtype)
+            rows += [{"part": part, "dtype": dtype, **r} for r in these]
+            print(f"{part} {dtype}: {len(these)} rows", flush=True)
+    return rows
+
+
+def file_before(card_name: str, json_out: str | None = None) -> dict:
+    """Predict every GPU-suite row on ``card_name`` and write the before-file
+    (``docs/results/prediction_before_<card>.json`` unless ``json_out``)."""
+    start = time.perf_counter()
+    on = card(card_name)
+    timing = "zoo/memory/cards/timing.py"
+    payload: dict[str, Any] = {
+        "kind": "prediction_before", "card": on.__dict__, "command": command_line(),
+        "machine": machine_info(torch.device("cpu")), "date": datetime.date.today().isoformat(),
+        "code_commit": _git("rev-parse", "HEAD"),
+        "code_dirty": bool(_git("status", "--porcelain", "--", "zoo", "scripts")),
+        "constants": {"host": H100_HOST.__dict__, "achieved": H100_ACHIEVED.__dict__},
+        "constants_commit": _git("log", "-1", "--format=%H", "-G", r"H100_(HOST|ACHIEVED) = ",
+                                 "--", timing, "zoo/memory/cards.py"),
+        "out_of_sample": True,
+    }
+    payload["rows"] = before_rows(on)
+    payload["wall_s"] = time.perf_counter() - start
+    path = json_out or f"docs/results/prediction_before_{card_name.lower()}.json"
+    write_json(path, payload)
+    print(f"{before_table(payload, Path(path).name)}\n\nwrote {path}: {len(payload['rows'])} "
+          f"rows in {payload['wall_s']:.0f} s")
+    return payload
+
+
+def before_table(payload: dict, source: str) -> str:
+    """The filed rows of the benchmark and largest-batch parts as the prediction page shows
+    them (the overhead chains stay in the JSON)."""
+    lines = ["| source | precision | filed | part | variant | batch | predicted peak | "
+             "predicted step (device / host) |", "|---|---|---|---|---|---:|---:|---:|"]
+    for r in payload["rows"]:
+        if r["part"].startswith("overhead"):
+            continue
+        batch = r.get("batch_size", r.get("largest_batch"))
+        part = r["part"] + (f" ({r['model']}, largest batch in 11 GB)"
+                            if r["part"] == "max_batch" else "")
+        head = f"| {source} | {r['dtype']} | before | {part} | {r['variant']} | {batch} |"
+        if "why" in r:
+            lines.append(f"{head} not predicted | not predicted |")
+            continue
+        step = f"{r['predicted_s'] * 1e3:.1f} ms"
+        if "predicted_device_s" in r:
+            step += f" ({r['predicted_device_s'] * 1e3:.1f} / {r['predicted_host_s'] * 1e3:.1f})"
+        lines.append(f"{head} {format_bytes(r['predicted_peak_bytes'])} | {step} |")
+    return "\n".join(lines)
