@@ -308,6 +308,16 @@ def test_train_batch_size_auto_picks_the_largest_batch_under_the_budget(capsys, 
     assert f"batch_size: {chosen}" in (tmp_path / "run" / "config.yaml").read_text()
 
 
+@pytest.mark.parametrize("card,budget", [(None, "20MB"), ("h100", "80MB")])  # + cuBLAS's
+def test_train_amp_plans_the_whole_step_in_its_precision(capsys, tmp_path, card, budget):
+    flags = dict(card=card) if card else {}
+    code, out, err = run_main(capsys, **TINY, batch_size=16, memory_budget=budget, amp=True,
+                              out_dir=str(tmp_path / "run"), **flags)
+    assert code in (0, None), err
+    where = "bf16 autocast (cuda)" if card else "bf16 autocast (cpu)"
+    assert f"optimizer SGD, {where}" in out and "with SGD's state and step" in out
+
+
 def test_train_memory_budget_too_small_and_auto_without_budget_are_clear_errors(capsys, tmp_path):
     code, out, err = run_main(capsys, **TINY, batch_size=8, memory_budget="3MB",
                               out_dir=str(tmp_path / "a"))

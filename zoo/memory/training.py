@@ -49,7 +49,7 @@ def default_loss(output: Any) -> torch.Tensor:
 def loss_source(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> str:
     """Which loss a step of this ``output`` trains on, in words (for a plan's printout)."""
     if loss_fn is not None and loss_fn is not default_loss:
-        return f"loss_fn {getattr(loss_fn, '__name__', type(loss_fn).__name__)}"
+        return f"the given loss_fn ({getattr(loss_fn, '__name__', type(loss_fn).__name__)})"
     return "the output's own loss" if _own_loss(output) is not None else "mean of squares"
 
 

@@ -23,6 +23,7 @@ from ..memory import parse_budget
 from ..memory.inputs import Batch, check_model
 from ..memory.optimizer import check_optimizer
 from ..memory.cards.autocast import cuda_autocast
+from ..memory.cards.on_card import current_card
 from ..memory.precision import Precision, current_precision, step_precision
 from ..memory.training import loss_used
 from ..memory.cards import Card
@@ -326,6 +327,7 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
     """
     model = check_model(model)
     inputs = Batch.of(batch)
+    device = device if device is not None else current_card()  # inside zoo.memory.on_card
     check_optimizer(optimizer, model)
     if cost not in ("flops", "time"):
         raise ValueError(f"cost must be 'flops' or 'time', got {cost!r}")

@@ -25,8 +25,8 @@ from torch.utils.data import Dataset, DistributedSampler
 from .config import SAFE_ON_RESUME, ConfigError, TrainConfig, config_drift, to_yaml
 from .data import build_datasets
 from .run_dir import RunDir, check_run_dir, find_checkpoint, load_checkpoint, set_rng_state
-from .setup import (Distributed, all_sum, build_model, build_optimizer, lr_factor,
-                          plan_memory)
+from .setup import (Distributed, all_sum, amp_dtype_for, build_model, build_optimizer,
+                          lr_factor, plan_memory)
 
 __all__ = ["Run", "EpochStats", "locate_run", "build_run", "run_directory", "checkpoint_state"]
 
@@ -146,8 +146,7 @@ def build_run(cfg: TrainConfig, env: Distributed, device: torch.device,
     optimizer = build_optimizer(cfg, model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
                                                   lr_factor(cfg, cfg.epochs * steps_per_epoch))
-    amp_dtype = (torch.bfloat16 if device.type == "cpu" or torch.cuda.is_bf16_supported()
-                 else torch.float16)
+    amp_dtype = amp_dtype_for(device)
     scaler = torch.amp.GradScaler("cuda", enabled=cfg.amp and amp_dtype == torch.float16)
     net: nn.Module = model
     if env.enabled:

@@ -26,8 +26,8 @@ from ..models import UnknownModelError, create_model
 from .run_dir import rng_state
 
 __all__ = ["Distributed", "setup_distributed", "resolve_device", "build_model", "lr_factor",
-           "plan_memory", "build_optimizer", "peak_memory", "all_sum", "gather_floats",
-           "gather_rng", "ranks_identical"]
+           "plan_memory", "amp_dtype_for", "build_optimizer", "peak_memory", "all_sum",
+           "gather_floats", "gather_rng", "ranks_identical"]
 
 
 @dataclass
@@ -144,27 +144,29 @@ def plan_memory(cfg: TrainConfig, model: nn.Module, world_size: int, side: int,
     def make_input(batch: int) -> torch.Tensor:  # zeros: planning draws no random numbers
         return torch.zeros(batch, 3, side, side, device=device)
 
-    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+    def cross_entropy(out: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out, torch.zeros(out.shape[0], dtype=torch.long, device=out.device))
 
-    amp = torch.autocast(device.type, dtype=torch.bfloat16) \
-        if cfg.amp and device.type == "cpu" and cfg.card is None \
-        else contextlib.nullcontext()  # (CUDA AMP: planned in float32, a safe over-estimate)
+    # --amp: the step's autocast, planned as it runs (on --card: CUDA's op lists, bf16)
+    amp = torch.autocast(device.type, dtype=amp_dtype_for(device)) if cfg.amp \
+        else contextlib.nullcontext()
     model.train()
     per_rank = cfg.batch_size // world_size if cfg.batch_size != "auto" else None
     with amp, on_card(cfg.card) if cfg.card else contextlib.nullcontext():
         if per_rank is None:
-            per_rank, _ = largest_batch(model, make_input, budget, loss_fn,
+            per_rank, _ = largest_batch(model, make_input, budget, cross_entropy,
                                         optimizer=optimizer)
         while True:
             try:
-                result = plan(model, make_input(max(per_rank, 1)), budget, loss_fn=loss_fn,
+                result = plan(model, make_input(max(per_rank, 1)), budget, loss_fn=cross_entropy,
                               optimizer=optimizer)
                 break
             except BudgetTooSmallError as e:
                 if cfg.batch_size != "auto" or per_rank <= 1:
                     raise ConfigError(_too_small(cfg, budget, e, max(per_rank, 1))) from None
                 per_rank -= 1  # the whole step (optimizer, casts) holds a little more
+        speed = _card_speed(cfg, model, make_input(per_rank), cross_entropy, optimizer) \
+            if cfg.card else None
     if cfg.batch_size == "auto":
         cfg = dataclasses.replace(cfg, batch_size=per_rank * world_size)
         say(f"batch_size auto: {cfg.batch_size} ({per_rank} per device) is the largest batch "
@@ -172,9 +174,16 @@ def plan_memory(cfg: TrainConfig, model: nn.Module, world_size: int, side: int,
     where = f" on the {card(cfg.card).name} (predicted here)" if cfg.card else ""
     say(f"memory plan for memory_budget {format_bytes(budget)}{where}, the whole step with "
         f"{type(optimizer).__name__}'s state and step:\n{result}")
-    if cfg.card:
-        _say_card_speed(cfg, model, make_input(cfg.batch_size // world_size), loss_fn, say)
+    if speed:
+        say(speed)
     return cfg
+
+
+def amp_dtype_for(device: torch.device) -> torch.dtype:
+    """``--amp``'s dtype: bfloat16 on the CPU and on GPUs that have it, else float16 (with a
+    GradScaler)."""
+    cuda = device.type == "cuda"
+    return torch.float16 if cuda and not torch.cuda.is_bf16_supported() else torch.bfloat16
 
 
 def _too_small(cfg: TrainConfig, budget: int, e: Exception, per_rank: int) -> str:
@@ -190,16 +199,17 @@ def _too_small(cfg: TrainConfig, budget: int, e: Exception, per_rank: int) -> st
             f"more, a smaller --batch_size, or --batch_size auto")
 
 
-def _say_card_speed(cfg: TrainConfig, model: nn.Module, x: torch.Tensor,
-                    loss_fn: Callable[[torch.Tensor], torch.Tensor],
-                    say: Callable[[str], None]) -> None:
-    """The planned step's peak and time on ``--card``, predicted (``zoo.memory.predict_step``)."""
+def _card_speed(cfg: TrainConfig, model: nn.Module, x: torch.Tensor,
+                loss_fn: Callable[[torch.Tensor], torch.Tensor],
+                optimizer: torch.optim.Optimizer) -> str:
+    """The planned step's peak and time on ``--card``, predicted (``zoo.memory.predict_step``,
+    the whole step: its optimizer, in ``--amp``'s autocast when called inside it), in words."""
     from ..memory import format_bytes, predict_step
 
-    step = predict_step(model, x, cfg.card, loss_fn)
-    say(f"predicted on the {step.card.name}: a step of {x.shape[0]} per device peaks at "
-        f"{format_bytes(step.peak)} and takes {1e3 * step.time.step:.1f} ms "
-        f"({x.shape[0] / step.time.step:,.0f} samples/s per device)")
+    step = predict_step(model, x, cfg.card, loss_fn, optimizer=optimizer)
+    return (f"predicted on the {step.card.name}: a step of {x.shape[0]} per device peaks at "
+            f"{format_bytes(step.peak)} and takes {1e3 * step.time.step:.1f} ms "
+            f"({x.shape[0] / step.time.step:,.0f} samples/s per device)")
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:

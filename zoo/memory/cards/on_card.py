@@ -22,7 +22,7 @@ from .peak import CudaCounter, regions_counted
 from ..fake import FakeStep
 from ..tracker import StepCounter
 
-__all__ = ["on_card", "step_counter", "held_from_start"]
+__all__ = ["on_card", "current_card", "step_counter", "held_from_start"]
 
 _CARD: ContextVar[Card | None] = ContextVar("zoo_card", default=None)
 
@@ -36,6 +36,11 @@ def on_card(name: str | Card) -> Iterator[Card]:
         yield _CARD.get()
     finally:
         _CARD.reset(token)
+
+
+def current_card() -> Card | None:
+    """The card of the enclosing :func:`on_card` block, or None."""
+    return _CARD.get()
 
 
 def step_counter() -> tuple[StepCounter, contextlib.AbstractContextManager]:
