@@ -89,6 +89,8 @@ NAMES: dict[str, Name] = {
     "torch._ops.OpOverload": Name(OLDEST, "required"),
     "torch._ops.HigherOrderOperator": Name(OLDEST, "required (memory tracker)"),
     "torch._fused_sdp_choice": Name(OLDEST, "required (CPU attention)"),
+    "torch.autograd._unsafe_preserve_version_counter": Name(
+        OLDEST, "exact: offload catches in-place changes only of saved tensors still held"),
     # torch.utils.checkpoint's selective checkpoint (compiled regions, save_ops under compile)
     "torch.utils.checkpoint.create_selective_checkpoint_contexts": Name(
         (2, 5), "error: compiled regions (which need 2.11)"),
@@ -190,6 +192,9 @@ DispatchKey = _C.DispatchKey
 #: ``t._version``: a tensor's in-place version counter, which autograd checks saved tensors with
 #: (an attrgetter: no Python frame per call, on the region's hot path).
 tensor_version = operator.attrgetter("_version")
+#: Keeps a tensor's version counter unchanged across an in-place op: offload uses it to make an
+#: empty alias that shares a saved tensor's counter but not its storage.
+preserve_version_counter = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
 #: ``node._sequence_nr()``: an autograd node's sequence number.
 sequence_nr = operator.methodcaller("_sequence_nr")
 
