@@ -5,9 +5,10 @@ field moves saved activations to host memory during the forward and brings them 
 backward reads them: torch's ``torch.autograd.graph.save_on_cpu`` (every saved tensor, copied
 synchronously), Hugging Face's and torchtune's activation offload, DeepSpeed's planned offload.
 Done carelessly the copies race with the compute stream and give wrong gradients with no error
-(huggingface/trl#7195, pytorch/torchtune#2683). :func:`offload` is the zoo's one mechanism,
-built on saved-tensor hooks like the checkpoint region, and exact: the backward reads the bytes
-the forward saved, so gradients, BatchNorm statistics and random numbers are plain's, bit for bit.
+(huggingface/trl#7195, meta-pytorch/torchtune#1867 and #2683, NVIDIA/Megatron-LM#7398).
+:func:`offload` is the zoo's one mechanism, built on saved-tensor hooks like the checkpoint
+region, and exact: the backward reads the bytes the forward saved, so gradients, BatchNorm
+statistics and random numbers are plain's, bit for bit.
 
 What it does with each tensor autograd saves inside the region:
 
@@ -43,10 +44,13 @@ import torch
 from .. import _torch
 from .region import _inside_region
 
+_version = _torch.tensor_version
+
 __all__ = ["offload", "Offload", "offloaded_bytes", "reset_offloaded_bytes"]
 
 _counter = threading.local()
 _chain = threading.local()  # the last offload region of this thread's forward
+_streams: dict[torch.device, Any] = {}  # the copies' side stream, per CUDA device
 
 
 def offloaded_bytes() -> int:
@@ -120,7 +124,7 @@ class _Saved:
         self.storage, self.dtype = storage, tensor.dtype
         self.offset, self.size, self.stride = (tensor.storage_offset(), tensor.shape,
                                                tensor.stride())
-        self.version = tensor._version
+        self.version = _version(tensor)
         self.source = _version_witness(tensor)
         self.flat: torch.Tensor | None = None  # held from prefetch until unpacked
 
@@ -140,12 +144,10 @@ class Offload:
         self.saved: list[weakref.ref[_Saved]] = []
         self.previous: weakref.ref[Offload] | None = None
         self.fetched = False
-        self.streams: dict[torch.device, Any] = {}
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def __enter__(self) -> Offload:
-        last = getattr(_chain, "last", None)
-        self.previous = None if last is None else last  # already a weak reference
+        self.previous = getattr(_chain, "last", None)  # a weak reference
         _chain.last = weakref.ref(self)
         self.hooks.__enter__()
         return self
@@ -154,12 +156,14 @@ class Offload:
         self.hooks.__exit__(*exc)
         self.storages.clear()  # dedupe within the forward only
 
-    def stream(self, device: torch.device) -> Any:
+    @staticmethod
+    def stream(device: torch.device) -> Any:
+        """The side stream the copies of ``device`` run on (one per device); None off CUDA."""
         if device.type != "cuda":
             return None
-        if device not in self.streams:
-            self.streams[device] = torch.cuda.Stream(device)
-        return self.streams[device]
+        if device not in _streams:
+            _streams[device] = torch.cuda.Stream(device)
+        return _streams[device]
 
     def moves(self, tensor: torch.Tensor) -> bool:
         if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
@@ -176,7 +180,7 @@ class Offload:
         if not self.moves(tensor):
             return tensor
         storage = tensor.untyped_storage()
-        key = (storage.data_ptr(), tensor._version)
+        key = (storage.data_ptr(), _version(tensor))
         hit = self.storages.get(key)
         first = None if hit is None else hit[0]()
         if first is not None and first.untyped_storage().data_ptr() == key[0]:
@@ -192,11 +196,11 @@ class Offload:
         if saved.__class__ is not _Saved:
             return saved
         source = saved.source if saved.source.__class__ is torch.Tensor else saved.source()
-        if source is not None and source._version != saved.version:
+        if source is not None and _version(source) != saved.version:
             raise RuntimeError(
                 "zoo.offload: one of the variables needed for gradient computation has been "
                 f"modified by an inplace operation (version {saved.version} -> "
-                f"{source._version}); clone it before changing it in place.")
+                f"{_version(source)}); clone it before changing it in place.")
         if not self.fetched:
             self.prefetch_previous()
         stream = self.stream(saved.storage.device)
