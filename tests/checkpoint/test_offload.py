@@ -15,7 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import zoo
 from helpers import assert_same_training, run_gloo
 from zoo.models.densenet import DenseNet
-from zoo.checkpoint import offloaded_bytes, reset_offloaded_bytes
+from zoo.checkpoint import host_copies, offloaded_bytes, reset_offloaded_bytes
 from zoo.checkpoint.offload_cost import exposed_copy_time, offload_step_time
 
 
@@ -179,6 +179,25 @@ def test_zoo_model_offloaded_trains_like_plain(name, efficient):
     reset_offloaded_bytes()
     assert_same_training(plain, plain, moved, lambda t: host(moved, t), x, steps=3, exact=True)
     assert offloaded_bytes() > 0
+
+
+def test_checkpoint_offload_keyword_mixes_keep_recompute_and_offload_per_unit():
+    plain = conv_bn(8)
+    mixed = conv_bn(8)
+    units = [mixed[:3], mixed[3:5], mixed[5:]]
+
+    def forward(x):
+        x = zoo.checkpoint(units[0], x, offload=True)
+        x = zoo.checkpoint(units[1], x)  # recompute (its dropout replays the same mask)
+        return units[2](x)  # keep
+
+    reset_offloaded_bytes()
+    with host_copies():
+        assert_same_training(plain, plain, mixed, forward, images(), steps=3, exact=True)
+    # Per step: conv1's input (4*3*8*8 floats: 3072 B), conv1's output saved by BN (4*8*8*8
+    # floats: 8192 B), ReLU's output (ReLU saves its output: 8192 B); the weights stay, as do
+    # BN's per-channel statistics (32 B each, under min_bytes).
+    assert offloaded_bytes() == 3 * (3072 + 8192 + 8192)
 
 
 def _ddp_worker(rank: int, world: int) -> list[torch.Tensor]:

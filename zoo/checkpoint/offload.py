@@ -34,9 +34,10 @@ through host copies of CPU tensors, so the CPU tests exercise it bit for bit.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -46,11 +47,24 @@ from .region import _inside_region
 
 _version = _torch.tensor_version
 
-__all__ = ["offload", "Offload", "offloaded_bytes", "reset_offloaded_bytes"]
+__all__ = ["offload", "Offload", "host_copies", "offloaded_bytes", "reset_offloaded_bytes"]
 
 _counter = threading.local()
 _chain = threading.local()  # the last offload region of this thread's forward
 _streams: dict[torch.device, Any] = {}  # the copies' side stream, per CUDA device
+
+
+@contextlib.contextmanager
+def host_copies() -> Iterator[None]:
+    """Within it, offload regions move CPU tensors too, through host copies (``to_host=True``
+    for every region, ``zoo.checkpoint(..., offload=True)`` included): the bookkeeping of an
+    offloaded model tested bit for bit on a machine without CUDA."""
+    before = getattr(_counter, "to_host", False)
+    _counter.to_host = True
+    try:
+        yield
+    finally:
+        _counter.to_host = before
 
 
 def offloaded_bytes() -> int:
@@ -223,18 +237,21 @@ class Offload:
                 saved.flat = saved.storage.fetch(previous.stream(saved.storage.device))
 
 
-def offload(fn: Callable[..., Any], *args: Any, min_bytes: int = 1024, to_host: bool = False,
+def offload(fn: Callable[..., Any], *args: Any, min_bytes: int = 1024, to_host: bool | None = None,
             **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)`` with its saved tensors moved to host memory until backward.
 
     Exactly ``fn(*args, **kwargs)`` for outputs, gradients, normalisation statistics and random
     numbers (nothing is recomputed). A no-op under ``torch.no_grad()``, inside a checkpoint
-    region, and for CPU tensors unless ``to_host=True`` (the bookkeeping, run through host
-    copies: for tests). ``fn``'s parameters and buffers, when it is a module, stay where they
+    region, while ``torch.compile`` traces (the compiled graph keeps what it saves), and for CPU tensors unless ``to_host=True`` or inside :func:`host_copies` (the
+    bookkeeping, run through host copies: for tests). ``zoo.checkpoint(fn, ..., offload=True)``
+    calls it, so a plan's unit says "offload" where it says "checkpoint". ``fn``'s parameters and buffers, when it is a module, stay where they
     are, as do tensors under ``min_bytes``. :func:`offloaded_bytes` counts the bytes copied.
     """
-    if not torch.is_grad_enabled() or _inside_region():
+    if not torch.is_grad_enabled() or _inside_region() or torch.compiler.is_compiling():
         return fn(*args, **kwargs)
+    if to_host is None:
+        to_host = getattr(_counter, "to_host", False)
     keep = tuple(fn.parameters()) + tuple(fn.buffers()) if isinstance(fn, torch.nn.Module) else ()
     with Offload(keep, min_bytes, to_host):
         return fn(*args, **kwargs)
