@@ -57,9 +57,39 @@ def test_views_and_a_tensor_saved_twice_copy_one_storage():
     reset_offloaded_bytes()
     got = _grads_of(lambda t: host(fn, t), x)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    # The input x (saved by exp? no: exp saves its output) and y's storage: y once, for exp,
-    # both operands of y*y and both of v*v; the leaf x is not saved by any op here.
+    # One storage, y's, copied once: exp saves its output y, mul saves both operands of y * y
+    # and of v * v; no op saves x.
     assert offloaded_bytes() == 3 * 5 * 8
+
+
+class _Pair(torch.autograd.Function):
+    """a * b, noting the storages its backward reads."""
+
+    storages: list[int] = []
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a * b
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        _Pair.storages[:] = [a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()]
+        return grad * b, grad * a
+
+
+def test_views_of_one_storage_come_back_as_one_storage():
+    def fn(x):
+        y = x.exp()
+        return _Pair.apply(y[1:], y[:-1]).sum()
+
+    x = torch.randn(6, 3)
+    want = _grads_of(fn, x)
+    reset_offloaded_bytes()
+    torch.testing.assert_close(_grads_of(lambda t: host(fn, t), x), want, rtol=0, atol=0)
+    assert offloaded_bytes() == 6 * 3 * 4  # y's storage, once
+    assert _Pair.storages[0] == _Pair.storages[1]
 
 
 def test_offloaded_bytes_counts_each_storage_once():

@@ -85,7 +85,7 @@ class _Storage:
         flat = torch.empty(0, dtype=torch.uint8, device=source.device).set_(
             source.untyped_storage())
         self.device, self.nbytes = source.device, flat.numel()
-        self.restored: weakref.ref[torch.Tensor] | None = None
+        self.restored: Any = None  # a weak reference to the storage brought back
         self.back: Any = None
         if stream is None:  # a host: a plain copy, in order
             self.host, self.copied = flat.clone(), None
@@ -99,10 +99,11 @@ class _Storage:
         _counter.bytes = offloaded_bytes() + self.nbytes
 
     def fetch(self, stream: Any) -> torch.Tensor:
-        """Start bringing the bytes back (on ``stream`` after the copy out); idempotent."""
-        flat = None if self.restored is None else self.restored()
-        if flat is not None:
-            return flat
+        """Start bringing the bytes back (on ``stream`` after the copy out); while a storage
+        brought back lives (a view of it in use), every other view shares it."""
+        storage = _torch.storage_from_weak_ref(self.restored)
+        if storage is not None:
+            return torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
         if stream is None:
             flat = self.host.clone()
         else:
@@ -112,7 +113,7 @@ class _Storage:
             with torch.cuda.stream(stream):
                 flat.copy_(self.host, non_blocking=True)
             self.back = stream.record_event()
-        self.restored = weakref.ref(flat)
+        self.restored = _torch.storage_weak_ref(flat)
         return flat
 
 
@@ -222,8 +223,9 @@ class Offload:
         saved.flat = None
         if stream is not None:
             torch.cuda.current_stream(flat.device).wait_event(saved.storage.back)
-        return torch.empty(0, dtype=saved.dtype, device=flat.device).set_(
+        out = torch.empty(0, dtype=saved.dtype, device=flat.device).set_(
             flat.untyped_storage(), saved.offset, saved.size, saved.stride)
+        return out
 
     def prefetch_previous(self) -> None:
         """The backward reached this region: start bringing the one before it back."""
