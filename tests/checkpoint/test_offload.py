@@ -16,6 +16,7 @@ import zoo
 from helpers import assert_same_training, run_gloo
 from zoo.models.densenet import DenseNet
 from zoo.checkpoint import host_copies, offloaded_bytes, reset_offloaded_bytes
+from zoo.checkpoint.offload import Offload
 from zoo.checkpoint.offload_cost import exposed_copy_time, offload_step_time
 
 
@@ -228,6 +229,34 @@ def test_checkpoint_offload_keyword_mixes_keep_recompute_and_offload_per_unit():
     # floats: 8192 B), ReLU's output (ReLU saves its output: 8192 B); the weights stay, as do
     # BN's per-channel statistics (32 B each, under min_bytes).
     assert offloaded_bytes() == 3 * (3072 + 8192 + 8192)
+
+
+def test_chain_of_offloaded_units_prefetches_the_one_before_and_matches_plain(monkeypatch):
+    plain, moved = conv_bn(8), conv_bn(8)
+    units = [moved[:2], moved[2:4], moved[4:]]
+    prefetched = []
+    original = Offload.prefetch_previous
+
+    def noting(region):  # how many tensors of the region before were brought back ahead
+        original(region)
+        before = None if region.previous is None else region.previous()
+        prefetched.append(0 if before is None else sum(
+            ref() is not None and ref().flat is not None for ref in before.saved))
+
+    monkeypatch.setattr(Offload, "prefetch_previous", noting)
+
+    def forward(x):
+        for unit in units:
+            with Offload(tuple(unit.parameters()) + tuple(unit.buffers()), 0, True):
+                x = unit(x)
+        return x
+
+    assert_same_training(plain, plain, moved, forward, images(), steps=3, exact=True)
+    # Per step the backward reaches the units last to first, and each brings the one before it
+    # back ahead: the last unit the middle one's 2 (ReLU's output, dropout's mask), the middle
+    # one the first one's 4 (conv's input, BN's input, mean and inverse std; min_bytes=0);
+    # the first has none before it (the previous step's graph is gone).
+    assert prefetched == [2, 4, 0] * 3
 
 
 def _ddp_worker(rank: int, world: int) -> list[torch.Tensor]:
