@@ -245,10 +245,12 @@ def offload(fn: Callable[..., Any], *args: Any, min_bytes: int = 1024, to_host: 
 
     Exactly ``fn(*args, **kwargs)`` for outputs, gradients, normalisation statistics and random
     numbers (nothing is recomputed). A no-op under ``torch.no_grad()``, inside a checkpoint
-    region, while ``torch.compile`` traces (the compiled graph keeps what it saves), and for CPU tensors unless ``to_host=True`` or inside :func:`host_copies` (the
-    bookkeeping, run through host copies: for tests). ``zoo.checkpoint(fn, ..., offload=True)``
-    calls it, so a plan's unit says "offload" where it says "checkpoint". ``fn``'s parameters and buffers, when it is a module, stay where they
-    are, as do tensors under ``min_bytes``. :func:`offloaded_bytes` counts the bytes copied.
+    region, while ``torch.compile`` traces (the compiled graph keeps what it saves), and for
+    CPU tensors unless ``to_host=True`` or inside :func:`host_copies` (the bookkeeping, run
+    through host copies: for tests). ``zoo.checkpoint(fn, ..., offload=True)`` calls it, so a
+    plan's unit says "offload" where it says "checkpoint". ``fn``'s parameters and buffers,
+    when it is a module, stay where they are, as do tensors under ``min_bytes``.
+    :func:`offloaded_bytes` counts the bytes copied.
     """
     if not torch.is_grad_enabled() or _inside_region() or torch.compiler.is_compiling():
         return fn(*args, **kwargs)
