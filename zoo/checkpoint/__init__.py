@@ -55,15 +55,19 @@ Files: this one names the public calls; :mod:`~zoo.checkpoint.primitive` holds
 contexts; :mod:`~zoo.checkpoint.selective` what ``save_ops`` keeps and serves;
 :mod:`~zoo.checkpoint.compiled` the region under ``torch.compile``;
 :mod:`~zoo.checkpoint.sequential` chains of blocks and the planner's plans;
-:mod:`~zoo.checkpoint.keywords` torch's keywords; :mod:`~zoo.checkpoint.policies` finer
+:mod:`~zoo.checkpoint.keywords` torch's keywords; :mod:`~zoo.checkpoint.offload` saved
+tensors moved to host memory instead of recomputed, and :mod:`~zoo.checkpoint.offload_cost` when
+that pays; :mod:`~zoo.checkpoint.policies` finer
 ``save_ops``.
 """
 from __future__ import annotations
 
 from .compiled import _keep_bases  # noqa: F401  (tests reach the compiled policy here)
+from .offload import host_copies, offload, offloaded_bytes, reset_offloaded_bytes
 from .primitive import checkpoint
 from .recompute import is_recomputing, state_bookkeeping
 from .sequential import checkpoint_sequential, run_blocks, run_plan, split_segments
 
 __all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing", "split_segments",
-           "state_bookkeeping", "run_blocks", "run_plan"]
+           "state_bookkeeping", "run_blocks", "run_plan", "offload", "offloaded_bytes",
+           "host_copies", "reset_offloaded_bytes"]

@@ -10,6 +10,7 @@ import torch
 
 from . import keywords
 from .compiled import traced_checkpoint
+from .offload import offload as offload_region
 from .recompute import ForwardState, _cuda_devices
 from .region import _inside_region, _Region, recorders
 from .selective import Selective, save_set
@@ -22,7 +23,7 @@ def checkpoint(fn: Callable[..., Any], *args: Any,
                use_reentrant: bool | None = None, preserve_rng_state: bool = True,
                context_fn: Callable[[], tuple[Any, Any]] | None = None,
                determinism_check: str = "default", debug: bool = False,
-               early_stop: bool | None = None, **kwargs: Any) -> Any:
+               early_stop: bool | None = None, offload: bool = False, **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)`` keeping only its inputs; recompute the rest during backward.
 
     Compared with ``fn(*args, **kwargs)`` it gives the same outputs, the same gradients for the
@@ -45,6 +46,9 @@ def checkpoint(fn: Callable[..., Any], *args: Any,
             The kept outputs serve one recompute, as with torch's selective checkpoint: a second
             backward through such a region (``retain_graph=True``, double backward) is an error
             that says so.
+        offload: keep the region's saved tensors in host memory instead of recomputing them
+            (:func:`zoo.offload`: exact, nothing recomputed; a no-op without CUDA), so a plan
+            chooses per unit between keep, recompute and offload through this one call.
 
     ``use_reentrant``, ``preserve_rng_state``, ``context_fn``, ``determinism_check``, ``debug`` and
     ``early_stop`` are ``torch.utils.checkpoint.checkpoint``'s keywords, so that zoo.checkpoint can
@@ -77,6 +81,8 @@ def checkpoint(fn: Callable[..., Any], *args: Any,
     """
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    if offload:
+        return offload_region(fn, *args, **kwargs)
     if torch.compiler.is_compiling():
         return traced_checkpoint(fn, args, kwargs, save_ops, context_fn)
     if recorders and not _inside_region():

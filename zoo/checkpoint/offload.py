@@ -1,0 +1,261 @@
+"""Activation offload: a region's saved tensors wait in host memory between forward and backward.
+
+Recomputation has a floor (a region's inputs and the largest layer's working set); below it the
+field moves saved activations to host memory during the forward and brings them back before the
+backward reads them: torch's ``torch.autograd.graph.save_on_cpu`` (every saved tensor, copied
+synchronously), Hugging Face's and torchtune's activation offload, DeepSpeed's planned offload.
+Done carelessly the copies race with the compute stream and give wrong gradients with no error
+(huggingface/trl#7195, meta-pytorch/torchtune#1867 and #2683, NVIDIA/Megatron-LM#7398).
+:func:`offload` is the zoo's one mechanism, built on saved-tensor hooks like the checkpoint
+region, and exact: the backward reads the bytes the forward saved, so gradients, BatchNorm
+statistics and random numbers are plain's, bit for bit.
+
+What it does with each tensor autograd saves inside the region:
+
+* keeps a module's parameters and buffers (and views of them) and tensors under ``min_bytes``
+  as they are: they live on the device anyway, or cost more to move than they free;
+* copies the tensor's whole storage once to (pinned) host memory, so a tensor saved twice and a
+  view saved beside its base cost one copy, and rebuilds each view on the storage brought back;
+* on CUDA, copies on a side stream that first waits for the compute stream, and marks the
+  source with ``record_stream`` so the caching allocator does not hand its memory to a later
+  kernel before the copy has read it; brings a region's tensors back on the side stream when the
+  backward first reaches the region *after* it (prefetch) and makes the compute stream wait for
+  that copy's event before the first read;
+* raises, as plain autograd does, when a saved tensor still alive was modified in place after
+  it was saved (with hooks, autograd no longer checks the version counter itself);
+* frees the host copy with the graph (as plain frees saved tensors), the device copy once its
+  node has used it.
+
+Nesting: a ``zoo.checkpoint`` region inside an offload region checkpoints as usual (its saved
+tensors go to its own slots; its inputs stay with it); an offload region inside a checkpoint
+region is a no-op, because the checkpoint already keeps nothing of it. Without CUDA the region
+is a no-op (nothing to free on a host) unless ``to_host=True``, which runs the same bookkeeping
+through host copies of CPU tensors, so the CPU tests exercise it bit for bit.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from .. import _torch
+from .region import _inside_region
+
+_version = _torch.tensor_version
+
+__all__ = ["offload", "Offload", "host_copies", "offloaded_bytes", "reset_offloaded_bytes"]
+
+_counter = threading.local()
+_chain = threading.local()  # the last offload region of this thread's forward
+_streams: dict[torch.device, Any] = {}  # the copies' side stream, per CUDA device
+
+
+@contextlib.contextmanager
+def host_copies() -> Iterator[None]:
+    """Within it, offload regions move CPU tensors too, through host copies (``to_host=True``
+    for every region, ``zoo.checkpoint(..., offload=True)`` included): the bookkeeping of an
+    offloaded model tested bit for bit on a machine without CUDA."""
+    before = getattr(_counter, "to_host", False)
+    _counter.to_host = True
+    try:
+        yield
+    finally:
+        _counter.to_host = before
+
+
+def offloaded_bytes() -> int:
+    """Bytes this thread copied to host memory since the last :func:`reset_offloaded_bytes`."""
+    return getattr(_counter, "bytes", 0)
+
+
+def reset_offloaded_bytes() -> None:
+    _counter.bytes = 0
+
+
+class _Storage:
+    """One storage's host copy, the events that order it, and its device copy once back."""
+
+    __slots__ = ("host", "device", "nbytes", "copied", "back", "restored", "__weakref__")
+
+    def __init__(self, source: torch.Tensor, stream: Any):
+        flat = torch.empty(0, dtype=torch.uint8, device=source.device).set_(
+            source.untyped_storage())
+        self.device, self.nbytes = source.device, flat.numel()
+        self.restored: Any = None  # a weak reference to the storage brought back
+        self.back: Any = None
+        if stream is None:  # a host: a plain copy, in order
+            self.host, self.copied = flat.clone(), None
+        else:
+            self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self.host.copy_(flat, non_blocking=True)
+            flat.record_stream(stream)  # the allocator keeps the source until the copy read it
+            self.copied = stream.record_event()
+        _counter.bytes = offloaded_bytes() + self.nbytes
+
+    def fetch(self, stream: Any) -> torch.Tensor:
+        """Start bringing the bytes back (on ``stream`` after the copy out); while a storage
+        brought back lives (a view of it in use), every other view shares it."""
+        storage = _torch.storage_from_weak_ref(self.restored)
+        if storage is not None:
+            return torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+        if stream is None:
+            flat = self.host.clone()
+        else:
+            flat = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # the allocation's order
+            stream.wait_event(self.copied)
+            with torch.cuda.stream(stream):
+                flat.copy_(self.host, non_blocking=True)
+            self.back = stream.record_event()
+        self.restored = _torch.storage_weak_ref(flat)
+        return flat
+
+
+def _version_witness(tensor: torch.Tensor) -> Any:
+    """Something that shows ``tensor``'s in-place version later without keeping its memory:
+    an empty alias sharing its version counter, or (on a torch without the means) a weak
+    reference, which sees changes only while the tensor is held elsewhere."""
+    if _torch.preserve_version_counter is None:
+        return weakref.ref(tensor)
+    alias = tensor.detach()
+    with _torch.preserve_version_counter(alias):
+        alias.set_()
+    return alias
+
+
+class _Saved:
+    """What autograd holds for one offloaded tensor: its storage's copy and how to view it."""
+
+    __slots__ = ("storage", "dtype", "offset", "size", "stride", "version", "source", "flat",
+                 "__weakref__")
+
+    def __init__(self, storage: _Storage, tensor: torch.Tensor):
+        self.storage, self.dtype = storage, tensor.dtype
+        self.offset, self.size, self.stride = (tensor.storage_offset(), tensor.shape,
+                                               tensor.stride())
+        self.version = _version(tensor)
+        self.source = _version_witness(tensor)
+        self.flat: torch.Tensor | None = None  # held from prefetch until unpacked
+
+
+class Offload:
+    """Saved-tensor hooks that move a region's saved tensors to host memory (see the module).
+
+    Use as a context manager around a forward, or through :func:`offload`. ``keep``: tensors
+    whose storages stay on the device (a module's parameters and buffers).
+    """
+
+    def __init__(self, keep: tuple[torch.Tensor, ...] = (), min_bytes: int = 1024,
+                 to_host: bool = False):
+        self.min_bytes, self.to_host = min_bytes, to_host
+        self.kept = {t.untyped_storage().data_ptr() for t in keep}
+        self.storages: dict[tuple[int, int], tuple[weakref.ref, _Storage]] = {}
+        self.saved: list[weakref.ref[_Saved]] = []
+        self.previous: weakref.ref[Offload] | None = None
+        self.fetched = False
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def __enter__(self) -> Offload:
+        self.previous = getattr(_chain, "last", None)  # a weak reference
+        _chain.last = weakref.ref(self)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.hooks.__exit__(*exc)
+        self.storages.clear()  # dedupe within the forward only
+
+    @staticmethod
+    def stream(device: torch.device) -> Any:
+        """The side stream the copies of ``device`` run on (one per device); None off CUDA."""
+        if device.type != "cuda":
+            return None
+        if device not in _streams:
+            _streams[device] = torch.cuda.Stream(device)
+        return _streams[device]
+
+    def moves(self, tensor: torch.Tensor) -> bool:
+        if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
+            return False
+        if tensor.layout is not torch.strided or tensor.is_nested:
+            return False
+        if tensor.device.type == "cpu" and not self.to_host or tensor.device.type not in (
+                "cpu", "cuda"):
+            return False
+        storage = tensor.untyped_storage()
+        return storage.nbytes() >= self.min_bytes and storage.data_ptr() not in self.kept
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        if not self.moves(tensor):
+            return tensor
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), _version(tensor))
+        hit = self.storages.get(key)
+        first = None if hit is None else hit[0]()
+        if first is not None and first.untyped_storage().data_ptr() == key[0]:
+            copy = hit[1]  # the same storage, unchanged since: one copy
+        else:
+            copy = _Storage(tensor, self.stream(tensor.device))
+            self.storages[key] = (weakref.ref(tensor), copy)
+        saved = _Saved(copy, tensor)
+        self.saved.append(weakref.ref(saved))
+        return saved
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if saved.__class__ is not _Saved:
+            return saved
+        source = saved.source if saved.source.__class__ is torch.Tensor else saved.source()
+        if source is not None and _version(source) != saved.version:
+            raise RuntimeError(
+                "zoo.offload: one of the variables needed for gradient computation has been "
+                f"modified by an inplace operation (version {saved.version} -> "
+                f"{_version(source)}); clone it before changing it in place.")
+        if not self.fetched:
+            self.prefetch_previous()
+        stream = self.stream(saved.storage.device)
+        flat = saved.flat if saved.flat is not None else saved.storage.fetch(stream)
+        saved.flat = None
+        if stream is not None:
+            torch.cuda.current_stream(flat.device).wait_event(saved.storage.back)
+        out = torch.empty(0, dtype=saved.dtype, device=flat.device).set_(
+            flat.untyped_storage(), saved.offset, saved.size, saved.stride)
+        return out
+
+    def prefetch_previous(self) -> None:
+        """The backward reached this region: start bringing the one before it back."""
+        self.fetched = True
+        previous = None if self.previous is None else self.previous()
+        if previous is None or previous.fetched:
+            return
+        for ref in previous.saved:
+            saved = ref()
+            if saved is not None and saved.flat is None:
+                saved.flat = saved.storage.fetch(previous.stream(saved.storage.device))
+
+
+def offload(fn: Callable[..., Any], *args: Any, min_bytes: int = 1024, to_host: bool | None = None,
+            **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` with its saved tensors moved to host memory until backward.
+
+    Exactly ``fn(*args, **kwargs)`` for outputs, gradients, normalisation statistics and random
+    numbers (nothing is recomputed). A no-op under ``torch.no_grad()``, inside a checkpoint
+    region, while ``torch.compile`` traces (the compiled graph keeps what it saves), and for
+    CPU tensors unless ``to_host=True`` or inside :func:`host_copies` (the bookkeeping, run
+    through host copies: for tests). ``zoo.checkpoint(fn, ..., offload=True)`` calls it, so a
+    plan's unit says "offload" where it says "checkpoint". ``fn``'s parameters and buffers,
+    when it is a module, stay where they are, as do tensors under ``min_bytes``.
+    :func:`offloaded_bytes` counts the bytes copied.
+    """
+    if not torch.is_grad_enabled() or _inside_region() or torch.compiler.is_compiling():
+        return fn(*args, **kwargs)
+    if to_host is None:
+        to_host = getattr(_counter, "to_host", False)
+    keep = tuple(fn.parameters()) + tuple(fn.buffers()) if isinstance(fn, torch.nn.Module) else ()
+    with Offload(keep, min_bytes, to_host):
+        return fn(*args, **kwargs)
