@@ -11,10 +11,12 @@ The rest of :mod:`zoo.memory` measures this machine; this package models a named
 * ``peak.py``: a fake step counted through that allocator, op by op (``max_memory_allocated``);
 * ``step.py``: one training step of a model on a card, its peak and time (``predict_step``);
 * ``on_card.py``: ``with on_card("h100"):`` makes the fake steps measured inside count as the
-  card's.
+  card's;
+* ``autocast.py``: CUDA's autocast op lists on a step whose fake tensors live on the CPU;
+* ``bound.py``: the least peak any keep/recompute/offload plan of a step can reach on a card.
 
 It imports the measuring modules below it (the tracker, the fake step); they import only
-``on_card.step_counter`` from here. ``zoo.memory`` re-exports the public names.
+``on_card`` (the step's counter and the tensors it holds) from here. ``zoo.memory`` re-exports the public names.
 """
 from __future__ import annotations
 

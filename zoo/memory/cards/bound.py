@@ -9,7 +9,7 @@ tensor that op reads or writes. So for each op of one fake step on the card:
 
 and the step's lower bound is the largest of these (and of parameters + workspaces + all the
 gradients, after the backward). A planner whose least peak sits near it has nothing left to
-gain; the figures run through ``zoo.memory.card_step.run_on_card``, the same fake step and
+gain; the figures run through ``zoo.memory.cards.step.run_on_card``, the same fake step and
 caching allocator as ``zoo.memory.predict_step``.
 """
 from __future__ import annotations
@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from zoo import _torch
-from zoo.memory.card_step import run_on_card
-from zoo.memory.cards import card
-from zoo.memory.cuda_allocator import round_size
-from zoo.memory.cuda_peak import _MATMULS, CudaCounter
-from zoo.memory.tracker import storage_key
+from ... import _torch
+from ..tracker import storage_key
+from .allocator import round_size
+from .peak import _MATMULS, CudaCounter
+from .step import run_on_card
+from .timing import card
 
 __all__ = ["StepLowerBound", "step_lower_bound"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 import zoo
-from bench.lower_bound import step_lower_bound
+from zoo.memory.cards.bound import step_lower_bound
 from zoo.memory import predict_step
 
 
