@@ -91,9 +91,9 @@ NAMES: dict[str, Name] = {
     "torch._fused_sdp_choice": Name(OLDEST, "required (CPU attention)"),
     # torch.utils.checkpoint's selective checkpoint (compiled regions, save_ops under compile)
     "torch.utils.checkpoint.create_selective_checkpoint_contexts": Name(
-        (2, 5), "error: compiled regions (which need 2.11)"),
+        (2, 5), "error: compiled regions (which need 2.8)"),
     "torch.utils.checkpoint.CheckpointPolicy": Name(
-        (2, 5), "error: compiled regions (which need 2.11)"),
+        (2, 5), "error: compiled regions (which need 2.8)"),
     "torch.utils.checkpoint._CachedTorchDispatchMode": Name(
         OLDEST, "exact: no torch replay mode to step outside"),
     # Dynamo, AOTAutograd and the partitioner
@@ -227,11 +227,18 @@ CheckpointPolicy = getattr(_checkpoint, "CheckpointPolicy", None)
 CachedTorchDispatchMode = getattr(_checkpoint, "_CachedTorchDispatchMode", None)
 
 
-#: The oldest torch whose compiled checkpoint is exact. torch 2.8's updates BatchNorm's running
-#: statistics twice per step (torch's own ``checkpoint(..., use_reentrant=False)`` under
-#: ``torch.compile`` too: the recompute's buffer update is replayed); 2.5 to 2.10 are not
-#: verified, so they are refused as well. tests/test_torch_compat.py checks torch's behaviour.
-COMPILED_REGIONS_SINCE = (2, 11)
+#: The oldest torch zoo compiles regions on: the floor of the supported range (compiled regions
+#: rest on torch's selective checkpoint, 2.5, and are tested from 2.8 up).
+COMPILED_REGIONS_SINCE = (2, 8)
+
+#: torch 2.8's partitioner replays a compiled region's buffer updates in backward where it
+#: recomputes their source (BatchNorm's running statistics and ``num_batches_tracked`` written
+#: twice per step, torch's own ``checkpoint(..., use_reentrant=False)`` under ``torch.compile``
+#: included); from 2.9 the updates stay in the forward graph. On such a torch a compiled region
+#: saves the output of every op that mutates an input instead of recomputing it, so the replayed
+#: update writes the forward's value again (zoo/checkpoint/compiled.py).
+#: tests/test_torch_compat.py checks torch's behaviour on either side.
+COMPILED_RECOMPUTE_REPLAYS_UPDATES = VERSION < (2, 9)
 
 
 def compiled_checkpoint_policy() -> Any:
@@ -241,9 +248,16 @@ def compiled_checkpoint_policy() -> Any:
         since = ".".join(map(str, COMPILED_REGIONS_SINCE))
         raise RuntimeError(f"zoo: zoo.checkpoint under torch.compile needs torch >= {since} "
                            f"(this is torch {torch.__version__}, whose compiled checkpoint is "
-                           "not exact); upgrade torch, or run the model eagerly")
+                           "not tested); upgrade torch, or run the model eagerly")
     return require(CheckpointPolicy, "zoo.checkpoint under torch.compile",
                    "torch.utils.checkpoint.CheckpointPolicy")
+
+
+def mutates_an_input(op: Any) -> bool:
+    """Whether the ATen op ``op`` writes into one of its arguments (``add_``, BatchNorm's
+    running statistics): its schema says so (a higher-order op has none, and does not)."""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and schema.is_mutable
 
 
 # Dynamo, AOTAutograd, the partitioner (imported on first use: heavy)
