@@ -131,6 +131,7 @@ ATTRIBUTES = {
     "_sequence_nr": "sequence_nr",
     "_buffers": "module_buffers",
     "_parameters": "module_parameters",
+    "_schema": "mutates_an_input",
 }
 
 
@@ -225,6 +226,14 @@ create_selective_checkpoint_contexts = getattr(_checkpoint, "create_selective_ch
                                                None)
 CheckpointPolicy = getattr(_checkpoint, "CheckpointPolicy", None)
 CachedTorchDispatchMode = getattr(_checkpoint, "_CachedTorchDispatchMode", None)
+
+
+def checkpoint_early_stop() -> bool | None:
+    """``torch.utils.checkpoint.set_checkpoint_early_stop``'s switch, or ``None`` where it is
+    not set. torch 2.8 has no ``early_stop`` keyword and its switch starts at ``True``, which
+    there means "not set" (a region's own ``early_stop`` decides); from 2.9 it starts at None."""
+    stop = getattr(_checkpoint, "_enable_checkpoint_early_stop", None)  # None-valued: no NAMES
+    return None if VERSION < (2, 9) and stop is True else stop
 
 
 #: The oldest torch zoo compiles regions on: the floor of the supported range (compiled regions
