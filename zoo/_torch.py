@@ -62,7 +62,7 @@ OLDEST = (2, 4)  # the oldest torch `import zoo` is checked on (supported: pypro
 NAMES: dict[str, Name] = {
     # autograd engine: the backward call running now
     "torch._C._current_graph_task_id": Name(OLDEST, "required"),
-    "torch._C._get_graph_exec_group": Name((2, 9), "exact: graph task ids only"),
+    "torch._C._get_graph_exec_group": Name((2, 10), "exact: graph task ids only"),
     "torch._C._autograd._get_current_graph_task_keep_graph": Name(
         (2, 6), "exact: a region keeps its inputs until its last node ran; CPU attention "
         "runs SDPA's own backward"),
