@@ -250,6 +250,14 @@ COMPILED_REGIONS_SINCE = (2, 8)
 COMPILED_RECOMPUTE_REPLAYS_UPDATES = VERSION < (2, 9)
 
 
+#: torch 2.11.0 compiles the stored reversible network (zoo/reversible/stored.py's autograd
+#: Functions, ``efficient=False``) into a backward whose gradients differ from eager's (measured:
+#: float64, ``aot_eager``, one coupling without BatchNorm or dropout: the input's and every
+#: parameter's gradient, while the outputs agree; 2.10.0 and 2.12.1 are exact), so it is refused
+#: there under ``torch.compile``.
+COMPILED_STORED_REVERSIBLE_WRONG = VERSION == (2, 11)
+
+
 def compiled_checkpoint_policy() -> Any:
     """torch's ``CheckpointPolicy``, or the one-line error naming the torch compiled regions
     need (:data:`COMPILED_REGIONS_SINCE`)."""
