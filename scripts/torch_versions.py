@@ -114,6 +114,14 @@ def import_zoo(venv: Path) -> str:
     return "yes" if run.returncode == 0 else (run.stderr.strip().splitlines() or ["fails"])[-1]
 
 
+def refused(venv: Path) -> str:
+    """What zoo refuses on ``venv``'s torch (``zoo._torch.refused()``), or 'nothing'."""
+    code = "from zoo import _torch; print('; '.join(_torch.refused()) or 'nothing')"
+    run = subprocess.run([str(venv / "bin" / "python"), "-c", code], cwd=ROOT, env=_env(venv),
+                         capture_output=True, text=True)
+    return run.stdout.strip() if run.returncode == 0 else "-"
+
+
 def run_core(venv: Path, files: list[str], extra: list[str]) -> tuple[dict[str, list[str]], float]:
     """Run the core in ``venv``: per file, the outcome of each test ('passed', 'failed',
     'skipped: reason'), and the wall time in seconds."""
@@ -160,14 +168,17 @@ def cell(outcomes: list[str]) -> str:
     return text
 
 
-def table(rows: list[tuple[str, str, dict[str, list[str]] | None, float | None]],
-          core: list[tuple[str, str]]) -> str:
-    head = ["torch (torchvision, timm)", "import zoo", *(claim for _, claim in core), "core time"]
+def table(rows: list[tuple], core: list[tuple[str, str]]) -> str:
+    """The markdown table of ``rows``: (version, import zoo, outcomes per file, seconds, what
+    zoo refuses there)."""
+    head = ["torch (torchvision, timm)", "import zoo", *(claim for _, claim in core), "core time",
+            "refused here, in one line"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for version, imported, outcomes, seconds in rows:
+    for version, imported, outcomes, seconds, *rest in rows:
         cells = [version, imported]
         cells += [cell(outcomes[f]) if outcomes is not None else "-" for f, _ in core]
         cells.append(f"{seconds / 60:.1f} min" if seconds is not None else "-")
+        cells.append(rest[0] if rest else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -213,19 +224,21 @@ def main(argv: list[str] | None = None) -> int:
         if not args.imports and imported == "yes":
             outcomes, seconds = run_core(venv, [f for f, _ in core], shlex.split(args.pytest_args))
             print(f"torch {version}: core in {seconds / 60:.1f} min", file=sys.stderr, flush=True)
-        rows.append((version, imported, outcomes, seconds))
+        rows.append((version, imported, outcomes, seconds,
+                     refused(venv) if imported == "yes" else "-"))
         if args.save:
             with args.save.open("a") as f:
                 f.write(json.dumps(rows[-1]) + "\n")
     rows.sort(key=lambda r: _release(r[0]))
-    command = "python scripts/torch_versions.py " + " ".join(argv or sys.argv[1:])
+    command = "python scripts/torch_versions.py " + " ".join(
+        f'"{a}"' if " " in a else a for a in (argv or sys.argv[1:]))
     text = f"Measured on: {machine()}. Command: `{command}`\n\n" + table(rows, core)
     print(text)
     if args.write:
         write_page(text)
     failed = any(o is not None and any(x == "failed" for v in o.values() for x in v)
-                 for _, _, o, _ in rows)
-    return 1 if failed or any(i != "yes" for _, i, _, _ in rows) else 0
+                 for _, _, o, _, *_ in rows)
+    return 1 if failed or any(r[1] != "yes" for r in rows) else 0
 
 
 def _release(version: str) -> tuple[int, ...]:

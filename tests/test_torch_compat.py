@@ -163,3 +163,11 @@ def test_torch_compiled_checkpoint_replays_batchnorm_updates_where_zoo_says():
         for got, want in zip(ckpt[1].buffers(), plain[1].buffers()):
             torch.testing.assert_close(got, want)
     torch._dynamo.reset()
+
+
+def test_what_this_torch_refuses_is_listed_for_the_table():
+    """docs/torch-versions.md's "refused here" column: one entry per refusal this torch has."""
+    flags = (_torch.COMPILED_RECOMPUTE_REPLAYS_UPDATES, _torch.COMPILED_STORED_REVERSIBLE_WRONG)
+    refused = _torch.refused()
+    assert len(refused) == sum(flags)
+    assert all(text and "\n" not in text for text in refused)

@@ -258,6 +258,20 @@ COMPILED_RECOMPUTE_REPLAYS_UPDATES = VERSION < (2, 9)
 COMPILED_STORED_REVERSIBLE_WRONG = VERSION == (2, 11)
 
 
+def refused() -> list[str]:
+    """What zoo refuses on this torch (in one line, when used), a few words each, with why:
+    the "refused here" column of docs/torch-versions.md's table."""
+    out = []
+    if COMPILED_RECOMPUTE_REPLAYS_UPDATES:
+        out.append("under torch.compile, a user's context_fn and a set of save_ops (needs 2.9: "
+                   "this torch's partitioner replays BatchNorm updates; its Dynamo cannot trace "
+                   "a set of ops)")
+    if COMPILED_STORED_REVERSIBLE_WRONG:
+        out.append("under torch.compile, the reversible network storing its activations (this "
+                   "torch's compiled backward gives it wrong gradients)")
+    return out
+
+
 def compiled_checkpoint_policy() -> Any:
     """torch's ``CheckpointPolicy``, or the one-line error naming the torch compiled regions
     need (:data:`COMPILED_REGIONS_SINCE`)."""
