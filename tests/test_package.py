@@ -61,7 +61,7 @@ def test_wheel_carries_the_recipes_and_declares_the_console_command(dist):
     assert not any(n.startswith(("tests/", "configs/")) for n in names)
     assert metadata["Name"] == "torch-checkpoint-zoo"
     assert metadata["License-Expression"] == "MIT"
-    assert "torch>=2.14" in metadata.get_all("Requires-Dist")
+    assert "torch>=2.8" in metadata.get_all("Requires-Dist")
     with tarfile.open(dist["sdist"]) as sdist:
         assert {f"configs/{r.name}" for r in recipes} <= {m.split("/", 1)[-1]
                                                           for m in sdist.getnames()}

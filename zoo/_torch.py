@@ -62,7 +62,7 @@ OLDEST = (2, 4)  # the oldest torch `import zoo` is checked on (supported: pypro
 NAMES: dict[str, Name] = {
     # autograd engine: the backward call running now
     "torch._C._current_graph_task_id": Name(OLDEST, "required"),
-    "torch._C._get_graph_exec_group": Name((2, 9), "exact: graph task ids only"),
+    "torch._C._get_graph_exec_group": Name((2, 10), "exact: graph task ids only"),
     "torch._C._autograd._get_current_graph_task_keep_graph": Name(
         (2, 6), "exact: a region keeps its inputs until its last node ran; CPU attention "
         "runs SDPA's own backward"),
@@ -100,9 +100,9 @@ NAMES: dict[str, Name] = {
         OLDEST, "exact: offload catches in-place changes only of saved tensors still held"),
     # torch.utils.checkpoint's selective checkpoint (compiled regions, save_ops under compile)
     "torch.utils.checkpoint.create_selective_checkpoint_contexts": Name(
-        (2, 5), "error: compiled regions (which need 2.11)"),
+        (2, 5), "error: compiled regions (which need 2.8)"),
     "torch.utils.checkpoint.CheckpointPolicy": Name(
-        (2, 5), "error: compiled regions (which need 2.11)"),
+        (2, 5), "error: compiled regions (which need 2.8)"),
     "torch.utils.checkpoint._CachedTorchDispatchMode": Name(
         OLDEST, "exact: no torch replay mode to step outside"),
     # Dynamo, AOTAutograd and the partitioner
@@ -141,6 +141,7 @@ ATTRIBUTES = {
     "_buffers": "module_buffers",
     "_parameters": "module_parameters",
     "_destroy": "library_destroy",
+    "_schema": "mutates_an_input",
 }
 
 
@@ -261,11 +262,48 @@ CheckpointPolicy = getattr(_checkpoint, "CheckpointPolicy", None)
 CachedTorchDispatchMode = getattr(_checkpoint, "_CachedTorchDispatchMode", None)
 
 
-#: The oldest torch whose compiled checkpoint is exact. torch 2.8's updates BatchNorm's running
-#: statistics twice per step (torch's own ``checkpoint(..., use_reentrant=False)`` under
-#: ``torch.compile`` too: the recompute's buffer update is replayed); 2.5 to 2.10 are not
-#: verified, so they are refused as well. tests/test_torch_compat.py checks torch's behaviour.
-COMPILED_REGIONS_SINCE = (2, 11)
+def checkpoint_early_stop() -> bool | None:
+    """``torch.utils.checkpoint.set_checkpoint_early_stop``'s switch, or ``None`` where it is
+    not set. torch 2.8 has no ``early_stop`` keyword and its switch starts at ``True``, which
+    there means "not set" (a region's own ``early_stop`` decides); from 2.9 it starts at None."""
+    stop = getattr(_checkpoint, "_enable_checkpoint_early_stop", None)  # None-valued: no NAMES
+    return None if VERSION < (2, 9) and stop is True else stop
+
+
+#: The oldest torch zoo compiles regions on: the floor of the supported range (compiled regions
+#: rest on torch's selective checkpoint, 2.5, and are tested from 2.8 up).
+COMPILED_REGIONS_SINCE = (2, 8)
+
+#: torch 2.8's partitioner replays a compiled region's buffer updates in backward where it
+#: recomputes their source (BatchNorm's running statistics and ``num_batches_tracked`` written
+#: twice per step, torch's own ``checkpoint(..., use_reentrant=False)`` under ``torch.compile``
+#: included); from 2.9 the updates stay in the forward graph. On such a torch a compiled region
+#: saves the output of every op that mutates an input instead of recomputing it, so the replayed
+#: update writes the forward's value again (zoo/checkpoint/compiled.py).
+#: tests/test_torch_compat.py checks torch's behaviour on either side.
+COMPILED_RECOMPUTE_REPLAYS_UPDATES = VERSION < (2, 9)
+
+
+#: torch 2.11.0 compiles the stored reversible network (zoo/reversible/stored.py's autograd
+#: Functions, ``efficient=False``) into a backward whose gradients differ from eager's (measured:
+#: float64, ``aot_eager``, one coupling without BatchNorm or dropout: the input's and every
+#: parameter's gradient, while the outputs agree; 2.10.0 and 2.12.1 are exact), so it is refused
+#: there under ``torch.compile``.
+COMPILED_STORED_REVERSIBLE_WRONG = VERSION == (2, 11)
+
+
+def refused() -> list[str]:
+    """What zoo refuses on this torch (in one line, when used), a few words each, with why:
+    the "refused here" column of docs/torch-versions.md's table."""
+    out = []
+    if COMPILED_RECOMPUTE_REPLAYS_UPDATES:
+        out.append("under torch.compile, a user's context_fn and a set of save_ops (needs 2.9: "
+                   "this torch's partitioner replays BatchNorm updates; its Dynamo cannot trace "
+                   "a set of ops)")
+    if COMPILED_STORED_REVERSIBLE_WRONG:
+        out.append("under torch.compile, the reversible network storing its activations (this "
+                   "torch's compiled backward gives it wrong gradients)")
+    return out
 
 
 def compiled_checkpoint_policy() -> Any:
@@ -275,9 +313,16 @@ def compiled_checkpoint_policy() -> Any:
         since = ".".join(map(str, COMPILED_REGIONS_SINCE))
         raise RuntimeError(f"zoo: zoo.checkpoint under torch.compile needs torch >= {since} "
                            f"(this is torch {torch.__version__}, whose compiled checkpoint is "
-                           "not exact); upgrade torch, or run the model eagerly")
+                           "not tested); upgrade torch, or run the model eagerly")
     return require(CheckpointPolicy, "zoo.checkpoint under torch.compile",
                    "torch.utils.checkpoint.CheckpointPolicy")
+
+
+def mutates_an_input(op: Any) -> bool:
+    """Whether the ATen op ``op`` writes into one of its arguments (``add_``, BatchNorm's
+    running statistics): its schema says so (a higher-order op has none, and does not)."""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and schema.is_mutable
 
 
 # Dynamo, AOTAutograd, the partitioner (imported on first use: heavy)

@@ -203,8 +203,9 @@ def test_nested_checkpoint_set_early_stop():
     assert runs(early_stop=True) == 1
     with torch_checkpoint.set_checkpoint_early_stop(False):
         assert runs() == 2
-        with torch_checkpoint.set_checkpoint_early_stop(True):
-            assert runs(early_stop=False) == 1
+        with torch_checkpoint.set_checkpoint_early_stop(True):  # on torch 2.8, where the
+            # switch starts at True (and torch has no keyword), True reads as not set
+            assert runs(early_stop=False) == (2 if zoo._torch.VERSION < (2, 9) else 1)
         assert runs(early_stop=True) == 2
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from .. import _torch
 
-_exec_group = _torch.get_graph_exec_group  # torch >= 2.9
+_exec_group = _torch.get_graph_exec_group  # torch >= 2.10
 _current_task = _torch.current_graph_task_id
 # What the engine says about the backward call running now; without any of them (older torch) a
 # region keeps its inputs until its last node has run.

@@ -2,9 +2,11 @@
 ``tag_activation_checkpoint`` subgraph and AOTAutograd's partitioner does the recompute inside the
 backward graph, where the contract holds by construction (BatchNorm statistics are written once,
 by the forward graph; dropout masks are kept, not redrawn; ``save_ops`` become torch's
-selective-checkpoint policy). Needs torch >= 2.11 (``zoo._torch.COMPILED_REGIONS_SINCE``: torch
-2.8's compiled checkpoint updates BatchNorm statistics twice); an older torch gets a one-line
-error when a region is compiled.
+selective-checkpoint policy). Needs torch >= 2.8 (``zoo._torch.COMPILED_REGIONS_SINCE``); an
+older torch gets a one-line error when a region is compiled. torch 2.8's partitioner replays a
+region's BatchNorm update in backward where it recomputes its source (its own compiled checkpoint
+updates the statistics twice, pytorch/pytorch#96136's bug under the compiler): there, a region
+saves what every in-place op writes instead (:func:`_save_updates`).
 """
 from __future__ import annotations
 
@@ -141,8 +143,13 @@ _KEEP_BASES = None if _torch.create_selective_checkpoint_contexts is None else \
 
 
 def _own_context_fn(context_fn: Any) -> bool:
-    """Whether a compiled region's ``context_fn`` is the zoo's own (the outputs' region)."""
-    return isinstance(context_fn, functools.partial) and context_fn.args[:1] == (_keep_bases,)
+    """Whether a compiled region's ``context_fn`` is the zoo's own (the outputs' region, or the
+    policy of torch 2.8's regions)."""
+    if not isinstance(context_fn, functools.partial) or not context_fn.args:
+        return False
+    policy = context_fn.args[0]
+    return policy is _keep_bases or (isinstance(policy, functools.partial)
+                                     and policy.func is _save_updates)
 
 
 _torch.quiet_context_fn_warning(_own_context_fn)
@@ -158,6 +165,8 @@ def _tagged_region(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
             raise ValueError("zoo.checkpoint: under torch.compile, save_ops and context_fn cannot "
                              "be combined (torch's compiled checkpoint takes one context_fn); "
                              "pass one of them, or run the region eagerly")
+        if _torch.COMPILED_RECOMPUTE_REPLAYS_UPDATES:
+            return _context_fn_needs_torch_2_9()
         return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn,
                                            **kwargs)
     if isinstance(save_ops, AllBut):  # Dynamo traces a list of ops, not a function: the
@@ -165,12 +174,36 @@ def _tagged_region(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
     if callable(save_ops):
         raise ValueError("zoo.checkpoint: under torch.compile, save_ops must be a collection of "
                          "ATen ops (or an AllBut), not a function; pass the ops instead")
+    if _torch.COMPILED_RECOMPUTE_REPLAYS_UPDATES:
+        if isinstance(save_ops, (set, frozenset)):
+            return _save_ops_set_needs_torch_2_9()
+        policy = functools.partial(_save_updates, tuple(save_ops or ()))
+        context_fn = functools.partial(_torch.create_selective_checkpoint_contexts, policy)
+        return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn,
+                                           **kwargs)
     if save_ops:
         policy = functools.partial(_torch.create_selective_checkpoint_contexts,
                                    list(save_ops))
         return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=policy,
                                            **kwargs)
     return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+def _save_updates(save_ops: Collection[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """The region's policy on torch 2.8 (``_torch.COMPILED_RECOMPUTE_REPLAYS_UPDATES``): an op
+    that writes into an input (BatchNorm with its running statistics, ``num_batches_tracked``'s
+    ``add_``) and the ``save_ops`` are saved, every other op recomputed.
+
+    torch 2.8's partitioner copies a region's buffer updates into the backward graph too, from
+    the recomputed value where the source is recomputed: the statistics move twice per step.
+    Saved, the source is the forward's value, so the backward's copy writes what is already
+    there. It costs the memory of those ops' outputs (a BatchNorm's normalised tensor); from
+    torch 2.9 the update is not replayed and nothing is saved.
+    """
+    policy = _torch.CheckpointPolicy
+    if op in save_ops or _torch.mutates_an_input(op):
+        return policy.MUST_SAVE
+    return policy.PREFER_RECOMPUTE
 
 
 def _compiled_body(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -196,13 +229,30 @@ def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
-def zoo_checkpoint_under_compile_needs_torch_2_11() -> None:
-    _torch.compiled_checkpoint_policy()  # raises: this torch's compiled checkpoint is not exact
+def zoo_checkpoint_under_compile_needs_newer_torch() -> None:
+    _torch.compiled_checkpoint_policy()  # raises: this torch's compiled checkpoint is not tested
+
+
+def zoo_checkpoint_save_ops_set_under_compile_needs_torch_2_9() -> None:
+    raise TypeError(
+        f"zoo: save_ops as a set under torch.compile needs torch >= 2.9 (this is torch "
+        f"{torch.__version__}, whose Dynamo cannot trace a set of ops); pass a list or tuple")
+
+
+def zoo_checkpoint_context_fn_under_compile_needs_torch_2_9() -> None:
+    raise RuntimeError(
+        f"zoo: zoo.checkpoint(..., context_fn=...) under torch.compile needs torch >= 2.9 (this "
+        f"is torch {torch.__version__}, whose partitioner updates BatchNorm's statistics a second "
+        "time where a policy recomputes them); upgrade torch, or pass save_ops instead")
 
 
 _without_dynamo = _torch.dynamo().disable(_call)
 # Raised outside Dynamo's trace, so the user sees the one line (Dynamo would wrap an exception
 # raised while it traces); with fullgraph=True Dynamo refuses the call and names this function.
 _compile_needs_newer_torch = _torch.dynamo().disable(
-    zoo_checkpoint_under_compile_needs_torch_2_11)
+    zoo_checkpoint_under_compile_needs_newer_torch)
+_save_ops_set_needs_torch_2_9 = _torch.dynamo().disable(
+    zoo_checkpoint_save_ops_set_under_compile_needs_torch_2_9)
+_context_fn_needs_torch_2_9 = _torch.dynamo().disable(
+    zoo_checkpoint_context_fn_under_compile_needs_torch_2_9)
 _torch.skip_code(_compiled_body.__code__)

@@ -32,6 +32,7 @@ from typing import Any
 
 from torch.utils import checkpoint as torch_checkpoint
 
+from .. import _torch
 from .._torch import TorchDispatchMode
 
 DETERMINISM_CHECKS = ("default", "none")
@@ -100,7 +101,7 @@ def options(preserve_rng_state: bool, context_fn: Callable[[], Any] | None,
     shared :data:`DEFAULT` after a few comparisons, and with ``preserve_rng_state=False`` alone
     the shared :data:`NO_RNG` (the per-region cost stays that of the lean region).
     """
-    global_stop = getattr(torch_checkpoint, "_enable_checkpoint_early_stop", None)
+    global_stop = _torch.checkpoint_early_stop()
     global_debug = getattr(torch_checkpoint, "_checkpoint_debug_enabled", None)
     if (context_fn is None and determinism_check == "default" and debug is False
             and early_stop is None and global_stop is None and global_debug is None):

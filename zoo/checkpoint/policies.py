@@ -33,7 +33,8 @@ class AllBut:
     closure, so a model holding one still deep-copies and pickles."""
 
     def __init__(self, ops: Collection[Any], layer: nn.Module) -> None:
-        self.ops, self.layer = frozenset(ops), layer
+        # a tuple, which torch 2.8's Dynamo reads as a constant (it cannot trace a set of ops)
+        self.ops, self.layer = ops if isinstance(ops, tuple) else tuple(ops), layer
 
     def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
         if op not in self.ops:

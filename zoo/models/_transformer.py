@@ -61,7 +61,8 @@ __all__ = ["Attention", "Block", "EmbeddedBlock", "TransformerModel", "Step",
 
 # The matmuls of a block: nn.Linear dispatches to addmm (with bias) or mm (without). The attention
 # core's matmuls are bmm (SDPA's math path) or a fused SDPA kernel: neither is kept.
-SELECTIVE_SAVE_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
+# a tuple, which torch 2.8's Dynamo reads as a constant (it cannot trace a set of ops)
+SELECTIVE_SAVE_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
 
 
 class Attention(nn.Module):
@@ -197,7 +198,8 @@ class Block(nn.Module):
 
 
 # The modules a Block is made of that never draw a random number (GELU: exact or tanh).
-_DRAWS_NONE = frozenset({Block, nn.Linear, nn.LayerNorm, nn.GELU, nn.Identity, Mlp})
+_DRAWS_NONE = (Block, nn.Linear, nn.LayerNorm, nn.GELU, nn.Identity, Mlp)  # a tuple: torch 2.8's
+# Dynamo cannot trace `in` on a frozenset of classes
 
 
 def run_blocks_in_mode(blocks: Sequence[Block], x: torch.Tensor, mode: str | None,

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .. import _torch
 from .coupling import ReversibleBlock
 from .grid import Grid, _add, _checked, _enter
 
@@ -46,6 +47,8 @@ class _Add(torch.autograd.Function):
 
 def _stored(blocks: Sequence[ReversibleBlock], x1: torch.Tensor, x2: torch.Tensor,
             args: tuple, grid: Grid) -> tuple[torch.Tensor, torch.Tensor]:
+    if _torch.COMPILED_STORED_REVERSIBLE_WRONG and torch.compiler.is_compiling():
+        _compile_needs_other_torch()
     k1, v1, *checks = _Enter.apply(x1, grid)
     k2, v2, *more = _Enter.apply(x2, grid)
     checks += more
@@ -55,3 +58,16 @@ def _stored(blocks: Sequence[ReversibleBlock], x1: torch.Tensor, x2: torch.Tenso
         k2, v2, *more = _Add.apply(k2, v2, block.g(v1, *args), grid)
         checks += more
     return _checked(v1, v2, grid, checks)[:2]
+
+
+def stored_reversible_network_under_compile_is_wrong_on_torch_2_11() -> None:
+    raise RuntimeError(
+        f"zoo: a reversible network storing its activations (efficient=False) under "
+        f"torch.compile needs torch other than 2.11 (this is torch {torch.__version__}, whose "
+        "compiled backward gives it wrong gradients); use torch 2.10 or >= 2.12, or run it eagerly")
+
+
+# Raised outside Dynamo's trace (a graph break), so the user sees the one line; with
+# fullgraph=True Dynamo refuses the call and names this function.
+_compile_needs_other_torch = _torch.dynamo().disable(
+    stored_reversible_network_under_compile_is_wrong_on_torch_2_11)
