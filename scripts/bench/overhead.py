@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from zoo import _torch
+
 from zoo.memory import bn_count, bn_state, train_step
 from zoo.memory.host import host_times
 
@@ -210,6 +212,9 @@ def run_overhead(device: str = "cpu", regions: int = REGIONS, repeats: int = 31,
     base = make_chain(regions, width).to(dev)
     x = chain_input("conv", batch_size, width, size, dev)
     modes = list(modes or run_modes(dev, compile))
+    if any(m != "eager" for m in modes):  # the chain's forward is one code object for every
+        _torch.dynamo().reset()  # run of it: earlier compiles (other precisions) count
+        # towards Dynamo's recompile limit, past which fullgraph=True fails
     if "eager" not in modes:
         modes.insert(0, "eager")
     combos = build_combos(base, modes, x, checkpoints, backend, sync)
