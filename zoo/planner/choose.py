@@ -312,18 +312,14 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
             (``zoo.memory.on_card``) on the input as it is (a CPU input is fine), a fraction
             budget is of the card's memory, and ``cost="time"`` prices blocks by their
             predicted time on the card. Default: the input's own device.
-        optimizer: the optimizer training will step (over ``model``'s parameters): its state
-            (AdamW: two copies of the parameters, SGD with momentum: one) is held all step and
-            its ``step()`` runs after the backward, so both count in the budget and in
+        optimizer: the optimizer training will step: its state (AdamW: two copies of the
+            parameters) held all step and its ``step()`` count in the budget and in
             ``predicted_peak`` (``zoo.planner.whole_step``).
 
-    Called inside ``torch.autocast(...)``, the plan is for that precision: forward and loss
-    under the autocast, backward and optimizer step after it, as PyTorch's mixed-precision
-    recipe runs them (``zoo.memory.precision``; fp16 with a ``GradScaler``'s scaled loss).
-    A budget at or above the plain step's peak checkpoints nothing. A budget below the lowest
-    peak any schedule reaches raises :class:`BudgetTooSmallError` naming that peak; a wrong
-    argument (a model that is not a module, a batch of another kind, a foreign optimizer, an
-    unreadable budget) is a one-line error.
+    Inside ``torch.autocast(...)`` the plan is for that precision, as PyTorch's mixed-precision
+    recipe runs it (``zoo.memory.precision``). A budget at or above the plain step's peak
+    checkpoints nothing; below the lowest peak any schedule reaches, :class:`BudgetTooSmallError`
+    names that peak; a wrong argument is a one-line error.
     """
     model = check_model(model)
     inputs = Batch.of(batch)
