@@ -25,7 +25,7 @@ from ..memory.fake import FakeStep
 from ..memory.inputs import Batch
 from ..memory.precision import Precision, step_precision
 from ..memory.step import measure_step
-from ..memory.optimizer import state_tensors
+from ..memory.optimizer import state_bytes
 from .errors import BudgetTooSmallError
 from .modules.spine import Spine
 from .plans import Plan, clear_plan, plan_set_aside, cheapest
@@ -49,8 +49,7 @@ class WholeStep:
         self.model, self.batch, self.loss_fn = model, Batch.of(batch), loss_fn
         self.precision = precision
         self.fake = FakeStep(model, self.batch, optimizer)
-        state = state_tensors(self.fake.optimizer) if self.fake.optimizer is not None else []
-        self.state_bytes = sum(t.untyped_storage().nbytes() for t in state)
+        self.state_bytes = state_bytes(optimizer)
         self._peaks: dict[tuple, int] = {}
 
     @staticmethod
