@@ -94,8 +94,6 @@ NAMES: dict[str, Name] = {
     "torch._ops.OpOverload": Name(OLDEST, "required"),
     "torch._ops.HigherOrderOperator": Name(OLDEST, "required (memory tracker)"),
     "torch._fused_sdp_choice": Name(OLDEST, "required (CPU attention)"),
-    "torch.UntypedStorage._new_with_weak_ptr": Name(
-        OLDEST, "exact: offload brings views of one storage back as separate copies"),
     "torch.autograd._unsafe_preserve_version_counter": Name(
         OLDEST, "exact: offload catches in-place changes only of saved tensors still held"),
     # torch.utils.checkpoint's selective checkpoint (compiled regions, save_ops under compile)
@@ -208,20 +206,12 @@ tensor_version = operator.attrgetter("_version")
 #: Keeps a tensor's version counter unchanged across an in-place op: offload uses it to make an
 #: empty alias that shares a saved tensor's counter but not its storage.
 preserve_version_counter = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
-_new_with_weak_ptr = getattr(torch.UntypedStorage, "_new_with_weak_ptr", None)
 
 
-def storage_weak_ref(tensor: torch.Tensor) -> Any:
-    """A weak reference to ``tensor``'s storage (None where torch lacks the means)."""
-    if _new_with_weak_ptr is None:
-        return None
-    from torch.multiprocessing.reductions import StorageWeakRef
-    return StorageWeakRef(tensor.untyped_storage())
-
-
-def storage_from_weak_ref(ref: Any) -> torch.UntypedStorage | None:
-    """The storage ``ref`` points to while something else holds it; None once freed."""
-    return None if ref is None else _new_with_weak_ptr(ref.cdata)
+def storage_id(tensor: torch.Tensor) -> int:
+    """The identity of ``tensor``'s storage, shared by its views, on every device (a fake
+    tensor's ``data_ptr`` is refused; ``storage._cdata`` is the storage object's address)."""
+    return tensor.untyped_storage()._cdata
 
 
 #: ``node._sequence_nr()``: an autograd node's sequence number.

@@ -17,7 +17,7 @@ from helpers import assert_same_training, run_gloo
 from zoo.models.densenet import DenseNet
 from zoo.checkpoint import host_copies, offloaded_bytes, reset_offloaded_bytes
 from zoo.checkpoint.offload import Offload
-from zoo.checkpoint.offload_cost import exposed_copy_time, offload_step_time
+from zoo.checkpoint.offload_cost import exposed_copy_time, link_wait
 
 
 def conv_bn(width: int = 4) -> nn.Sequential:
@@ -104,8 +104,11 @@ def test_offloaded_bytes_counts_each_storage_once():
     host(fn, x).sum().backward()
     assert offloaded_bytes() == 2 * 64 * 4 + 2 * 64 * 4  # a, tanh's output
     reset_offloaded_bytes()
-    host(fn, x.requires_grad_()).sum().backward()
-    assert offloaded_bytes() == 2 * 64 * 4 + 64 * 64 * 4 + 2 * 64 * 4  # and w (not a parameter)
+    y = x.exp().requires_grad_()  # a leaf that trains
+    host(fn, y).sum().backward()
+    # y and w are leaves that require grad: the caller holds them (a parameter swapped in by
+    # torch.func.functional_call is one), so moving them would free nothing: they stay
+    assert offloaded_bytes() == 2 * 64 * 4  # tanh's output only
 
 
 def test_module_parameters_buffers_and_small_tensors_stay():
@@ -241,7 +244,7 @@ def test_chain_of_offloaded_units_prefetches_the_one_before_and_matches_plain(mo
         original(region)
         before = None if region.previous is None else region.previous()
         prefetched.append(0 if before is None else sum(
-            ref() is not None and ref().flat is not None for ref in before.saved))
+            ref() is not None and ref().storage.flat is not None for ref in before.saved))
 
     monkeypatch.setattr(Offload, "prefetch_previous", noting)
 
@@ -299,13 +302,23 @@ def test_exposed_copy_time_hides_behind_enough_compute():
         exposed_copy_time(1, 0.0, 1.0)
 
 
-def test_offload_step_time_queues_copies_on_the_link():
-    # Two units of 1000 B on a 100 B/s link (10 s each). Forward: 10 s of compute after each
-    # hides both copies out; backward: 5 s before each use leaves each prefetch 5 s short, and
-    # the second one starts only when the first is done.
-    units = [(1000, 10.0, 5.0), (1000, 10.0, 5.0)]
-    assert offload_step_time(units, 100.0) == pytest.approx(5.0 + 5.0)
-    assert offload_step_time([(1000, 20.0, 20.0)] * 3, 100.0) == 0.0
+def test_link_wait_queues_copies_on_one_stream_and_waits_only_at_a_use():
+    # 1000 B on a 100 B/s link: 10 s a copy. Two copies out queued 1 s apart share the link
+    # (the second ends at 20 s); the forward never waits for them.
+    out = [("out", 1, 1000, 0.0), ("out", 2, 1000, 1.0)]
+    assert link_wait(out, 100.0) == 0.0
+    # Brought back at 30 s (after both copies out), used 4 s later: 6 s waited.
+    back = [("back", 2, 1000, 29.0), ("use", 2, 1000, 4.0)]
+    assert link_wait(out + back, 100.0) == pytest.approx(6.0)
+    # Queued at 21 s, the copy back still starts after the copies out (at 21 s), ends at 31 s.
+    early = [("back", 2, 1000, 20.0), ("use", 2, 1000, 0.0)]
+    assert link_wait(out + early, 100.0) == pytest.approx(10.0)
+    # A prefetch with enough compute before its use costs nothing; a storage never brought
+    # back (kept on the device) waits for nothing.
+    assert link_wait(out + [("back", 1, 1000, 0.0), ("use", 1, 1000, 40.0)], 100.0) == 0.0
+    assert link_wait([("use", 9, 0, 1.0)], 100.0) == 0.0
+    with pytest.raises(ValueError, match="'out', 'back' or 'use'"):
+        link_wait([("in", 1, 1, 0.0)], 100.0)
 
 
 @pytest.mark.gpu

@@ -47,7 +47,8 @@ from .region import _inside_region
 
 _version = _torch.tensor_version
 
-__all__ = ["offload", "Offload", "host_copies", "offloaded_bytes", "reset_offloaded_bytes"]
+__all__ = ["offload", "Offload", "host_copies", "offloaded_bytes", "reset_offloaded_bytes",
+           "simulated_host"]
 
 _counter = threading.local()
 _chain = threading.local()  # the last offload region of this thread's forward
@@ -67,6 +68,31 @@ def host_copies() -> Iterator[None]:
         _counter.to_host = before
 
 
+@contextlib.contextmanager
+def simulated_host(note: Callable[[str, int, int], None] | None = None) -> Iterator[None]:
+    """Within it, offload regions move the tensors of a simulated card: the fake CPU tensors a
+    card's step runs on (``zoo.memory.cards``). The host copy is a ``meta`` tensor, which the
+    card's allocator does not count, and bringing it back allocates the device's bytes again,
+    so the card's predicted peak sees what the card would hold. ``note(kind, storage, bytes)``
+    hears each copy as the side stream would run it: ``"out"`` when a storage is copied to the
+    host, ``"back"`` when it is brought back (prefetched or on demand), ``"use"`` when the
+    backward first needs it (``zoo.checkpoint.offload_cost.link_wait`` times them)."""
+    before = getattr(_counter, "simulated", None)
+    _counter.simulated = note or _no_note
+    try:
+        yield
+    finally:
+        _counter.simulated = before
+
+
+def _no_note(kind: str, storage: int, nbytes: int) -> None:
+    pass
+
+
+def _simulated() -> Callable[[str, int, int], None] | None:
+    return getattr(_counter, "simulated", None)
+
+
 def offloaded_bytes() -> int:
     """Bytes this thread copied to host memory since the last :func:`reset_offloaded_bytes`."""
     return getattr(_counter, "bytes", 0)
@@ -79,14 +105,23 @@ def reset_offloaded_bytes() -> None:
 class _Storage:
     """One storage's host copy, the events that order it, and its device copy once back."""
 
-    __slots__ = ("host", "device", "nbytes", "copied", "back", "restored", "__weakref__")
+    __slots__ = ("host", "device", "nbytes", "copied", "back", "flat", "pending", "__weakref__")
 
     def __init__(self, source: torch.Tensor, stream: Any):
+        self.device, self.nbytes = source.device, source.untyped_storage().nbytes()
+        self.flat: torch.Tensor | None = None  # the bytes brought back, while views wait
+        self.pending = 0  # views of this storage saved and not yet unpacked
+        self.back: Any = None
+        note = _simulated()
+        if note is not None:  # bytes only: no copy of a fake tensor (and no ``set_`` of its
+            # storage, which FakeTensorMode's cache of ops would keep alive)
+            self.host = torch.empty(self.nbytes, dtype=torch.uint8, device="meta")
+            self.copied = None
+            note("out", id(self), self.nbytes)
+            _counter.bytes = offloaded_bytes() + self.nbytes
+            return
         flat = torch.empty(0, dtype=torch.uint8, device=source.device).set_(
             source.untyped_storage())
-        self.device, self.nbytes = source.device, flat.numel()
-        self.restored: Any = None  # a weak reference to the storage brought back
-        self.back: Any = None
         if stream is None:  # a host: a plain copy, in order
             self.host, self.copied = flat.clone(), None
         else:
@@ -99,12 +134,15 @@ class _Storage:
         _counter.bytes = offloaded_bytes() + self.nbytes
 
     def fetch(self, stream: Any) -> torch.Tensor:
-        """Start bringing the bytes back (on ``stream`` after the copy out); while a storage
-        brought back lives (a view of it in use), every other view shares it."""
-        storage = _torch.storage_from_weak_ref(self.restored)
-        if storage is not None:
-            return torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
-        if stream is None:
+        """Start bringing the bytes back (on ``stream`` after the copy out), as one flat byte
+        tensor every saved view of the storage is made from: held here until the last of them
+        is unpacked (:meth:`unpacked`), so they share one storage, as they did when saved."""
+        if self.flat is not None:
+            return self.flat
+        if self.host.device.type == "meta":  # a simulated card: the bytes, allocated again
+            flat = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            (_simulated() or _no_note)("back", id(self), self.nbytes)
+        elif stream is None:
             flat = self.host.clone()
         else:
             flat = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
@@ -113,8 +151,15 @@ class _Storage:
             with torch.cuda.stream(stream):
                 flat.copy_(self.host, non_blocking=True)
             self.back = stream.record_event()
-        self.restored = _torch.storage_weak_ref(flat)
+        self.flat = flat
         return flat
+
+    def unpacked(self) -> None:
+        """One saved view of the storage was unpacked; after the last, the storage is held only
+        by the views in use (a second backward through a retained graph brings it back again)."""
+        self.pending -= 1
+        if self.pending <= 0:
+            self.flat = None
 
 
 def _version_witness(tensor: torch.Tensor) -> Any:
@@ -132,7 +177,7 @@ def _version_witness(tensor: torch.Tensor) -> Any:
 class _Saved:
     """What autograd holds for one offloaded tensor: its storage's copy and how to view it."""
 
-    __slots__ = ("storage", "dtype", "offset", "size", "stride", "version", "source", "flat",
+    __slots__ = ("storage", "dtype", "offset", "size", "stride", "version", "source",
                  "__weakref__")
 
     def __init__(self, storage: _Storage, tensor: torch.Tensor):
@@ -141,7 +186,6 @@ class _Saved:
                                                tensor.stride())
         self.version = _version(tensor)
         self.source = _version_witness(tensor)
-        self.flat: torch.Tensor | None = None  # held from prefetch until unpacked
 
 
 class Offload:
@@ -154,7 +198,7 @@ class Offload:
     def __init__(self, keep: tuple[torch.Tensor, ...] = (), min_bytes: int = 1024,
                  to_host: bool = False):
         self.min_bytes, self.to_host = min_bytes, to_host
-        self.kept = {t.untyped_storage().data_ptr() for t in keep}
+        self.kept = {_torch.storage_id(t) for t in keep}
         self.storages: dict[tuple[int, int], tuple[weakref.ref, _Storage]] = {}
         self.saved: list[weakref.ref[_Saved]] = []
         self.previous: weakref.ref[Offload] | None = None
@@ -181,28 +225,29 @@ class Offload:
         return _streams[device]
 
     def moves(self, tensor: torch.Tensor) -> bool:
-        if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
+        if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter) \
+                or tensor.requires_grad and tensor.is_leaf:  # a parameter swapped in by a call
             return False
         if tensor.layout is not torch.strided or tensor.is_nested:
             return False
-        if tensor.device.type == "cpu" and not self.to_host or tensor.device.type not in (
+        if tensor.device.type == "cpu" and not (self.to_host or _simulated() is not None) or tensor.device.type not in (
                 "cpu", "cuda"):
             return False
         storage = tensor.untyped_storage()
-        return storage.nbytes() >= self.min_bytes and storage.data_ptr() not in self.kept
+        return storage.nbytes() >= self.min_bytes and _torch.storage_id(tensor) not in self.kept
 
     def pack(self, tensor: torch.Tensor) -> Any:
         if not self.moves(tensor):
             return tensor
-        storage = tensor.untyped_storage()
-        key = (storage.data_ptr(), _version(tensor))
+        key = (_torch.storage_id(tensor), _version(tensor))
         hit = self.storages.get(key)
         first = None if hit is None else hit[0]()
-        if first is not None and first.untyped_storage().data_ptr() == key[0]:
+        if first is not None and _torch.storage_id(first) == key[0]:
             copy = hit[1]  # the same storage, unchanged since: one copy
         else:
             copy = _Storage(tensor, self.stream(tensor.device))
             self.storages[key] = (weakref.ref(tensor), copy)
+        copy.pending += 1
         saved = _Saved(copy, tensor)
         self.saved.append(weakref.ref(saved))
         return saved
@@ -210,7 +255,7 @@ class Offload:
     def unpack(self, saved: Any) -> torch.Tensor:
         if saved.__class__ is not _Saved:
             return saved
-        source = saved.source if saved.source.__class__ is torch.Tensor else saved.source()
+        source = saved.source if isinstance(saved.source, torch.Tensor) else saved.source()
         if source is not None and _version(source) != saved.version:
             raise RuntimeError(
                 "zoo.offload: one of the variables needed for gradient computation has been "
@@ -219,13 +264,13 @@ class Offload:
         if not self.fetched:
             self.prefetch_previous()
         stream = self.stream(saved.storage.device)
-        flat = saved.flat if saved.flat is not None else saved.storage.fetch(stream)
-        saved.flat = None
+        flat = saved.storage.fetch(stream)
+        if saved.storage.host.device.type == "meta":
+            (_simulated() or _no_note)("use", id(saved.storage), saved.storage.nbytes)
+        saved.storage.unpacked()
         if stream is not None:
             torch.cuda.current_stream(flat.device).wait_event(saved.storage.back)
-        out = torch.empty(0, dtype=saved.dtype, device=flat.device).set_(
-            flat.untyped_storage(), saved.offset, saved.size, saved.stride)
-        return out
+        return flat.view(saved.dtype).as_strided(saved.size, saved.stride, saved.offset)
 
     def prefetch_previous(self) -> None:
         """The backward reached this region: start bringing the one before it back."""
@@ -235,8 +280,8 @@ class Offload:
             return
         for ref in previous.saved:
             saved = ref()
-            if saved is not None and saved.flat is None:
-                saved.flat = saved.storage.fetch(previous.stream(saved.storage.device))
+            if saved is not None:
+                saved.storage.fetch(previous.stream(saved.storage.device))
 
 
 def offload(fn: Callable[..., Any], *args: Any, min_bytes: int = 1024, to_host: bool | None = None,

@@ -4,13 +4,17 @@ An offloaded region's saved tensors cross the card's host link twice: out during
 behind the compute that follows the region, and back during the backward, behind the backward
 of the region after it (the prefetch :mod:`zoo.checkpoint.offload` starts there). A copy runs
 on its own stream, so it costs the step nothing while ``bandwidth * compute_time >= bytes``;
-past that the step waits for the rest. Pure functions, so the planner can weigh keep, recompute
-and offload per unit without running anything (DeepSpeed's planned offload and torchtitan's
-budget-aware activation checkpointing weigh the same terms).
+past that the step waits for the rest. Pure functions of bytes and seconds: a card's predicted
+step (``zoo.memory.cards``) gives :func:`link_wait` the copies its fake step queued and the
+compute time between them, and the planner weighs keep, recompute and offload by the result
+(DeepSpeed's planned offload and torchtitan's budget-aware activation checkpointing weigh the
+same terms).
 """
 from __future__ import annotations
 
-__all__ = ["copy_time", "exposed_copy_time", "offload_step_time"]
+from collections.abc import Iterable
+
+__all__ = ["copy_time", "exposed_copy_time", "link_wait"]
 
 
 def copy_time(nbytes: int, bandwidth: float) -> float:
@@ -30,26 +34,32 @@ def exposed_copy_time(nbytes: int, bandwidth: float, compute_time: float) -> flo
     return max(0.0, copy_time(nbytes, bandwidth) - compute_time)
 
 
-def offload_step_time(units: list[tuple[int, float, float]], bandwidth: float) -> float:
-    """Seconds a step spends waiting on its offload copies.
+def link_wait(events: Iterable[tuple[str, int, int, float]], bandwidth: float) -> float:
+    """Seconds a step's compute stream waits on its offload copies.
 
-    ``units``: for each offloaded unit in forward order, ``(bytes, forward_after, backward_after)``:
-    its bytes, the forward compute time that follows it (hides the copy out) and the backward
-    compute time of what runs before its own backward (hides the prefetch back). The copies of
-    one direction share the link, so a copy that is not finished delays the next: a copy starts
-    when the link is free and when its unit is reached.
+    ``events``, in the order the step reaches them: ``(kind, storage, bytes, compute)``, where
+    ``compute`` is the compute stream's time since the event before, and ``kind`` is ``"out"``
+    (a saved storage copied to the host), ``"back"`` (brought back: prefetched when the
+    backward reaches the region after it, or on demand) or ``"use"`` (the backward reads it).
+    Every copy runs on one side stream, in order, from when it is queued, so copies share the
+    link and a late one delays the next; only a ``"use"`` whose copy back has not finished makes
+    the compute stream wait (the forward never waits for a copy out: the allocator holds its
+    source until the copy has read it). What ``zoo.checkpoint.offload`` does on CUDA.
     """
-    waited = 0.0
-    for direction in (1, 2):
-        link_free = 0.0  # time, relative to the start of this pass, when the link is idle
-        now = 0.0
-        order = units if direction == 1 else units[::-1]
-        for unit in order:
-            nbytes, hide = unit[0], unit[direction]
-            start = max(now, link_free)
-            link_free = start + copy_time(nbytes, bandwidth)
-            now += hide
-            if link_free > now:  # the step reaches the next use before the copy is done
-                waited += link_free - now
-                now = link_free
+    now = link_free = waited = 0.0
+    ready: dict[int, float] = {}
+    for kind, storage, nbytes, compute in events:
+        if compute < 0:
+            raise ValueError(f"offload cost: compute time must be >= 0 s, got {compute}")
+        now += compute
+        if kind in ("out", "back"):
+            link_free = max(link_free, now) + copy_time(nbytes, bandwidth)
+            if kind == "back":
+                ready[storage] = link_free
+        elif kind == "use":
+            late = ready.get(storage, now) - now
+            if late > 0:
+                waited, now = waited + late, now + late
+        else:
+            raise ValueError(f"offload cost: an event is 'out', 'back' or 'use', got {kind!r}")
     return waited

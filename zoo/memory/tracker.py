@@ -26,7 +26,7 @@ __all__ = ["StepCounter", "storage_key", "storage_bytes"]
 
 def storage_key(t: torch.Tensor) -> int:
     """The identity of ``t``'s storage (shared by every view of it)."""
-    return t.untyped_storage()._cdata
+    return _torch.storage_id(t)
 
 
 def storage_bytes(t: torch.Tensor) -> int:

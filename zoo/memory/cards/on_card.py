@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
 
+from ...checkpoint.offload import simulated_host
 from ..precision import current_precision
 from .autocast import cuda_autocast
 from .timing import Card, card
@@ -67,5 +68,5 @@ def held_from_start(fake: FakeStep) -> list:
 def _card_kernels(counter: CudaCounter) -> Iterator[None]:
     """The card's kernels, and CUDA's autocast op lists for a step measured in autocast."""
     with cuda_autocast(current_precision().dtype is not None), CudaKernels(), \
-            regions_counted(counter):
+            regions_counted(counter), simulated_host():
         yield

@@ -36,6 +36,8 @@ _DEVICE = torch.ops.prim.device.default
 _BELOW_AUTOGRAD = _torch.DispatchKey.ADInplaceOrView
 _excluded = _torch.dispatch_tls_is_dispatch_key_excluded
 _MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm}
+# allocate or point a tensor at memory: no kernel runs on the card, no byte moves
+_NO_KERNEL = {_aten.empty, _aten.empty_strided, _aten.set_}
 # fused attention: the RNG seed and offset it returns live on the host (64-bit, 1 or 2)
 _HOST_RNG = {_aten._scaled_dot_product_efficient_attention,
              _aten._scaled_dot_product_flash_attention, _aten._efficient_attention_forward,
@@ -45,7 +47,7 @@ _HOST_RNG = {_aten._scaled_dot_product_efficient_attention,
 @dataclass(frozen=True)
 class OpRecord:
     """One dispatched op of a step: its overload packet, FLOPs (``flop_counter``'s formulas),
-    bytes of its tensor arguments and outputs (0 for a view: no kernel), dtype of its first
+    bytes of its tensor arguments and outputs (0 for a view or an allocation: no kernel), dtype of its first
     tensor, whether it ran in the backward, and whether it is a shallow copy autograd makes
     of a saved tensor (routed through the dispatcher only while a mode watches: no host cost
     on the card, as ``zoo.memory.host.OpCounter`` tells them apart)."""
@@ -98,7 +100,7 @@ class CudaCounter(StepCounter):
             self._host_rng = False
         tensors = [t for t in tree_flatten((args, kwargs, out))[0]
                    if isinstance(t, torch.Tensor)]
-        moved = 0 if getattr(func, "is_view", False) else \
+        moved = 0 if getattr(func, "is_view", False) or packet in _NO_KERNEL else \
             sum(t.numel() * t.element_size() for t in tensors)
         self.records.append(OpRecord(packet, self.flops - flops, moved,
                                      tensors[0].dtype if tensors else None, backward, copy,

@@ -8,6 +8,7 @@ timed by :mod:`.timing`. ``model`` is left untouched.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .timing import H100_ACHIEVED, H100_HOST, Achieved, Card, HostCost, StepTime, card, step_time
+from .allocator import CachingAllocator
+from .timing import (H100_ACHIEVED, H100_HOST, Achieved, Card, HostCost, StepTime, card,
+                     op_seconds, step_time)
+from ...checkpoint.offload import simulated_host
+from ...checkpoint.offload_cost import link_wait
 from ... import _torch
 from .peak import CudaCounter, run_counted
 from ..fake import FakeStep
@@ -30,11 +35,14 @@ __all__ = ["CardStep", "predict_step", "run_on_card"]
 
 @dataclass(frozen=True)
 class CardStep:
-    """A step predicted on ``card``: ``peak`` (``max_memory_allocated``, bytes), ``time``."""
+    """A step predicted on ``card``: ``peak`` (``max_memory_allocated``, bytes), ``time``
+    (the compute stream's wait on offload copies included: ``time.link``) and
+    ``offloaded_bytes``, what its offload regions copy to host memory."""
 
     card: Card
     peak: int
     time: StepTime
+    offloaded_bytes: int = 0
 
 
 def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
@@ -55,11 +63,28 @@ def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
     line (:mod:`zoo.memory.quiet`)."""
     target = card(on)
     batch = Batch.of(example_input)
-    with fake_logs_quiet(check_model(model), batch):
-        counter = run_on_card(model, batch, target, loss_fn, limit, optimizer=optimizer,
-                              autocast=autocast)
-    return CardStep(target, counter.peak,
-                    step_time(counter.records, counter.regions, target, host, achieved))
+    counter = CudaCounter(CachingAllocator(limit), target.workspace)
+    copies: list[tuple[str, int, int, int]] = []
+    with fake_logs_quiet(check_model(model), batch), simulated_host(
+            lambda kind, key, nbytes: copies.append((kind, key, nbytes, len(counter.records)))):
+        run_on_card(model, batch, target, loss_fn, counter=counter, optimizer=optimizer,
+                    autocast=autocast)
+    time = step_time(counter.records, counter.regions, target, host, achieved)
+    waited = link_wait(_timed(copies, counter.records, target, achieved), target.host_link)
+    return CardStep(target, counter.peak, dataclasses.replace(time, link=waited),
+                    sum(n for kind, _, n, _ in copies if kind == "out"))
+
+
+def _timed(copies: list[tuple[str, int, int, int]], records: list, on: Card,
+           achieved: Achieved) -> list[tuple[str, int, int, float]]:
+    """The copies a step queued, each with the card's compute time of the ops since the one
+    before (``records`` up to its position), as ``link_wait`` takes them."""
+    events, last = [], 0
+    for kind, key, nbytes, at in copies:
+        events.append((kind, key, nbytes,
+                       sum(op_seconds(r, on, achieved) for r in records[last:at])))
+        last = max(last, at)
+    return events
 
 
 def run_on_card(model: nn.Module, example_input: Any, on: str | Card,

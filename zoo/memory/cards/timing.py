@@ -105,14 +105,17 @@ H100_HOST = HostCost(32.59e-6, 12.79e-6, 166.4e-6,
 
 @dataclass(frozen=True)
 class StepTime:
-    """A predicted step: the device's sum, the host's, and the step (the larger)."""
+    """A predicted step: the device's sum, the host's, ``link``: what the compute stream waits
+    for offload copies on the host link (``zoo.checkpoint.offload_cost.link_wait``), and the
+    step (the larger of the device's time with that wait and the host's)."""
 
     device: float
     host: float
+    link: float = 0.0
 
     @property
     def step(self) -> float:
-        return max(self.device, self.host)
+        return max(self.device + self.link, self.host)
 
 
 @dataclass(frozen=True)
