@@ -10,7 +10,10 @@ from torch import nn
 
 from .primitive import checkpoint
 
-__all__ = ["checkpoint_sequential", "run_blocks", "run_plan", "split_segments"]
+__all__ = ["checkpoint_sequential", "run_blocks", "run_plan", "split_segments", "OFFLOAD"]
+
+#: A plan's flag for a segment whose saved tensors wait in host memory (``zoo.offload``).
+OFFLOAD = "offload"
 
 
 def split_segments(n: int, segments: int | None) -> list[range]:
@@ -52,6 +55,8 @@ def run_plan(blocks: Sequence[Callable[[Any], Any]], plan: Sequence[tuple[int, i
         part = blocks[a - offset:b - offset]
         if isinstance(ck, list):
             x = checkpoint(run_plan, part, ck, x, a, rng, preserve_rng_state=rng)
+        elif ck == OFFLOAD:
+            x = checkpoint(run_blocks, part, x, offload=True)
         elif ck:
             x = checkpoint(run_blocks, part, x, preserve_rng_state=rng)
         else:

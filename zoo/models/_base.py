@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import run_plan
+from ..checkpoint.sequential import OFFLOAD
 
 # A checkpoint plan of a model's chain: (start, stop, checkpointed) segments covering it in order;
 # ``checkpointed`` may be segments of the segment's own blocks: the segment is one checkpoint region
@@ -248,7 +249,7 @@ def _checked_plan(plan: Segments, start: int, stop: int, top: bool = False) -> l
                              f"got {list(plan)}")
         if isinstance(ck, (list, tuple)):
             ck = _checked_plan(ck, a, b)
-        out.append((a, b, ck if isinstance(ck, list) else bool(ck)))
+        out.append((a, b, ck if isinstance(ck, list) or ck == OFFLOAD else bool(ck)))
         pos = b
     if pos != stop:
         where = "the chain has" if top else "its segment ends at"

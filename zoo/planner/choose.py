@@ -41,6 +41,7 @@ from .search.multi_level import MAX_UNITS, chain_floor
 from .search.one_level import predict_peak, schedules
 from .search.savesets import SAVE_SETS
 from ..memory.quiet import fake_logs_quiet
+from .offload_choice import plan_offload
 from .whole_step import WholeStep, describe_step
 
 __all__ = ["plan", "Planner", "solve_profile", "profile_block_modes", "block_plan", "plan_choices",
@@ -270,7 +271,8 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
          modes: bool = True, block_modes: bool = True,
          modules: Any = None, cost: str = "flops", compiled: bool = False,
          device: str | Card | None = None,
-         optimizer: torch.optim.Optimizer | None = None) -> Plan | ModulePlan:
+         optimizer: torch.optim.Optimizer | None = None, offload: bool = False
+         ) -> Plan | ModulePlan:
     """Checkpoint ``model`` so the training step the user runs fits ``memory_budget`` with the
     least recompute, and return the :class:`Plan` (``print`` it for a table).
 
@@ -315,6 +317,10 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
         optimizer: the optimizer training will step: its state (AdamW: two copies of the
             parameters) held all step and its ``step()`` count in the budget and in
             ``predicted_peak`` (``zoo.planner.whole_step``).
+        offload: also let segments keep their saved tensors in host memory instead of
+            recomputing them, priced on ``device``'s card by predicted step time
+            (``zoo.planner.offload_choice``: below recompute's floor, and wherever the host
+            link hides the copies); the plan says ``offloaded_bytes`` and ``predicted_time``.
 
     Inside ``torch.autocast(...)`` the plan is for that precision, as PyTorch's mixed-precision
     recipe runs it (``zoo.memory.precision``). A budget at or above the plain step's peak
@@ -327,6 +333,9 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
     check_optimizer(optimizer, model)
     if cost not in ("flops", "time"):
         raise ValueError(f"cost must be 'flops' or 'time', got {cost!r}")
+    if offload and (compiled or device is None):
+        raise ValueError("zoo.plan: offload=True needs device= (a card whose host link prices "
+                         "the copies) and an eager step (torch.compile keeps what it saves)")
     ambient = Precision.ambient()  # on a card: CUDA's op lists, run by the CPU's autocast
     with step_precision(ambient.on_cpu() if device is not None else ambient), \
             fake_logs_quiet(model, inputs):
@@ -334,7 +343,7 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
             with on_card(device) as target, cuda_autocast(ambient.dtype is not None):
                 budget = parse_budget(memory_budget, total=target.memory)
                 result = _plan(model, inputs, budget, loss_fn, modes, block_modes, modules,
-                               cost, compiled, target, optimizer)
+                               cost, compiled, target, optimizer, offload)
         else:
             budget = parse_budget(memory_budget, inputs.device)
             result = _plan(model, inputs, budget, loss_fn, modes, block_modes, modules, cost,
@@ -351,11 +360,17 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
 def _plan(model: nn.Module, example_input: Batch, budget: float,
           loss_fn: Callable[[Any], torch.Tensor] | None, modes: Any, block_modes: Any,
           modules: Any, cost: str, compiled: bool, on: Card | None,
-          optimizer: torch.optim.Optimizer | None) -> Plan | ModulePlan:
-    """:func:`plan`'s choice, not applied; ``on``: the card timed for ``cost="time"``."""
+          optimizer: torch.optim.Optimizer | None, offload: bool = False) -> Plan | ModulePlan:
+    """:func:`plan`'s choice, not applied; ``on``: the card timed for ``cost="time"`` or
+    offload."""
     with collector_paused():
         if hasattr(model, "checkpoint_chain") and modules is None:
             with plan_set_aside(model):  # a plan applied before is not the plain step's
+                if offload:
+                    planner = Planner(model, example_input, loss_fn, modes=modes,
+                                      block_modes=block_modes, optimizer=optimizer)
+                    return plan_offload(planner, model, example_input, budget, on, loss_fn,
+                                        optimizer)
                 return _plan_zoo_model(model, example_input, budget, loss_fn, cost, modes,
                                        block_modes, compiled, on, optimizer)
         if cost == "time":  # said, not refused: the plan by FLOPs is still a correct plan
@@ -364,6 +379,11 @@ def _plan(model: nn.Module, example_input: Batch, budget: float,
                           UserWarning, stacklevel=3)
         spine = spine_planner(model, example_input, loss_fn, compiled=compiled,
                               optimizer=optimizer) if modules is None else None
+        if offload and spine is not None:
+            return plan_offload(spine, model, example_input, budget, on, loss_fn, optimizer)
+        if offload:
+            raise ValueError(f"zoo.plan: offload=True plans a zoo model's chain or a module's "
+                             f"spine; {type(model).__name__} has neither (pass modules=None)")
         return spine.plan(budget) if spine is not None else \
             plan_module(model, example_input, budget, loss_fn, modules, optimizer)
 

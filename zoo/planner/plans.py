@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .. import _torch
+from ..checkpoint.sequential import OFFLOAD
 from ..memory import format_bytes
 from .search.modes import ModeCost
 from .profiling.chain_profile import ChainProfile
@@ -58,7 +59,11 @@ class Plan:
     (``zoo.planner.modules.spine``), whose calls the segments cover; ``spine_out_of_place``: its
     in-place activations run out of place (``zoo.planner.modules.spine.SpineStep``; not so in a plan
     for ``torch.compile``); ``step``: the step planned for, in words (batch, loss, optimizer,
-    precision: ``zoo.planner.whole_step.describe_step``).
+    precision: ``zoo.planner.whole_step.describe_step``). A segment flagged ``"offload"``
+    keeps its saved tensors in host memory (``zoo.checkpoint(..., offload=True)``); such a plan
+    is priced on ``card`` (``zoo.planner.offload_choice``): ``offloaded_bytes`` copied to the
+    host per step, ``predicted_time`` seconds a step (the compute stream's wait for the copies
+    included).
     """
 
     segments: list[tuple[int, int, Any]]
@@ -77,6 +82,9 @@ class Plan:
     spine_out_of_place: bool = True
     compiled: bool = False
     step: str = ""
+    offloaded_bytes: int = 0
+    predicted_time: float | None = None
+    card: str | None = None
 
     def apply(self, model: nn.Module) -> None:
         """Make ``model`` run this plan (its chain's segments with their block modes, or its
@@ -108,6 +116,8 @@ class Plan:
         AOTAutograd's partitioner keeps: it recomputes each tagged op once, so a nested
         schedule, a block's own checkpoints, a save set and a hand mode are not kept, and a
         spine planned for eager runs its activations out of place)."""
+        if self.offloaded_bytes or any(ck == OFFLOAD for *_, ck in self.segments):
+            return False  # offload is a no-op while torch.compile traces: the graph keeps all
         if self.compiled or (self.mode is None and not any(self.block_modes or ())
                              and all(ck is False for *_, ck in self.segments)):
             return True
@@ -116,6 +126,7 @@ class Plan:
 
     def _compile_warning(self) -> str:
         what = f"the hand mode {self.mode!r}" if self.mode is not None else \
+            "offloaded segments" if any(ck == OFFLOAD for *_, ck in self.segments) else \
             "checkpoints nested in a recompute" if self.levels > 1 else \
             "per-block modes" if any(self.block_modes or ()) else "an eager spine"
         return (f"zoo.plan: this model runs a plan made for eager steps ({what}), which "
@@ -130,7 +141,13 @@ class Plan:
     @property
     def checkpointed_blocks(self) -> list[int]:
         """Blocks inside a checkpointed segment (recomputed at least once)."""
-        return [j for a, b, ck in self.segments if ck is not False for j in range(a, b)]
+        return [j for a, b, ck in self.segments if ck is not False and ck != OFFLOAD
+                for j in range(a, b)]
+
+    @property
+    def offloaded_blocks(self) -> list[int]:
+        """Blocks whose saved tensors wait in host memory (top-level ``"offload"`` segments)."""
+        return [j for a, b, ck in self.segments if ck == OFFLOAD for j in range(a, b)]
 
     @property
     def levels(self) -> int:
@@ -147,6 +164,9 @@ class Plan:
         line = (f"budget {_budget(self.budget)}: predicted peak {peak}"
                 f" (plain {format_bytes(self.plain_peak)}, smallest feasible "
                 f"{format_bytes(self.smallest_peak)}{roomy})")
+        if self.predicted_time is not None:
+            line += (f"\non {self.card}: predicted step {1e3 * self.predicted_time:.2f} ms, "
+                     f"{format_bytes(self.offloaded_bytes)} offloaded to host memory")
         return f"{self.step}\n{line}" if self.step else line
 
     def __str__(self) -> str:
@@ -163,10 +183,11 @@ class Plan:
         lines = [f"| block | name | checkpointed in (outer to inner) | activations | block mode "
                  f"| {unit} |", "|---:|---|---|---|---|---:|"]
         path = _paths(self.segments, p.n_blocks)
+        moved = set(self.offloaded_blocks)
         flops = {a: p.flops[u] for u, (a, _) in enumerate(p.units)}
         for j in range(p.n_blocks):
             mode = (self.block_modes or [None] * p.n_blocks)[j] or ""
-            what = "recomputed" if path[j] else "saved"
+            what = "recomputed" if path[j] else "offloaded" if j in moved else "saved"
             f = f"{flops[j] / 1e6:.1f}" if j in flops else ""
             lines.append(f"| {j} | {p.block_names[j]} | {' > '.join(path[j]) or '-'} | {what} | "
                          f"{mode} | {f} |")
@@ -246,14 +267,14 @@ def clear_plan(model: nn.Module, plan: Plan) -> None:
 
 def _depth(segments: list) -> int:
     return max((1 + (_depth(ck) if isinstance(ck, list) else 0) for *_, ck in segments
-                if ck is not False), default=0)
+                if ck is not False and ck != OFFLOAD), default=0)
 
 
 def _paths(segments: list, n: int, outer: tuple[str, ...] = ()) -> list[list[str]]:
     """For each block, the checkpointed segments around it, outermost first ("3-9")."""
     out: list[list[str]] = [[] for _ in range(n)]
     for a, b, ck in segments:
-        here = (*outer, f"{a}-{b - 1}") if ck is not False else outer
+        here = (*outer, f"{a}-{b - 1}") if ck is not False and ck != OFFLOAD else outer
         if isinstance(ck, list):
             inner = _paths(ck, n, here)
             for j in range(a, b):

@@ -60,6 +60,8 @@ class TrainConfig:
     memory_budget: int | str | None = None  # bytes or "10GB" per device: zoo.plan checkpoints to fit
     card: str | None = None              # size memory_budget for this CUDA card, predicted here
                                          # (h100, a100, l4, rtx4090); training runs on --device
+    offload: bool = False                # with --memory_budget and --card: the plan may keep saved
+                                         # tensors in host memory where that is faster or must be
     optimizer: str = "sgd"               # sgd or adamw
     lr: float = 0.1
     momentum: float = 0.9                # SGD momentum (AdamW: beta1)
@@ -132,6 +134,9 @@ class TrainConfig:
 
     def _validate_card(self) -> None:
         """``--card``: a known card, with a memory budget to size for, that the card holds."""
+        if self.offload and self.card is None:
+            raise ConfigError("--offload True prices the copies on a card's host link: give "
+                              "--card (e.g. --card h100) and --memory_budget")
         if self.card is None:
             return
         from ..memory import card, format_bytes, parse_bytes

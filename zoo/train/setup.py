@@ -133,9 +133,11 @@ def plan_memory(cfg: TrainConfig, model: nn.Module, world_size: int, side: int,
     ``--amp`` its autocast); with ``--batch_size auto`` first pick the largest batch that fits.
     Returns ``cfg`` with the batch resolved. ``--card``: every step is sized with that card's
     kernels and allocator (predicted here, ``zoo.memory.on_card``), and its predicted time is
-    said."""
+    said; ``--offload``: the plan may keep segments' saved tensors in host memory (priced on
+    that card; on a CPU run they stay, exactly the same step)."""
     from ..memory import card, format_bytes, on_card, parse_bytes
     from ..planner import BudgetTooSmallError, largest_batch, plan
+    from ..planner.offload_choice import largest_offload_batch
 
     budget = parse_bytes(cfg.memory_budget)
     optimizer = build_optimizer(cfg, model)  # the run's, made again after: no state yet
@@ -156,10 +158,13 @@ def plan_memory(cfg: TrainConfig, model: nn.Module, world_size: int, side: int,
         if per_rank is None:
             per_rank, _ = largest_batch(model, make_input, budget, cross_entropy,
                                         optimizer=optimizer)
+            if cfg.offload and per_rank >= 1:  # offload fits more: the floor it reaches
+                per_rank = largest_offload_batch(model, make_input, budget, card(cfg.card),
+                                                 per_rank, cross_entropy, optimizer)
         while True:
             try:
                 result = plan(model, make_input(max(per_rank, 1)), budget, loss_fn=cross_entropy,
-                              optimizer=optimizer)
+                              optimizer=optimizer, offload=cfg.offload)
                 break
             except BudgetTooSmallError as e:
                 if cfg.batch_size != "auto" or per_rank <= 1:

@@ -1,0 +1,161 @@
+"""The planner's third choice, offload: exact peaks and times on a simulated card, chosen only
+where it pays, and a planned model that trains bit for bit like plain."""
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import zoo
+from zoo.checkpoint import host_copies, offloaded_bytes, reset_offloaded_bytes
+from zoo.memory import predict_step
+from zoo.planner import BudgetTooSmallError
+from zoo.planner.offload_choice import largest_offload_batch
+from zoo.planner.plans import clear_plan
+
+from helpers import assert_same_training
+from test_planner import run_main
+
+CARD = "h100"
+
+
+def _resnet(batch: int = 32):
+    torch.manual_seed(0)
+    return zoo.create_model("resnet20", num_classes=10), torch.randn(batch, 3, 32, 32)
+
+
+def _recompute_alone(model, x, budget):
+    """Recompute alone's plan for ``budget`` on the card, and its predicted step there."""
+    try:
+        p = zoo.plan(model, x, budget, device=CARD)
+    except BudgetTooSmallError:
+        return None, None
+    step = predict_step(model, x, CARD)
+    clear_plan(model, p)
+    return p, step
+
+
+@pytest.fixture(scope="module")
+def floors():
+    model, x = _resnet()
+    recompute = zoo.plan(model, x, float("inf"), device=CARD, apply=False)
+    at_floor = zoo.plan(model, x, recompute.smallest_peak, device=CARD, offload=True, apply=False)
+    least = zoo.plan(model, x, at_floor.smallest_peak, device=CARD, offload=True, apply=False)
+    return recompute, least
+
+
+def test_offload_reaches_below_recompute_floor_with_exact_peak_and_time(floors):
+    recompute, least = floors
+    assert least.smallest_peak < recompute.smallest_peak and least.offloaded_bytes > 0
+    model, x = _resnet()
+    with pytest.raises(BudgetTooSmallError):
+        zoo.plan(model, x, least.smallest_peak, device=CARD, apply=False)
+    p = zoo.plan(model, x, least.smallest_peak, device=CARD, offload=True)
+    assert p.offloaded_bytes > 0 and p.offloaded_blocks
+    step = predict_step(model, x, CARD)  # the planned model, as the user would check it
+    assert step.peak == p.predicted_peak <= p.budget
+    assert step.time.step == p.predicted_time and step.time.link >= 0
+    assert step.offloaded_bytes == p.offloaded_bytes
+    assert "offloaded" in str(p) and f"{1e3 * p.predicted_time:.2f} ms" in str(p)
+    assert not p.compile_safe
+
+
+def test_offload_is_chosen_only_where_it_pays(floors):
+    """At every budget from plain down to recompute's floor the plan's predicted time is no
+    more than recompute alone's at that budget, on the same card model."""
+    recompute, least = floors
+    plain, floor = recompute.plain_peak, recompute.smallest_peak
+    for budget in (plain, (plain + floor) // 2, floor):
+        model, x = _resnet()
+        alone, alone_step = _recompute_alone(model, x, budget)
+        p = zoo.plan(model, x, budget, device=CARD, offload=True, apply=False)
+        assert p.predicted_peak <= budget
+        assert p.predicted_time <= alone_step.time.step
+        if p.offloaded_bytes == 0:  # then it is recompute alone's plan
+            assert p.segments == alone.segments
+
+
+def test_offloaded_plan_trains_like_plain_bit_for_bit(floors):
+    _, least = floors
+    plain, x = _resnet(4)
+    model, _ = _resnet(4)
+    least.apply(model)
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    reset_offloaded_bytes()
+    with host_copies():  # the offload regions move CPU tensors through host copies
+        assert_same_training(plain, plain, model, model, x, steps=3, exact=True)
+    assert offloaded_bytes() > 0
+
+
+def _flat():
+    torch.manual_seed(0)  # flat layers: planned over the calls of its spine
+    return nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(),
+                         nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 4))
+
+
+def test_a_module_planned_over_its_spine_with_offload():
+    """Its floor is one layer's working set already (recompute reaches it), so offload is
+    priced and declined; the spine runs an offloaded segment bit for bit like plain."""
+    model, x = _flat(), torch.randn(8192, 64)
+    floor = zoo.plan(model, x, float("inf"), device=CARD, apply=False).smallest_peak
+    p = zoo.plan(model, x, floor, device=CARD, offload=True)
+    assert p.spine is not None and p.offloaded_bytes == 0
+    assert predict_step(model, x, CARD).peak == p.predicted_peak <= floor
+    moved = dataclasses.replace(p, segments=[(0, len(p.spine), "offload")])
+    plain, model = _flat(), _flat()
+    moved.apply(model)
+    reset_offloaded_bytes()
+    with host_copies():
+        assert_same_training(plain, plain, model, model, x[:16], steps=3, exact=True)
+    assert offloaded_bytes() > 0
+
+
+def test_whole_step_with_optimizer_and_bf16_on_the_card():
+    model, x = _resnet()
+    opt = torch.optim.AdamW(model.parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        floor = zoo.plan(model, x, float("inf"), device=CARD, optimizer=opt,
+                         apply=False).smallest_peak
+        p = zoo.plan(model, x, floor, device=CARD, optimizer=opt, offload=True)
+        step = predict_step(model, x, CARD, optimizer=opt)
+    assert step.peak == p.predicted_peak <= floor
+    assert "bf16" in str(p)
+
+
+def test_largest_offload_batch_grows_past_recompute():
+    model, x = _resnet()
+    budget = zoo.plan(model, x, float("inf"), device=CARD, apply=False).smallest_peak
+    b = largest_offload_batch(model, lambda n: torch.randn(n, 3, 32, 32), budget,
+                              zoo.memory.card(CARD), start=32)
+    assert b > 32
+    whole = [(0, len(model.checkpoint_chain()), "offload")]
+    model.set_checkpoint_plan(whole)
+    assert predict_step(model, torch.randn(b, 3, 32, 32), CARD).peak <= budget
+    assert predict_step(model, torch.randn(b + 1, 3, 32, 32), CARD).peak > budget
+
+
+def test_offload_needs_a_card_and_an_eager_step():
+    model, x = _resnet(2)
+    with pytest.raises(ValueError, match="device="):
+        zoo.plan(model, x, "1GB", offload=True)
+    with pytest.raises(ValueError, match="eager step"):
+        zoo.plan(model, x, "1GB", device=CARD, offload=True, compiled=True)
+    with pytest.raises(BudgetTooSmallError):
+        zoo.plan(model, x, 1000, device=CARD, offload=True)
+
+
+TINY = dict(model="resnet20", dataset="synthetic", train_size=16, test_size=8, epochs=1,
+            device="cpu", card="h100", batch_size="auto", memory_budget="75MB")
+
+
+def test_train_offload_fits_a_larger_batch_on_the_card(capsys, tmp_path):
+    code, out, err = run_main(capsys, **TINY, out_dir=str(tmp_path / "a"))
+    assert code in (0, None), err
+    alone = int(out.split("batch_size auto: ")[1].split()[0])
+    code, out, err = run_main(capsys, **TINY, offload=True, out_dir=str(tmp_path / "b"))
+    assert code in (0, None), err
+    chosen = int(out.split("batch_size auto: ")[1].split()[0])
+    assert chosen > alone and "offloaded to host memory" in out
+    code, out, err = run_main(capsys, **{**TINY, "card": None}, offload=True,
+                              out_dir=str(tmp_path / "c"))
+    assert code == 2 and "--offload True" in err and "--card" in err
