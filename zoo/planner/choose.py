@@ -22,13 +22,11 @@ from torch import nn
 from ..memory import parse_budget
 from ..memory.inputs import Batch, check_model
 from ..memory.optimizer import check_optimizer
-from ..memory.cards.autocast import cuda_autocast
-from ..memory.cards.on_card import current_card
+from ..memory.cards.on_card import current_card, planning_on
 from ..memory.precision import Precision, current_precision, step_precision
 from ..memory.training import loss_used
 from ..memory.cards import Card
 from ..memory.fake import FakeStep, collector_paused
-from ..memory.cards.on_card import on_card
 from .errors import BudgetTooSmallError
 from .modules.plan_module import ModulePlan, plan_module
 from .modules.spine import Spine, clear_spine, find_spine
@@ -336,18 +334,18 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
     if offload and (compiled or device is None):
         raise ValueError("zoo.plan: offload=True needs device= (a card whose host link prices "
                          "the copies) and an eager step (torch.compile keeps what it saves)")
-    ambient = Precision.ambient()  # on a card: CUDA's op lists, run by the CPU's autocast
-    with step_precision(ambient.on_cpu() if device is not None else ambient), \
-            fake_logs_quiet(model, inputs):
+    ambient = Precision.ambient()
+    with fake_logs_quiet(model, inputs):
         if device is not None:
-            with on_card(device) as target, cuda_autocast(ambient.dtype is not None):
+            with planning_on(device) as target:  # CUDA's op lists, run by the CPU's autocast
                 budget = parse_budget(memory_budget, total=target.memory)
                 result = _plan(model, inputs, budget, loss_fn, modes, block_modes, modules,
                                cost, compiled, target, optimizer, offload)
         else:
-            budget = parse_budget(memory_budget, inputs.device)
-            result = _plan(model, inputs, budget, loss_fn, modes, block_modes, modules, cost,
-                           compiled, None, optimizer)
+            with step_precision(ambient):
+                budget = parse_budget(memory_budget, inputs.device)
+                result = _plan(model, inputs, budget, loss_fn, modes, block_modes, modules,
+                               cost, compiled, None, optimizer)
         precision = dataclasses.replace(ambient, device_type="cuda") \
             if device is not None and ambient.dtype is not None else ambient
         result = dataclasses.replace(result, step=describe_step(inputs, loss_used(), optimizer,

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 
 from ...checkpoint.offload import simulated_host
-from ..precision import current_precision
+from ..precision import Precision, current_precision, step_precision
 from .autocast import cuda_autocast
 from .timing import Card, card
 from .allocator import CachingAllocator
@@ -23,7 +23,7 @@ from .peak import CudaCounter, regions_counted
 from ..fake import FakeStep
 from ..tracker import StepCounter
 
-__all__ = ["on_card", "current_card", "step_counter", "held_from_start"]
+__all__ = ["on_card", "planning_on", "current_card", "step_counter", "held_from_start"]
 
 _CARD: ContextVar[Card | None] = ContextVar("zoo_card", default=None)
 
@@ -37,6 +37,18 @@ def on_card(name: str | Card) -> Iterator[Card]:
         yield _CARD.get()
     finally:
         _CARD.reset(token)
+
+
+@contextlib.contextmanager
+def planning_on(name: str | Card) -> Iterator[Card]:
+    """Plan or measure steps for card ``name`` in the caller's precision: inside
+    ``torch.autocast`` (on the CPU or CUDA), CUDA's op lists at that dtype, run by the CPU's
+    autocast on the fake step's CPU tensors (``zoo.plan(..., device=...)`` plans inside it);
+    yields the card."""
+    ambient = Precision.ambient()
+    with step_precision(ambient.on_cpu()), on_card(name) as target, \
+            cuda_autocast(ambient.dtype is not None):
+        yield target
 
 
 def current_card() -> Card | None:
