@@ -23,7 +23,7 @@ from .max_batch import CardPredictor, PeakPredictor, cuda_peak, search_largest_b
 from .measure import measure_variants, training_step
 from .report import command_line, machine_info
 from .segments import sweep_segments
-from .variants import (PLAIN, Variant, build_variant, build_variants, canonical_name, create,
+from .variants import (OFFLOAD, PLAIN, Variant, build_variant, build_variants, canonical_name, create,
                        variant_names)
 
 __all__ = ["fake_mode", "parse_budgets", "run_benchmark", "run_max_batch", "run_segments"]
@@ -128,6 +128,9 @@ def run_max_batch(model: str | Callable[..., ZooModel], budgets: Sequence[int], 
     meta = _model(model, torch.device("meta"), seed, **model_kwargs)  # names only, no memory
     names = [canonical_name(meta, n) for n in variants] if variants else variant_names(meta)
     names.sort(key=lambda n: n != PLAIN)
+    if OFFLOAD in names and card is None and dev.type == "cpu":
+        raise ValueError("the offload variant moves saved tensors off a CUDA card; predict it "
+                         "for one with --card h100 (or measure it with --device cuda)")
     built: list[Variant] = []
     if dev.type == "cuda":
         base = _model(model, dev, seed, **model_kwargs)

@@ -18,6 +18,9 @@ Asked for by name only (not in the defaults, see :func:`extra_variant_names`):
 * ``timm`` (DenseNet-B models): timm's ``DenseNet`` with the model's architecture and state and
   ``set_grad_checkpointing(True)``, which checkpoints each layer's concat-BN-ReLU-conv1x1 with
   torch's checkpoint, as torchvision's ``memory_efficient=True`` does.
+* ``offload``: the model's whole chain in one ``zoo.offload`` region (its saved tensors in host
+  memory between forward and backward, nothing recomputed): on a CUDA device, or predicted for a
+  card (``zoo.memory.predict_step`` moves them off the card); on a CPU it changes nothing.
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ from zoo.models import ZooModel
 from zoo.models.densenet import DenseBlock, DenseNet
 from zoo.nn import restore_batchnorm
 
-__all__ = ["PLAIN", "OFFICIAL", "COMPILED_PREFIX", "GRAPHED_PREFIX", "TIMM", "Variant", "create",
+__all__ = ["PLAIN", "OFFICIAL", "COMPILED_PREFIX", "GRAPHED_PREFIX", "TIMM", "OFFLOAD", "Variant",
+           "create",
            "variant_names", "extra_variant_names", "canonical_name", "build_variants", "build_variant",
            "compiled_variant", "timm_densenet"]
 
@@ -48,6 +52,7 @@ ZOO_PREFIX = "zoo "
 COMPILED_PREFIX = "compiled "
 GRAPHED_PREFIX = "graphed "  # torch.compile(mode="reduce-overhead"): CUDA graph trees
 TIMM = "timm"
+OFFLOAD = "offload"
 
 
 @dataclass
@@ -80,9 +85,11 @@ def variant_names(model: ZooModel) -> list[str]:
 
 
 def extra_variant_names(model: ZooModel) -> list[str]:
-    """The variants built only when named: compiled ones, and ``timm`` for DenseNet-B models."""
+    """The variants built only when named: compiled ones, ``offload``, and ``timm`` for
+    DenseNet-B models."""
     names = [prefix + name for prefix in (COMPILED_PREFIX, GRAPHED_PREFIX)
              for name in (PLAIN, *(ZOO_PREFIX + m for m in model.checkpoint_modes))]
+    names.append(OFFLOAD)
     if isinstance(model, DenseNet) and _is_densenet_b(model):
         names.append(TIMM)
     return names
@@ -142,6 +149,11 @@ def build_variant(model: ZooModel, name: str, reuse: bool = False,
                        "(True) (torch's checkpoint per layer's bottleneck), same weights")
     if name == PLAIN:
         return Variant(PLAIN, model, False, "no checkpointing")
+    if name == OFFLOAD:
+        twin = model if reuse else copy.deepcopy(model)
+        twin.set_checkpoint_plan([(0, len(twin.checkpoint_chain()), "offload")])
+        return Variant(OFFLOAD, twin, False, "zoo.offload of the whole chain: saved tensors in "
+                       "host memory, prefetched back (a CUDA card's, not a CPU's)")
     if name.startswith(ZOO_PREFIX):
         mode = name[len(ZOO_PREFIX):]
         note = " (efficient=True)" if mode == model.checkpoint_modes[0] else ""

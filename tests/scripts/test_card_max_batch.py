@@ -34,8 +34,8 @@ def card_step(variant: str, batch: int) -> object:
 
 @pytest.fixture(scope="module")
 def payload() -> dict:
-    return run_max_batch(MODEL, [BUDGET], card="h100", variants=["plain", EFFICIENT],
-                         probes=(2, 4))
+    return run_max_batch(MODEL, [BUDGET], card="h100",
+                         variants=["plain", EFFICIENT, "offload"], probes=(2, 4))
 
 
 def test_card_largest_batch_fits_and_the_next_does_not(payload: dict) -> None:
@@ -52,7 +52,7 @@ def test_card_largest_batch_fits_and_the_next_does_not(payload: dict) -> None:
 
 
 def test_checkpointing_fits_at_least_plain_batch(payload: dict) -> None:
-    plain, efficient = payload["rows"]
+    plain, efficient, _ = payload["rows"]
     assert efficient["largest_batch"] >= plain["largest_batch"]
     assert efficient["batch_ratio"] == efficient["largest_batch"] / plain["largest_batch"]
 
@@ -85,3 +85,10 @@ def test_card_plot_does_not_overwrite_the_cpu_prediction(payload: dict, tmp_path
     written = plot_max_batch([cpu, payload], tmp_path)
     assert [p.name for p in written] == ["cifar_cnn_cpu_max_batch.png",
                                          "cifar_cnn_cpu_card_max_batch.png"]
+
+
+def test_offload_fits_more_on_the_card_and_is_refused_without_one(payload: dict) -> None:
+    rows = {r["variant"]: r for r in payload["rows"]}
+    assert rows["offload"]["largest_batch"] > rows["plain"]["largest_batch"]
+    with pytest.raises(ValueError, match="--card h100"):
+        run_max_batch(MODEL, [BUDGET], variants=["plain", "offload"], probes=(2, 4))
