@@ -4,6 +4,7 @@
     python scripts/benchmark.py gpu --part densenet_b64     # one part
     python scripts/benchmark.py gpu --smoke                 # tiny sizes on the CPU: checks the machinery
     python scripts/benchmark.py gpu --dtype bf16            # one precision (default both)
+    python scripts/benchmark.py gpu --resume                # skip the parts this card has done
 
 Parts (:mod:`bench.suite`): overhead, overhead_graphs, densenet_b64, densenet_b256,
 resnet50, bert, max_batch, each in float32 and in bfloat16 autocast. Each writes
@@ -13,6 +14,7 @@ table) and prints the table. Nothing beyond torch, torchvision, timm and the zoo
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -25,11 +27,11 @@ import torch
 import zoo
 from zoo.memory import parse_bytes
 
-from .report import comma_list, write_json
+from .report import comma_list, machine_info, write_json
 from .suite import DTYPES, PARTS, device_tag, markdown, run_part
 from .suite_check import problems
 
-__all__ = ["gpu", "run_one"]
+__all__ = ["gpu", "run_one", "done"]
 
 SMOKE_BUDGET = "16MB"
 # the order of a whole run on a GPU: the parts without compiled rows first (a minute or so each),
@@ -57,16 +59,29 @@ def run_one(part: str, settings: dict[str, Any], out_dir: str | Path) -> Path:
     return path
 
 
-def _each_part_apart(flags: dict[str, Any]) -> list[str]:
-    """Every part in a process of its own (fresh CUDA memory and compile caches; one part's
-    crash does not stop the others); the parts that failed."""
+def done(part: str, out_dir: str | Path, device: str, dtypes: tuple[str, ...]) -> bool:
+    """Whether ``out_dir`` holds ``part`` measured on this device with this torch, in every
+    precision of ``dtypes``, holding (no problems): what ``--resume`` skips, so a short lease
+    keeps what it measured and the next one goes on from there."""
+    tag = device_tag(machine_info(torch.device(device)), False)
+    path = Path(out_dir) / f"gpu_{part}_{tag}.json"
+    if not path.exists():
+        return False
+    d = json.loads(path.read_text())
+    return not d.get("problems") and d["machine"].get("torch") == torch.__version__ \
+        and set(dtypes) <= set(d["settings"].get("dtypes", ["fp32"]))
+
+
+def _each_part_apart(flags: dict[str, Any], skip: tuple[str, ...] = ()) -> list[str]:
+    """Every part but ``skip`` in a process of its own (fresh CUDA memory and compile caches;
+    one part's crash does not stop the others); the parts that failed."""
     args = [f"--{k}={','.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
             for k, v in flags.items() if v is not None]
     env = dict(os.environ)  # the children import this same zoo
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(zoo.__file__).parents[1]),
                                                       env.get("PYTHONPATH")]))
-    return [part for part in FIRST_UNCOMPILED
-            if subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmark.py"), "gpu", "--part", part, *args],
+    return [part for part in FIRST_UNCOMPILED if part not in skip
+            and subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmark.py"), "gpu", "--part", part, *args],
                               env=env).returncode]
 
 
@@ -85,7 +100,7 @@ def _every_part_here(settings: dict[str, Any], out_dir: str) -> list[str]:
 def gpu(part: str = "all", smoke: bool = False, device: str | None = None,
         out_dir: str = "docs/results", repeats: int | None = None, warmup: int | None = None,
         budget: str | None = None, checkpoints: str | tuple | None = None,
-        backend: str | None = None, dtype: str = "both") -> list[str]:
+        backend: str | None = None, dtype: str = "both", resume: bool = False) -> list[str]:
     """Every GPU figure, one part at a time (--part), each part in < 10 minutes.
 
     ``--part`` runs one part (overhead, overhead_graphs, densenet_b64, densenet_b256, resnet50,
@@ -96,7 +111,9 @@ def gpu(part: str = "all", smoke: bool = False, device: str | None = None,
     (default cuda; cpu with --smoke), ``--repeats`` timed rounds (10; smoke 2), ``--warmup`` (2;
     smoke 1), ``--budget`` max_batch's memory budget (11GB), ``--checkpoints`` the overhead
     parts' subset of 'torch non-reentrant,torch reentrant,zoo.checkpoint', ``--backend`` the
-    torch.compile backend (inductor; smoke aot_eager).
+    torch.compile backend (inductor; smoke aot_eager). ``--resume``: skip each part already
+    written in ``--out_dir`` for this device and torch, in these precisions, holding
+    (:func:`done`).
     """
     if part != "all" and part not in PARTS:
         raise ValueError(f"unknown part {part!r}; expected all or one of {', '.join(PARTS)}")
@@ -114,12 +131,18 @@ def gpu(part: str = "all", smoke: bool = False, device: str | None = None,
                 "checkpoints": tuple(comma_list(checkpoints)) if checkpoints else None,
                 "dtypes": dtypes}
     if part != "all":
+        if resume and done(part, out_dir, device, dtypes):
+            print(f"--resume: {part} already measured here, skipped", flush=True)
+            return []
         return [str(run_one(part, settings, out_dir))]
     if smoke:  # seconds: in this process, every part run before the first problem is raised
         return _every_part_here(settings, out_dir)
+    skip = tuple(p for p in PARTS if resume and done(p, out_dir, device, dtypes))
+    if skip:
+        print(f"--resume: {', '.join(skip)} already measured here, skipped", flush=True)
     failed = _each_part_apart({"device": device, "out_dir": out_dir, "repeats": repeats,
                                "warmup": warmup, "budget": budget, "checkpoints": checkpoints,
-                               "backend": backend, "dtype": dtype})
+                               "backend": backend, "dtype": dtype}, skip)
     if failed:
         print(f"error: part(s) {', '.join(failed)} failed (see above)", file=sys.stderr)
         sys.exit(1)

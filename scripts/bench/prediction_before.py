@@ -44,7 +44,8 @@ def _git(*args: str) -> str:
 def _step(model: torch.nn.Module, x: torch.Tensor, on: Card, dtype: str) -> dict[str, Any]:
     s = predict_step(model.train(), x, on, autocast=_AUTOCAST[dtype])
     return {"predicted_peak_bytes": s.peak, "predicted_device_s": s.time.device,
-            "predicted_host_s": s.time.host, "predicted_s": s.time.step}
+            "predicted_host_s": s.time.host, "predicted_link_s": s.time.link,
+            "predicted_s": s.time.step}
 
 
 def _overhead_rows(part: str, on: Card, dtype: str) -> list[dict]:

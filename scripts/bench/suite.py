@@ -16,6 +16,10 @@ command, settings, rows, goals) that ``gpu`` writes as JSON and as a Markdown ta
 * ``resnet50``: batch 256 at 224 px, plain, timm-style per-block torch checkpoint, efficient;
 * ``bert``: BERT-base, batch 64, sequence 128, plain, torch per block, full recompute (``block``),
   ``selective`` (Korthikanti et al. 2022: keep the matmuls, recompute the rest);
+* ``offload`` rows in ``densenet_b64``, ``resnet50`` and ``bert``: the model's whole chain in
+  one ``zoo.offload`` region (saved tensors in pinned host memory, copied on a side stream),
+  checked bit for bit against plain like the zoo's variants: a stream race shows as a gradient
+  error;
 * ``max_batch``: the largest batch within one budget (11 GB), plain against ``efficient=True``,
   DenseNet-BC-100 and BERT-base (an out-of-memory-safe search on the device capped at the
   budget, with the CPU's FakeTensorMode prediction beside it).
@@ -75,6 +79,7 @@ class Workload:
 
 _DENSENET = ("plain", EFFICIENT, "compiled plain", f"compiled {EFFICIENT}",
              f"graphed {EFFICIENT}", "official", "timm")
+_DENSENET_B64 = (*_DENSENET, "offload")  # the whole chain's saved tensors in host memory
 _TINY_DENSENET = functools.partial(DenseNet, 4, (2, 2, 2), 8, bn_size=4, compression=0.5,
                                    stem="cifar", num_classes=10)
 _TINY_BERT = {"embed_dim": 32, "depth": 2, "num_heads": 2, "vocab_size": 64, "max_positions": 32}
@@ -84,20 +89,22 @@ def workloads(smoke: bool) -> dict[str, list[Workload]]:
     """The workloads of each benchmark part; ``smoke``: tiny stand-ins of the same kinds."""
     if smoke:
         return {
-            "densenet_b64": [Workload(_TINY_DENSENET, (2,), 32, _DENSENET)],
+            "densenet_b64": [Workload(_TINY_DENSENET, (2,), 32, _DENSENET_B64)],
             "densenet_b256": [Workload(_TINY_DENSENET, (3,), 32, _DENSENET)],
-            "resnet50": [Workload("resnet20", (2,), 32, ("plain", "official", EFFICIENT))],
+            "resnet50": [Workload("resnet20", (2,), 32, ("plain", "official", EFFICIENT,
+                                                         "offload"))],
             "bert": [Workload("bert_base", (2,), 16, ("plain", "official", "zoo block",
-                                                     "zoo selective"), _TINY_BERT)],
+                                                     "zoo selective", "offload"), _TINY_BERT)],
             "max_batch": [Workload(_TINY_DENSENET, (), 32, ("plain", EFFICIENT)),
                           Workload("bert_base", (), 16, ("plain", EFFICIENT), _TINY_BERT)],
         }
     return {
-        "densenet_b64": [Workload("densenet_bc_100", (64,), 32, _DENSENET)],
+        "densenet_b64": [Workload("densenet_bc_100", (64,), 32, _DENSENET_B64)],
         "densenet_b256": [Workload("densenet_bc_100", (256,), 32, _DENSENET)],
-        "resnet50": [Workload("resnet50", (256,), 224, ("plain", "official", EFFICIENT))],
+        "resnet50": [Workload("resnet50", (256,), 224, ("plain", "official", EFFICIENT,
+                                                        "offload"))],
         "bert": [Workload("bert_base", (64,), 128, ("plain", "official", "zoo block",
-                                                   "zoo selective"))],
+                                                   "zoo selective", "offload"))],
         "max_batch": [Workload("densenet_bc_100", (), 32, ("plain", EFFICIENT)),
                       Workload("bert_base", (), 128, ("plain", EFFICIENT))],
     }

@@ -3,8 +3,8 @@ part it writes (and the smoke test in CI runs on tiny sizes on the CPU).
 
 * no failed row: a variant that fails is a row with its one-line error, and that is a defect,
   not a figure;
-* exactness: zoo's variants give plain's gradients and BatchNorm statistics and counts, bit for
-  bit (compiled ones too where the backend runs the same kernels: ``aot_eager``); zoo's
+* exactness: zoo's variants (offload included) give plain's gradients and BatchNorm statistics
+  and counts, bit for bit (compiled ones too where the backend runs the same kernels: ``aot_eager``); zoo's
   checkpoint in the overhead chain counts each BatchNorm once;
 * every precision asked for: each row of one precision has its twin in every other.
 """
@@ -28,7 +28,7 @@ def _name(row: dict) -> str:
 
 def _inexact(row: dict, same_kernels: bool) -> list[str]:
     variant = row.get("variant") or ""
-    checked = variant.startswith("zoo") or \
+    checked = variant.startswith(("zoo", "offload")) or \
         (same_kernels and variant.startswith(("compiled", "graphed")))
     if not checked:
         return []

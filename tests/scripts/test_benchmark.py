@@ -280,8 +280,9 @@ def test_gpu_smoke_writes_every_part(tmp_path: Path) -> None:
     dense = {r["variant"]: r for r in data["densenet_b64"]["rows"] if r["dtype"] == "fp32"}
     assert list(dense) == list(bf16) == ["plain", "zoo bottleneck", "compiled plain",
                                          "compiled zoo bottleneck", "graphed zoo bottleneck",
-                                         "official", "timm"]
+                                         "official", "timm", "offload"]
     assert bf16["plain"]["peak_bytes"] < dense["plain"]["peak_bytes"]
+    assert dense["offload"]["grad_error"] == dense["offload"]["bn_stats_error"] == 0
     for name, r in dense.items():  # on the CPU a compiled step has no exact peak
         assert r["median_s"] > 0 and len(r["times_s"]) == 2
         assert (r["peak_bytes"] is None) == name.startswith(("compiled", "graphed"))

@@ -4,6 +4,7 @@ checks on made-up payloads, and ``gpu --smoke`` failing end to end on a variant 
 bfloat16 only."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,7 @@ def test_gpu_smoke_fails_on_a_variant_that_fails_in_bf16(tmp_path: Path, monkeyp
 
     def breaking(*args, **kwargs):
         variants = build(*args, **kwargs)
-        broken = variants[-1]
+        (broken,) = [v for v in variants if v.name == "zoo selective"]
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             if torch.is_autocast_enabled("cpu"):
@@ -107,3 +108,25 @@ def test_a_whole_gpu_run_takes_every_part_the_uncompiled_first():
     assert sorted(FIRST_UNCOMPILED) == sorted(suite.PARTS)
     flags = [compiles(p) for p in FIRST_UNCOMPILED]
     assert flags == sorted(flags) and not flags[0] and flags[-1]
+
+
+def test_resume_skips_only_a_part_this_device_measured_and_that_holds(tmp_path: Path):
+    from bench.gpu import done
+    from bench.report import machine_info
+
+    def write(problems: list, dtypes: list, torch_version: str = torch.__version__) -> None:
+        machine = dict(machine_info(torch.device("cpu")), torch=torch_version)
+        (tmp_path / "gpu_bert_cpu.json").write_text(json.dumps(
+            {"machine": machine, "settings": {"dtypes": dtypes}, "problems": problems}))
+
+    assert not done("bert", tmp_path, "cpu", ("fp32", "bf16"))  # nothing written yet
+    write([], ["fp32", "bf16"])
+    assert done("bert", tmp_path, "cpu", ("fp32", "bf16")) and done("bert", tmp_path, "cpu",
+                                                                    ("bf16",))
+    assert not done("resnet50", tmp_path, "cpu", ("fp32",))
+    write(["bert: offload (bf16) is not plain's: grad_error 0.5"], ["fp32", "bf16"])
+    assert not done("bert", tmp_path, "cpu", ("fp32",))  # a part that does not hold runs again
+    write([], ["fp32"])
+    assert not done("bert", tmp_path, "cpu", ("fp32", "bf16"))  # a precision missing
+    write([], ["fp32", "bf16"], "2.0.0")
+    assert not done("bert", tmp_path, "cpu", ("fp32",))  # another torch
