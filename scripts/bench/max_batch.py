@@ -36,6 +36,8 @@ from zoo.memory import cpu_peak_bytes
 from zoo.memory.cards.step import CardStep, predict_step
 from zoo.memory.cards import Card, card
 from zoo.memory.cards.allocator import SimulatedOutOfMemory
+from zoo.memory.cards.autocast import cuda_autocast
+from zoo.memory.precision import Precision
 
 from .measure import training_step
 from .variants import build_variant, create
@@ -100,13 +102,18 @@ class PeakPredictor:
         return self._variants[name]
 
     def __call__(self, variant: str, batch_size: int) -> int:
-        """Predicted peak bytes of one step of ``variant`` at ``batch_size``."""
-        key = (variant, int(batch_size))
+        """Predicted peak bytes of one step of ``variant`` at ``batch_size``; inside
+        ``torch.autocast`` (the GPU suite's bf16 parts), the step in that precision as CUDA's
+        autocast runs it (``zoo.memory.cards.autocast``), its cache of casts off."""
+        dtype = Precision.ambient().dtype  # the caller's autocast: CUDA's op lists at it
+        key = (variant, int(batch_size), dtype)
         if key not in self.cache:
             v = self._variant(variant)
             rounding = cuda_allocator_rounding() if self.allocator == "cuda" \
                 else contextlib.nullcontext()
-            with self._mode, rounding:
+            cast = contextlib.nullcontext() if dtype is None else \
+                torch.autocast("cpu", dtype=dtype, cache_enabled=False)
+            with self._mode, rounding, cuda_autocast(dtype is not None), cast:
                 x = v.model.example_input(int(batch_size), self.size) \
                     if hasattr(v.model, "example_input") else self._input(batch_size)
                 self.cache[key] = cpu_peak_bytes(training_step(v, x), track=(v.model, x))

@@ -92,6 +92,16 @@ def test_cpu_max_batch_fits_and_next_does_not() -> None:
     assert real == [seen[batch], seen[batch + 1]]  # the prediction is exact, byte for byte
 
 
+def test_cpu_prediction_in_autocast_is_the_bf16_step_cuda_runs() -> None:
+    """Inside autocast (the GPU suite's bf16 max_batch part) the prediction beside a measured
+    batch is the bf16 step with CUDA's op lists and no cast cache, not the float32 one."""
+    predictor = PeakPredictor(MODEL)
+    fp32 = predictor(EFFICIENT, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = predictor(EFFICIENT, 64)
+    assert bf16 < fp32 and predictor(EFFICIENT, 64) == fp32  # cached apart
+
+
 @pytest.fixture(scope="module")
 def max_batch_payload(results: Path) -> dict:
     """Predicted largest batches under two budgets, as the CUDA allocator would count."""
