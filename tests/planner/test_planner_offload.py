@@ -159,3 +159,11 @@ def test_train_offload_fits_a_larger_batch_on_the_card(capsys, tmp_path):
     code, out, err = run_main(capsys, **{**TINY, "card": None}, offload=True,
                               out_dir=str(tmp_path / "c"))
     assert code == 2 and "--offload True" in err and "--card" in err
+
+
+def test_planning_with_offload_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    model = zoo.create_model("resnet20", efficient=True)
+    mode, x = model.grad_checkpointing, torch.randn(8, 3, 32, 32)
+    zoo.plan(model, x, "200MB", device=CARD, offload=True, apply=False)
+    assert model.grad_checkpointing == mode and model.checkpoint_plan is None

@@ -55,12 +55,15 @@ def _price(model: nn.Module, batch: Any, plan: Plan, on: Card,
            optimizer: torch.optim.Optimizer | None) -> CardStep:
     """The card's predicted step of ``model`` running ``plan`` (the model is left as it was)."""
     aside = plan_set_aside(model) if plan.spine is None else contextlib.nullcontext()
+    mode = getattr(model, "grad_checkpointing", None)  # a hand mode the caller set stays
     with aside:
         plan.apply(model)
         try:
             return predict_step(model, batch, on, loss_fn, optimizer=optimizer)
         finally:
             clear_plan(model, plan)
+            if mode is not None:
+                model.set_grad_checkpointing(mode)
 
 
 def with_offload(model: nn.Module, batch: Any, budget: float, choices: Sequence[Plan],
