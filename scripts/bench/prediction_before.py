@@ -140,7 +140,8 @@ def before_table(payload: dict, source: str) -> str:
     """The filed rows of the benchmark and largest-batch parts as the prediction page shows
     them (the overhead chains stay in the JSON)."""
     lines = ["| source | precision | filed | part | variant | batch | predicted peak | "
-             "predicted step (device / host) |", "|---|---|---|---|---|---:|---:|---:|"]
+             "predicted step (device / host; + the wait on offload copies) |",
+             "|---|---|---|---|---|---:|---:|---:|"]
     for r in payload["rows"]:
         if r["part"].startswith("overhead"):
             continue
@@ -153,6 +154,9 @@ def before_table(payload: dict, source: str) -> str:
             continue
         step = f"{r['predicted_s'] * 1e3:.1f} ms"
         if "predicted_device_s" in r:
-            step += f" ({r['predicted_device_s'] * 1e3:.1f} / {r['predicted_host_s'] * 1e3:.1f})"
+            link = r.get("predicted_link_s") or 0.0
+            wait = f" + {link * 1e3:.1f}" if link else ""
+            step += (f" ({r['predicted_device_s'] * 1e3:.1f}{wait} / "
+                     f"{r['predicted_host_s'] * 1e3:.1f})")
         lines.append(f"{head} {format_bytes(r['predicted_peak_bytes'])} | {step} |")
     return "\n".join(lines)
