@@ -96,11 +96,11 @@ def _row(name: str, on: str, dtype: str) -> dict[str, Any]:
         with planning_on(on) as target:
             planner = Planner(model, x)
             least = planner.choices[0]
-            recompute = {**_priced(model, x, least, on), "peak": planner.least_peak}
-            floor = plan_offload(planner, model, x, recompute["peak"], target, None, None)
+            recompute = {**_priced(model, x, least, on), "planned_peak": planner.least_peak}
+            floor = plan_offload(planner, model, x, planner.least_peak, target, None, None)
             lowest = plan_offload(planner, model, x, floor.smallest_peak, target, None, None)
-            budgets = [lowest.smallest_peak, recompute["peak"],
-                       (recompute["peak"] + plain["peak"]) // 2, plain["peak"]]
+            budgets = [lowest.smallest_peak, planner.least_peak,
+                       (planner.least_peak + plain["peak"]) // 2, plain["peak"]]
             sweep = [_budget_row(planner, model, x, b, target, on) for b in budgets]
         saved = _save_on_cpu(model, x, on, least)
     return {"workload": name, "card": on, "precision": dtype, "bound": bound.bytes,
@@ -149,7 +149,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         for b in r["sweep"]:
             alone, w = b["alone"], b["with_offload"]
             ratio = f"{w['ms'] / alone['ms']:.3f}" if alone else "only offload fits"
-            alone_ms = "does not fit" if alone is None else f"{alone['ms']:.1f}"
+            alone_ms = "does not fit" if alone is None else f"{alone['ms']:.1f}" + (
+                "" if alone["peak"] <= b["budget"] else " (over budget)")
             lines.append(f"| {r['workload']} | {r['card']} | {r['precision']} | "
                          f"{_mb(b['budget'])} | {alone_ms} | "
                          f"{w['ms']:.1f}, {_mb(w['offloaded'])} | {ratio} |")

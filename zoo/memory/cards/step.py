@@ -64,6 +64,7 @@ def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
     target = card(on)
     batch = Batch.of(example_input)
     counter = CudaCounter(CachingAllocator(limit), target.workspace)
+    counter.hold_workspaces()  # as a step after the first finds them, and as zoo.plan counts
     copies: list[tuple[str, int, int, int]] = []
     with fake_logs_quiet(check_model(model), batch), simulated_host(
             lambda kind, key, nbytes: copies.append((kind, key, nbytes, len(counter.records)))):
