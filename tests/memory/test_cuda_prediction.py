@@ -188,6 +188,25 @@ def test_fit_host_recovers_its_constants():
     assert math.isclose(fit.per_region, 200e-6, rel_tol=1e-6)
 
 
+def test_predict_step_holds_the_workspaces_its_matmuls_need_from_the_start():
+    """A step after the first finds the cuBLAS workspaces it made: predict_step holds them from
+    the start, as zoo.plan's card steps do (so a plan's peak is predict_step's of the planned
+    model), but only for the threads that run a matmul: a convolution-only step makes none."""
+    import zoo
+    from zoo.memory.cards.on_card import on_card
+    from zoo.memory.step import measure_step
+
+    torch.manual_seed(0)
+    convs = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3))
+    x = torch.randn(4, 3, 16, 16)
+    held = predict_step(convs, x, "h100").peak
+    assert held < HOPPER_WORKSPACE  # none: no matmul ran
+    model, images = zoo.create_model("resnet20"), torch.randn(16, 3, 32, 32)
+    with on_card("h100"):
+        planned = measure_step(model, images)[0]
+    assert predict_step(model, images, "h100").peak == planned >= 2 * HOPPER_WORKSPACE
+
+
 def test_predict_step_on_cards_leaves_the_model_alone():
     """A small MLP: the peak holds the parameters, gradients and workspaces on every card, a
     slower card takes longer, and the model's own tensors are untouched."""

@@ -80,6 +80,7 @@ class CudaCounter(StepCounter):
         self.unpacking = 0  # unpack hooks running now (a recompute runs inside one)
         self._blocks: dict[int, Any] = {}
         self._workspaces: dict[bool, Any] = {}
+        self.matmul_threads: set[bool] = set()
         self._host_rng = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
@@ -87,6 +88,8 @@ class CudaCounter(StepCounter):
             return super().__torch_dispatch__(func, types, args, kwargs)
         backward = _torch.current_graph_task_id() != -1
         packet = getattr(func, "_overloadpacket", None)
+        if packet in _MATMULS:
+            self.matmul_threads.add(backward)
         if packet in _MATMULS and backward not in self._workspaces and self.workspace:
             self._workspaces[backward] = self.allocator.malloc(self.workspace)
             self.current = self.allocator.allocated
@@ -120,11 +123,13 @@ class CudaCounter(StepCounter):
         self.current = self.allocator.allocated
         self.peak = max(self.peak, self.allocator.peak)
 
-    def hold_workspaces(self) -> None:
-        """Allocate the forward's and the backward's cuBLAS workspaces now, as a step after the
-        first finds them: a step's figures then carry them from the start, not inside the block
-        that runs the first matmul (which a planner would take for that block's own bytes)."""
-        for backward in (False, True):
+    def hold_workspaces(self, threads: tuple[bool, ...] = (False, True)) -> None:
+        """Allocate the cuBLAS workspaces of ``threads`` (False: the forward's, True: the
+        autograd engine's) now, as a step after the first finds them: a step's figures then
+        carry them from the start, not inside the block that runs the first matmul (which a
+        planner would take for that block's own bytes). ``matmul_threads`` says afterwards which
+        threads did run a matmul."""
+        for backward in threads:
             if backward not in self._workspaces and self.workspace:
                 self._workspaces[backward] = self.allocator.malloc(self.workspace)
         self.current = self.allocator.allocated

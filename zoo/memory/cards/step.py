@@ -60,16 +60,27 @@ def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
     :mod:`.autocast`). Without it, the batch, loss, precision and ``optimizer`` are read as
     :func:`zoo.memory.step.measure_step` reads them (called inside ``torch.autocast``, on CPU or
     CUDA, the forward runs CUDA's op lists at that dtype); a batch the model cannot run on is one
-    line (:mod:`zoo.memory.quiet`)."""
+    line (:mod:`zoo.memory.quiet`). The step is one after the first: the cuBLAS workspaces of
+    the threads that run a matmul are held from its start (as ``zoo.plan``'s card steps hold
+    them, so a plan's peak is ``predict_step``'s of the planned model); offload regions move
+    their saved tensors off the card and ``time.link`` is the wait for the copies."""
     target = card(on)
     batch = Batch.of(example_input)
-    counter = CudaCounter(CachingAllocator(limit), target.workspace)
-    counter.hold_workspaces()  # as a step after the first finds them, and as zoo.plan counts
-    copies: list[tuple[str, int, int, int]] = []
-    with fake_logs_quiet(check_model(model), batch), simulated_host(
-            lambda kind, key, nbytes: copies.append((kind, key, nbytes, len(counter.records)))):
-        run_on_card(model, batch, target, loss_fn, counter=counter, optimizer=optimizer,
-                    autocast=autocast)
+    check_model(model)
+
+    def counted(threads: tuple[bool, ...]) -> tuple[CudaCounter, list]:
+        counter = CudaCounter(CachingAllocator(limit), target.workspace)
+        counter.hold_workspaces(threads)  # as a step after the first finds them
+        copies: list[tuple[str, int, int, int]] = []
+        with fake_logs_quiet(model, batch), simulated_host(lambda kind, key, nbytes: copies.append(
+                (kind, key, nbytes, len(counter.records)))):
+            run_on_card(model, batch, target, loss_fn, counter=counter, optimizer=optimizer,
+                        autocast=autocast)
+        return counter, copies
+
+    counter, copies = counted((False, True))
+    if counter.matmul_threads != {False, True}:  # a workspace no matmul of the step makes
+        counter, copies = counted(tuple(sorted(counter.matmul_threads)))
     time = step_time(counter.records, counter.regions, target, host, achieved)
     waited = link_wait(_timed(copies, counter.records, target, achieved), target.host_link)
     return CardStep(target, counter.peak, dataclasses.replace(time, link=waited),
