@@ -145,3 +145,21 @@ def test_planner_step_predicts_the_whole_step_and_trains_like_plain(tmp_path: Pa
     assert {(r["optimizer"], r["precision"]) for r in rows} == {
         ("AdamW", "fp32"), ("AdamW", "bf16"), ("SGD", "fp32"), ("SGD", "bf16")}
     assert all(r["measured"] == r["predicted"] <= r["budget"] and r["exact"] for r in rows)
+
+
+def test_offload_command_sets_offload_between_the_bound_and_recompute(tmp_path: Path) -> None:
+    """One workload, one card: offload's least peak lies between the step's lower bounds and
+    recompute's least, and at every budget the plan with offload is no slower than recompute
+    alone (where that fits)."""
+    out = tmp_path / "offload.json"
+    assert cli.main(["offload", "--workloads", "ResNet-56 b128", "--cards", "h100", "--dtypes",
+                     "fp32", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    least = row["offload"]["peak"]
+    assert row["bound"] <= row["bound_with_engine"] <= least < row["recompute"]["peak"]
+    assert row["offload"]["offloaded"] > 0 and row["save_on_cpu"]["peak"] == least
+    for b in row["sweep"]:
+        assert b["with_offload"]["peak"] <= b["budget"]
+        if b["alone"] is not None:
+            assert b["with_offload"]["ms"] <= b["alone"]["ms"]
+    assert row["sweep"][0]["alone"] is None  # below recompute's floor only offload fits
