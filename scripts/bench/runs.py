@@ -23,8 +23,8 @@ from .max_batch import CardPredictor, PeakPredictor, cuda_peak, search_largest_b
 from .measure import measure_variants, training_step
 from .report import command_line, machine_info
 from .segments import sweep_segments
-from .variants import (OFFLOAD, PLAIN, Variant, build_variant, build_variants, canonical_name, create,
-                       variant_names)
+from .variants import (OFFLOAD, PLAIN, Variant, build_variant, build_variants, canonical_name,
+                       create, variant_names)
 
 __all__ = ["fake_mode", "parse_budgets", "run_benchmark", "run_max_batch", "run_segments"]
 

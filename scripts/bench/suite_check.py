@@ -4,8 +4,8 @@ part it writes (and the smoke test in CI runs on tiny sizes on the CPU).
 * no failed row: a variant that fails is a row with its one-line error, and that is a defect,
   not a figure;
 * exactness: zoo's variants (offload included) give plain's gradients and BatchNorm statistics
-  and counts, bit for bit (compiled ones too where the backend runs the same kernels: ``aot_eager``); zoo's
-  checkpoint in the overhead chain counts each BatchNorm once;
+  and counts, bit for bit (compiled ones too where the backend runs the same kernels:
+  ``aot_eager``); zoo's checkpoint in the overhead chain counts each BatchNorm once;
 * every precision asked for: each row of one precision has its twin in every other.
 """
 from __future__ import annotations

@@ -42,9 +42,8 @@ from zoo.models.densenet import DenseBlock, DenseNet
 from zoo.nn import restore_batchnorm
 
 __all__ = ["PLAIN", "OFFICIAL", "COMPILED_PREFIX", "GRAPHED_PREFIX", "TIMM", "OFFLOAD", "Variant",
-           "create",
-           "variant_names", "extra_variant_names", "canonical_name", "build_variants", "build_variant",
-           "compiled_variant", "timm_densenet"]
+           "create", "variant_names", "extra_variant_names", "canonical_name", "build_variants",
+           "build_variant", "compiled_variant", "timm_densenet"]
 
 PLAIN = "plain"
 OFFICIAL = "official"

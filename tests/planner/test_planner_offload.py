@@ -60,6 +60,7 @@ def test_offload_reaches_below_recompute_floor_with_exact_peak_and_time(floors):
     assert not p.compile_safe
 
 
+@pytest.mark.slow  # three budgets, each planned twice: the whole suite's lane
 def test_offload_is_chosen_only_where_it_pays(floors):
     """At every budget from plain down to recompute's floor the plan's predicted time is no
     more than recompute alone's at that budget, on the same card model."""
@@ -148,6 +149,7 @@ TINY = dict(model="resnet20", dataset="synthetic", train_size=16, test_size=8, e
             device="cpu", card="h100", batch_size="auto", memory_budget="75MB")
 
 
+@pytest.mark.slow  # three short training runs
 def test_train_offload_fits_a_larger_batch_on_the_card(capsys, tmp_path):
     code, out, err = run_main(capsys, **TINY, out_dir=str(tmp_path / "a"))
     assert code in (0, None), err

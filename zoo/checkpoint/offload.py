@@ -230,8 +230,8 @@ class Offload:
             return False
         if tensor.layout is not torch.strided or tensor.is_nested:
             return False
-        if tensor.device.type == "cpu" and not (self.to_host or _simulated() is not None) or tensor.device.type not in (
-                "cpu", "cuda"):
+        on_host = self.to_host or _simulated() is not None  # CPU tensors move only then
+        if tensor.device.type not in ("cpu", "cuda") or tensor.device.type == "cpu" and not on_host:
             return False
         storage = tensor.untyped_storage()
         return storage.nbytes() >= self.min_bytes and _torch.storage_id(tensor) not in self.kept

@@ -11,8 +11,9 @@ choice for the budget; each recompute plan that recomputes less, with the segmen
 offloaded instead; and the whole chain offloaded (what torch's ``save_on_cpu`` does, with
 prefetch), its blocks plain or in the per-block modes of the least-peak recompute plan (which
 recompute a block's cheap parts, such as DenseNet's concatenation and BatchNorm-ReLU, from
-inputs the offload region moves). The fastest that fits wins, so a plan's predicted time is never worse
-than recompute alone's at the same budget, and offload is chosen only where it pays.
+inputs the offload region moves). The fastest that fits wins, so a plan's predicted time is
+never worse than recompute alone's at the same budget, and offload is chosen only where it
+pays (docs/benchmarks/offload.md).
 """
 from __future__ import annotations
 

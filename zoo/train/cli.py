@@ -23,9 +23,10 @@ HELP = """Train a zoo model. Every key of the config is a flag (--key value); a 
     checkpoint mode), model_kwargs, dataset (shapes, synthetic, cifar10, cifar100), data_dir,
     image_size, train_size, test_size, workers, epochs, batch_size (global, or auto: the largest
     that fits memory_budget), memory_budget (per device, e.g. 10GB: zoo.plan checkpoints the model
-    to fit), card (h100, a100, l4, rtx4090: size memory_budget and batch_size auto for that CUDA
-    card, predicted here), optimizer (sgd, adamw), lr, momentum, nesterov, weight_decay, schedule (step, cosine,
-    constant), milestones, gamma, warmup_iters, warmup_lr, label_smoothing, seed, device (auto,
+    to fit), card (h100, a100, l4, rtx4090, h200: size memory_budget and batch_size auto for that
+    CUDA card, predicted here), offload (True with card: the plan may keep saved tensors in host
+    memory), optimizer (sgd, adamw), lr, momentum, nesterov, weight_decay, schedule (step,
+    cosine, constant), milestones, gamma, warmup_iters, warmup_lr, label_smoothing, seed, device (auto,
     cpu, cuda, cuda:N), amp, compile, data_parallel, out_dir, resume, overwrite (True: a new run
     may replace the run in out_dir). See zoo/train/config.py for what each means. --debug True
     shows tracebacks. Exit status: 0 done, 1 failed (divergence, disk), 2 bad input, 130/143

@@ -47,10 +47,10 @@ _HOST_RNG = {_aten._scaled_dot_product_efficient_attention,
 @dataclass(frozen=True)
 class OpRecord:
     """One dispatched op of a step: its overload packet, FLOPs (``flop_counter``'s formulas),
-    bytes of its tensor arguments and outputs (0 for a view or an allocation: no kernel), dtype of its first
-    tensor, whether it ran in the backward, and whether it is a shallow copy autograd makes
-    of a saved tensor (routed through the dispatcher only while a mode watches: no host cost
-    on the card, as ``zoo.memory.host.OpCounter`` tells them apart)."""
+    bytes of its tensor arguments and outputs (0 for a view or an allocation: no kernel), dtype
+    of its first tensor, whether it ran in the backward, and whether it is a shallow copy
+    autograd makes of a saved tensor (routed through the dispatcher only while a mode watches:
+    no host cost on the card, as ``zoo.memory.host.OpCounter`` tells them apart)."""
 
     op: Any
     flops: int

@@ -66,14 +66,16 @@ def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
     their saved tensors off the card and ``time.link`` is the wait for the copies."""
     target = card(on)
     batch = Batch.of(example_input)
-    check_model(model)
+    model = check_model(model)
 
     def counted(threads: tuple[bool, ...]) -> tuple[CudaCounter, list]:
         counter = CudaCounter(CachingAllocator(limit), target.workspace)
         counter.hold_workspaces(threads)  # as a step after the first finds them
         copies: list[tuple[str, int, int, int]] = []
-        with fake_logs_quiet(model, batch), simulated_host(lambda kind, key, nbytes: copies.append(
-                (kind, key, nbytes, len(counter.records)))):
+        def note(kind: str, key: int, nbytes: int) -> None:
+            copies.append((kind, key, nbytes, len(counter.records)))
+
+        with fake_logs_quiet(model, batch), simulated_host(note):
             run_on_card(model, batch, target, loss_fn, counter=counter, optimizer=optimizer,
                         autocast=autocast)
         return counter, copies
