@@ -286,3 +286,16 @@ def test_bf16_on_the_card_halves_what_a_step_keeps_and_runs_on_the_tensor_cores(
     assert mms and all(r.dtype == torch.bfloat16 for r in mms)
     norms = [r for r in counter.records if r.op is torch.ops.aten.native_layer_norm]
     assert norms and all(r.dtype == torch.float32 for r in norms)
+
+
+def test_a_card_plan_of_a_step_without_matmuls_holds_no_workspace():
+    """zoo.plan's whole-step check on a card holds only the workspaces the step's matmuls make,
+    as predict_step does: a convolution-only model's plan is predicted to the byte."""
+    import zoo
+    torch.manual_seed(0)
+    convs = nn.Sequential(*(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8),
+                                          nn.ReLU()) for _ in range(4)))
+    x = torch.randn(8, 8, 32, 32)
+    plain = predict_step(convs, x, "h100").peak
+    plan = zoo.plan(convs, x, plain - 1, device="h100")
+    assert predict_step(convs, x, "h100").peak == plan.predicted_peak < HOPPER_WORKSPACE

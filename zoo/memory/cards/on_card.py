@@ -56,16 +56,17 @@ def current_card() -> Card | None:
     return _CARD.get()
 
 
-def step_counter() -> tuple[StepCounter, contextlib.AbstractContextManager]:
+def step_counter(threads: tuple[bool, ...] = (False, True)
+                 ) -> tuple[StepCounter, contextlib.AbstractContextManager]:
     """A counter for one fake step, and the modes to enter between the fake mode and the
     counter: the CPU's :class:`~zoo.memory.tracker.StepCounter` and nothing outside :func:`on_card`;
-    inside, the card's :class:`~.peak.CudaCounter` (its cuBLAS workspaces held from the
-    start: :meth:`~.peak.CudaCounter.hold_workspaces`) and the card's kernels."""
+    inside, the card's :class:`~.peak.CudaCounter` (the cuBLAS workspaces of ``threads`` held
+    from the start: :meth:`~.peak.CudaCounter.hold_workspaces`) and the card's kernels."""
     on = _CARD.get()
     if on is None:
         return StepCounter(), contextlib.nullcontext()
     counter = CudaCounter(CachingAllocator(), on.workspace)
-    counter.hold_workspaces()
+    counter.hold_workspaces(threads)
     return counter, _card_kernels(counter)
 
 
