@@ -169,3 +169,50 @@ def test_planning_with_offload_leaves_the_model_as_it_was():
     mode, x = model.grad_checkpointing, torch.randn(8, 3, 32, 32)
     zoo.plan(model, x, "200MB", device=CARD, offload=True, apply=False)
     assert model.grad_checkpointing == mode and model.checkpoint_plan is None
+
+
+def _hf_classifier():
+    import transformers
+    config = transformers.BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=4,
+                                     num_attention_heads=4, intermediate_size=512,
+                                     max_position_embeddings=128, num_labels=4,
+                                     attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(config)
+
+
+def test_a_hugging_face_batch_dict_with_labels_adamw_and_bf16_plans_with_offload():
+    """The user's step: a Hugging Face classifier's batch dict with labels, AdamW's state, bf16
+    autocast, its encoder layers (looped with keyword arguments) planned with offload at the
+    least peak any candidate reaches; predict_step of the planned model agrees to the byte.
+    Every layer offloaded trains bit for bit like plain through host copies."""
+    pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1000, (64, 64), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "labels": torch.randint(0, 4, (64,), generator=g)}
+    model = _hf_classifier().train()
+    opt = torch.optim.AdamW(model.parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(BudgetTooSmallError) as too_small:
+            zoo.plan(model, batch, 1000, device=CARD, optimizer=opt, offload=True)
+        with pytest.raises(BudgetTooSmallError) as alone:
+            zoo.plan(model, batch, 1000, device=CARD, optimizer=opt)
+        floor = too_small.value.smallest
+        p = zoo.plan(model, batch, floor, device=CARD, optimizer=opt, offload=True)
+        step = predict_step(model, batch, CARD, optimizer=opt)
+    assert floor <= alone.value.smallest and "offloaded to host memory" in str(p)
+    assert step.peak == p.predicted_peak <= floor and step.time.step == p.predicted_time
+    assert "labels" in p.step and "AdamW" in p.step and "bf16" in p.step
+    every = dataclasses.replace(p, checkpointed=[], nested=[], offloaded=p.blocks)
+    plain, moved = _hf_classifier().train(), _hf_classifier().train()
+    every.apply(moved)
+    small = {k: v[:4, :16] if v.dim() == 2 else v[:4] for k, v in batch.items()}
+    reset_offloaded_bytes()
+    with host_copies():
+        for m in (plain, moved):
+            torch.manual_seed(1)
+            m(**small).loss.backward()
+    assert offloaded_bytes() > 0
+    for a, b in zip(plain.parameters(), moved.parameters()):
+        assert torch.equal(a.grad, b.grad)

@@ -150,6 +150,7 @@ class _Storage:
             stream.wait_event(self.copied)
             with torch.cuda.stream(stream):
                 flat.copy_(self.host, non_blocking=True)
+            flat.record_stream(stream)  # freed unread (a partial backward): not reused mid-copy
             self.back = stream.record_event()
         self.flat = flat
         return flat

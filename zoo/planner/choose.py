@@ -39,7 +39,7 @@ from .search.multi_level import MAX_UNITS, chain_floor
 from .search.one_level import predict_peak, schedules
 from .search.savesets import SAVE_SETS
 from ..memory.quiet import fake_logs_quiet
-from .offload_choice import plan_offload
+from .offload_choice import plan_module_offload, plan_offload
 from .whole_step import WholeStep, describe_step
 
 __all__ = ["plan", "Planner", "solve_profile", "profile_block_modes", "block_plan", "plan_choices",
@@ -380,8 +380,8 @@ def _plan(model: nn.Module, example_input: Batch, budget: float,
         if offload and spine is not None:
             return plan_offload(spine, model, example_input, budget, on, loss_fn, optimizer)
         if offload:
-            raise ValueError(f"zoo.plan: offload=True plans a zoo model's chain or a module's "
-                             f"spine; {type(model).__name__} has neither (pass modules=None)")
+            return plan_module_offload(model, example_input, budget, on, loss_fn, optimizer,
+                                       modules)
         return spine.plan(budget) if spine is not None else \
             plan_module(model, example_input, budget, loss_fn, modules, optimizer)
 

@@ -29,9 +29,11 @@ from ..checkpoint.sequential import OFFLOAD
 from ..memory.cards import Card
 from ..memory.cards.step import CardStep, predict_step
 from .errors import BudgetTooSmallError
+from .modules.plan_module import ModulePlan, plain_module, plan_module
 from .plans import Plan, clear_plan, plan_set_aside
 
-__all__ = ["with_offload", "offloaded", "plan_offload", "largest_offload_batch", "CANDIDATES"]
+__all__ = ["with_offload", "offloaded", "plan_offload", "plan_module_offload",
+           "largest_offload_batch", "CANDIDATES"]
 
 #: How many of the chain's recompute plans are tried with their kept segments offloaded
 #: (evenly spread over those that recompute less than recompute alone's choice).
@@ -83,8 +85,7 @@ def with_offload(model: nn.Module, batch: Any, budget: float, choices: Sequence[
     cheaper = [c for c in chain if recompute is None
                or c.recompute_flops < recompute.recompute_flops]
     candidates = [*whole, *(offloaded(c) for c in _spread(cheaper, CANDIDATES))]
-    if recompute is not None:
-        candidates.append(recompute)
+    candidates.append(recompute if recompute is not None else chain[0])  # the least named
     unique: dict[tuple[str, str], Plan] = {}
     for c in candidates:  # the plain plan offloaded is the whole chain offloaded: priced once
         unique.setdefault((str(c.segments), str(c.block_modes)), c)
@@ -145,3 +146,38 @@ def largest_offload_batch(model: nn.Module, make_input: Callable[[int], Any], bu
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
     return low
+
+
+def plan_module_offload(model: nn.Module, batch: Any, budget: float, on: Card,
+                        loss_fn: Callable[[Any], torch.Tensor] | None,
+                        optimizer: torch.optim.Optimizer | None, modules: Any = None
+                        ) -> ModulePlan:
+    """:func:`with_offload` for a module planned over its repeated blocks
+    (``modules.plan_module``: a Hugging Face encoder's layers): the fastest on card ``on`` that
+    fits ``budget`` among recompute alone's plan, that plan with the blocks it runs plainly
+    offloaded (recompute's least plan where nothing recomputed fits), and every block offloaded,
+    each priced by ``predict_step``."""
+    roomy = plan_module(model, batch, float("inf"), loss_fn, modules, optimizer)
+    try:
+        recompute = plan_module(model, batch, budget, loss_fn, modules, optimizer)
+    except BudgetTooSmallError as e:  # recompute's least, so the least of all is named
+        recompute = plan_module(model, batch, e.smallest, loss_fn, modules, optimizer)
+    candidates = [dataclasses.replace(roomy, checkpointed=[], nested=[], offloaded=roomy.blocks)]
+    candidates.append(recompute)
+    if not recompute.nested:  # inside a checkpointed container an offload does nothing
+        candidates.append(dataclasses.replace(recompute, offloaded=[
+            b for b in recompute.blocks if b not in recompute.checkpointed]))
+    priced = []
+    for c in candidates:
+        with plain_module(model):
+            c.apply(model)
+            priced.append((c, predict_step(model, batch, on, loss_fn, optimizer=optimizer)))
+    least = min(step.peak for _, step in priced)
+    fitting = [(c, step) for c, step in priced if step.peak <= budget]
+    if not fitting:
+        raise BudgetTooSmallError(budget, least, roomy.plain_peak)
+    chosen, step = min(fitting, key=lambda cs: (cs[1].time.step, cs[1].offloaded_bytes,
+                                                cs[1].peak))
+    return dataclasses.replace(chosen, budget=budget, predicted_peak=step.peak,
+                               smallest_peak=least, offloaded_bytes=step.offloaded_bytes,
+                               predicted_time=step.time.step, card=on.name)

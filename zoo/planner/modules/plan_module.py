@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ from ...memory.fake_mode import PlannerFakeMode
 from ...memory.step import measure_step
 from .nesting import clear_nested, nest, outer_candidates, restore_nested, set_nested
 
-__all__ = ["ModulePlan", "plan_module", "block_costs"]
+__all__ = ["ModulePlan", "plan_module", "plain_module", "block_costs"]
 
 
 @dataclass
@@ -52,24 +52,34 @@ class ModulePlan:
     nested: list[str] = field(default_factory=list)
     every_block_peak: int | None = None
     step: str = ""
+    offloaded: list[str] = field(default_factory=list)
+    offloaded_bytes: int = 0
+    predicted_time: float | None = None
+    card: str | None = None
 
     @property
     def overhead(self) -> float:
         return self.recompute_flops / self.step_flops if self.step_flops else 0.0
 
     def apply(self, model: nn.Module) -> None:
-        """Checkpoint exactly ``checkpointed`` among ``blocks`` (the others run plainly) and,
-        around them, exactly the outer regions ``nested``."""
+        """Checkpoint exactly ``checkpointed`` among ``blocks``, offload exactly ``offloaded``
+        (``zoo.checkpoint(..., offload=True)``: priced on ``card``,
+        ``zoo.planner.offload_choice``), run the others plainly and, around them, checkpoint
+        exactly the outer regions ``nested``."""
         clear_nested(model, self.blocks)
         modules = dict(model.named_modules())
         for name in self.blocks:
-            checkpoint_module(modules[name], name in self.checkpointed)
+            moved = name in self.offloaded
+            checkpoint_module(modules[name], moved or name in self.checkpointed,
+                              **({"offload": True} if moved else {}))
         set_nested(model, self.nested)
 
     def __str__(self) -> str:
         lines = ["| block | saves in a plain step | checkpointed |", "|---|---:|---|"]
-        lines += [f"| {n} | {format_bytes(self.saved.get(n, 0))} | "
-                  f"{'yes' if n in self.checkpointed else ''} |" for n in self.blocks]
+        how = {**dict.fromkeys(self.offloaded, "offloaded"), **dict.fromkeys(self.checkpointed,
+                                                                               "yes")}
+        lines += [f"| {n} | {format_bytes(self.saved.get(n, 0))} | {how.get(n, '')} |"
+                  for n in self.blocks]
         budget = "inf (no limit)" if self.budget == float("inf") else format_bytes(self.budget)
         every = self.smallest_peak if self.every_block_peak is None else self.every_block_peak
         lines += ["", *([self.step] if self.step else []),
@@ -80,6 +90,9 @@ class ModulePlan:
                   f"+{100 * self.overhead:.1f}% FLOPs recomputed"]
         if self.nested:
             lines.append(f"nested: {', '.join(self.nested)} checkpointed around their blocks")
+        if self.predicted_time is not None:
+            lines.append(f"on {self.card}: predicted step {1e3 * self.predicted_time:.2f} ms, "
+                         f"{format_bytes(self.offloaded_bytes)} offloaded to host memory")
         return "\n".join(lines)
 
 
@@ -149,12 +162,20 @@ def plan_module(model: nn.Module, example_input: Any, budget: int | float,
     (the nested floor) when nothing fits. The model is left as it was; call
     :meth:`ModulePlan.apply`. ``optimizer``: its state and step are part of every measured
     step (``zoo.memory.step.measure_step``)."""
-    segmented = clear_nested(model, [])  # plan from the plain model (wrapping changes types)
+    with plain_module(model):
+        return _plan_plain(model, Batch.of(example_input), budget, loss_fn, modules, optimizer)
+
+
+@contextlib.contextmanager
+def plain_module(model: nn.Module) -> Iterator[None]:
+    """``model`` without its checkpointed blocks and outer regions for the duration (planning
+    starts from the plain model: wrapping changes types), put back as they were after."""
+    segmented = clear_nested(model, [])
     wrapped = {m: dict(m._zoo_checkpoint_options) for m in model.modules() if is_checkpointed(m)}
     for m in wrapped:
         checkpoint_module(m, False)
     try:
-        return _plan_plain(model, Batch.of(example_input), budget, loss_fn, modules, optimizer)
+        yield
     finally:
         for m, options in wrapped.items():
             checkpoint_module(m, True, **options)
