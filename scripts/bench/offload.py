@@ -37,7 +37,7 @@ from zoo.memory.cards.step import predict_step
 from zoo.planner import BudgetTooSmallError
 from zoo.planner.choose import Planner
 from zoo.planner.offload_choice import plan_offload
-from zoo.planner.plans import clear_plan, plan_set_aside
+from zoo.planner.plans import plan_applied
 
 from .report import comma_list, command_line, machine_info, write_json
 
@@ -59,14 +59,8 @@ def _batch(model: torch.nn.Module, batch: int, side: int) -> torch.Tensor:
 
 def _priced(model: torch.nn.Module, x: torch.Tensor, plan: Any, on: str) -> dict[str, Any]:
     """The card's predicted step of ``model`` running ``plan`` (None: plain)."""
-    with plan_set_aside(model):
-        if plan is not None:
-            plan.apply(model)
-        try:
-            step = predict_step(model, x, on)
-        finally:
-            if plan is not None:
-                clear_plan(model, plan)
+    with plan_applied(model, plan) if plan is not None else contextlib.nullcontext():
+        step = predict_step(model, x, on)
     return {"peak": step.peak, "ms": 1e3 * step.time.step, "link_ms": 1e3 * step.time.link,
             "offloaded": step.offloaded_bytes, "device_ms": 1e3 * step.time.device,
             "host_ms": 1e3 * step.time.host}

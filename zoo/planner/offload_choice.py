@@ -17,7 +17,6 @@ pays (docs/benchmarks/offload.md).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,7 +29,7 @@ from ..memory.cards import Card
 from ..memory.cards.step import CardStep, predict_step
 from .errors import BudgetTooSmallError
 from .modules.plan_module import ModulePlan, plain_module, plan_module
-from .plans import Plan, clear_plan, plan_set_aside
+from .plans import Plan, plan_applied, plan_set_aside
 
 __all__ = ["with_offload", "offloaded", "plan_offload", "plan_module_offload",
            "largest_offload_batch", "CANDIDATES"]
@@ -57,16 +56,8 @@ def _price(model: nn.Module, batch: Any, plan: Plan, on: Card,
            loss_fn: Callable[[Any], torch.Tensor] | None,
            optimizer: torch.optim.Optimizer | None) -> CardStep:
     """The card's predicted step of ``model`` running ``plan`` (the model is left as it was)."""
-    aside = plan_set_aside(model) if plan.spine is None else contextlib.nullcontext()
-    mode = getattr(model, "grad_checkpointing", None)  # a hand mode the caller set stays
-    with aside:
-        plan.apply(model)
-        try:
-            return predict_step(model, batch, on, loss_fn, optimizer=optimizer)
-        finally:
-            clear_plan(model, plan)
-            if mode is not None:
-                model.set_grad_checkpointing(mode)
+    with plan_applied(model, plan):
+        return predict_step(model, batch, on, loss_fn, optimizer=optimizer)
 
 
 def with_offload(model: nn.Module, batch: Any, budget: float, choices: Sequence[Plan],

@@ -20,7 +20,7 @@ from .profiling.chain_profile import ChainProfile
 from .search.savesets import apply_save_sets, save_sets_removed
 from .modules.spine import apply_spine, spine_steps
 
-__all__ = ["Plan", "plan_set_aside", "clear_plan", "cheapest"]
+__all__ = ["Plan", "plan_set_aside", "plan_applied", "clear_plan", "cheapest"]
 
 
 @contextlib.contextmanager
@@ -39,6 +39,22 @@ def plan_set_aside(model: nn.Module) -> Iterator[None]:
         model.checkpoint_plan = plan
         if modes is not None:
             model.checkpoint_block_modes = modes
+
+
+@contextlib.contextmanager
+def plan_applied(model: nn.Module, plan: Any) -> Iterator[nn.Module]:
+    """``model`` running ``plan`` for the duration, then as it was: a plan applied before (its
+    segments, block modes, save sets) and a hand mode the caller set are put back."""
+    aside = plan_set_aside(model) if plan.spine is None else contextlib.nullcontext()
+    mode = getattr(model, "grad_checkpointing", None)
+    with aside:
+        plan.apply(model)
+        try:
+            yield model
+        finally:
+            clear_plan(model, plan)
+            if mode is not None:
+                model.set_grad_checkpointing(mode)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from ..memory.step import measure_step
 from ..memory.optimizer import state_bytes
 from .errors import BudgetTooSmallError
 from .modules.spine import Spine
-from .plans import Plan, clear_plan, plan_set_aside, cheapest
+from .plans import Plan, cheapest, plan_applied
 
 __all__ = ["WholeStep", "describe_step"]
 
@@ -71,16 +71,9 @@ class WholeStep:
         if isinstance(self.model, Spine):  # planned over the wrapper: its own names
             plan = dataclasses.replace(plan, spine=None)
         if key not in self._peaks:
-            with step_precision(self.precision), plan_set_aside(self.model):
-                mode = getattr(self.model, "grad_checkpointing", None)
-                plan.apply(self.model)
-                try:
-                    self._peaks[key] = measure_step(self.model, self.batch, self.loss_fn,
-                                                    self.fake)[0]
-                finally:
-                    clear_plan(self.model, plan)
-                    if mode is not None:
-                        self.model.set_grad_checkpointing(mode)
+            with step_precision(self.precision), plan_applied(self.model, plan):
+                self._peaks[key] = measure_step(self.model, self.batch, self.loss_fn,
+                                                self.fake)[0]
         return self._peaks[key]
 
     def pick(self, choices: Sequence[Plan], budget: float) -> Plan:
