@@ -119,6 +119,8 @@ NAMES: dict[str, Name] = {
     "torch._functorch.partitioners.min_cut_rematerialization_partition": Name(
         OLDEST, "required (compiled memory)"),
     "torch._prims.rng_prims": Name(OLDEST, "required (compiled memory on meta)"),
+    "torch._inductor.decomposition.select_decomp_table": Name(
+        OLDEST, "required (a compiled step on a card)"),
     "torch.fx.experimental.proxy_tensor.get_proxy_mode": Name((2, 5), "exact: torch's rule"),
     # FakeTensor and the memory tracker
     "torch._subclasses.fake_tensor.FakeTensor": Name(OLDEST, "required (planner)"),
@@ -368,6 +370,8 @@ min_cut_rematerialization_partition = lazy(
     "torch._functorch.partitioners.min_cut_rematerialization_partition",
     "the compiled-memory peer")
 rng_prims = lazy("torch._prims.rng_prims", "the compiled-memory peer on meta")
+inductor_decompositions = lazy("torch._inductor.decomposition.select_decomp_table",
+                               "a compiled step predicted on a card")
 
 
 def default_view_ops() -> Any:

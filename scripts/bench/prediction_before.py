@@ -6,11 +6,14 @@ step time on a named card, with the model's constants frozen (``H100_HOST``, ``H
 fitted on the H100 rows, never on the card predicted) and the commits that made them and the
 predictions. The file is committed before the card runs; the prediction page then shows the
 card's measurements beside it, out of sample. A new card's constants are refitted only in a new
-before-file. Compiled variants are filed without figures: their graphs (inductor's kernels, CUDA
-graphs) are not replayed by the card model, which says so in the row.
+before-file. Compiled variants (``torch.compile``, and with ``mode="reduce-overhead"``: CUDA graph
+trees) are predicted from the graphs inductor would receive
+(:func:`zoo.memory.cards.compiled_step.predict_compiled_step`), each row with the kernels it
+counts; one whose graphs cannot be captured is filed with the reason instead of figures.
 """
 from __future__ import annotations
 
+import copy
 import datetime
 import subprocess
 import time
@@ -21,19 +24,19 @@ import torch
 
 from zoo.memory import format_bytes, predict_step
 from zoo.memory.cards import H100_ACHIEVED, H100_HOST, Card, card
+from zoo.memory.cards.compiled_step import H100_LAUNCH, predict_compiled_step
 
 from .max_batch import CardPredictor, search_largest_batch
 from .region_chain import CHECKPOINTS, REGIONS, WIDTH, chain_input, make_chain
+from .measure import one_line
 from .report import command_line, machine_info, write_json
 from .suite import DTYPES, PARTS, _label, workloads
-from .variants import build_variant, create
+from .variants import COMPILED_PREFIX, GRAPHED_PREFIX, PLAIN, ZOO_PREFIX, build_variant, create
 
 __all__ = ["before_rows", "file_before", "before_table"]
 
 ROOT = Path(__file__).resolve().parents[2]
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}
-_COMPILED = "not predicted: the card model replays eager steps only (compiled graphs, CUDA " \
-            "graphs and their kernels are not replayed)"
 BUDGET = 11 * 10**9  # the max_batch part's
 
 
@@ -41,11 +44,25 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
 
-def _step(model: torch.nn.Module, x: torch.Tensor, on: Card, dtype: str) -> dict[str, Any]:
-    s = predict_step(model.train(), x, on, autocast=_AUTOCAST[dtype])
+def _step(model: torch.nn.Module, x: torch.Tensor, on: Card, dtype: str,
+          run_as: str = "eager") -> dict[str, Any]:
+    """The predicted figures of one row: ``run_as`` ``eager``, ``compiled`` (inductor) or
+    ``reduce-overhead`` (CUDA graph trees); a compiled step whose graphs cannot be captured
+    is the row's reason."""
+    model.train()
+    if run_as == "eager":
+        s = predict_step(model, x, on, autocast=_AUTOCAST[dtype])
+        extra = {}
+    else:
+        try:
+            s = predict_compiled_step(model, x, on, autocast=_AUTOCAST[dtype],
+                                      graphs=run_as == "reduce-overhead")
+        except Exception as error:  # noqa: BLE001 - filed as the row's reason
+            return {"why": f"not predicted: {one_line(error)}"}
+        extra = {"predicted_kernels": list(s.kernels)}
     return {"predicted_peak_bytes": s.peak, "predicted_device_s": s.time.device,
             "predicted_host_s": s.time.host, "predicted_link_s": s.time.link,
-            "predicted_s": s.time.step}
+            "predicted_s": s.time.step, **extra}
 
 
 def _overhead_rows(part: str, on: Card, dtype: str) -> list[dict]:
@@ -53,11 +70,22 @@ def _overhead_rows(part: str, on: Card, dtype: str) -> list[dict]:
     rows = []
     for checkpoint in CHECKPOINTS:
         x = chain_input("conv", requires_grad=True)
-        figures = _step(make_chain(REGIONS, WIDTH, checkpoint), x, on, dtype)
+        chain = make_chain(REGIONS, WIDTH, checkpoint)
         for mode in modes:
             rows.append({"checkpoint": checkpoint, "run_as": mode, "batch_size": 1,
-                         **(figures if mode == "eager" else {"why": _COMPILED})})
+                         **_step(chain, x, on, dtype, mode)})
     return rows
+
+
+def _compiled_step(model: torch.nn.Module, x: torch.Tensor, on: Card, dtype: str,
+                   name: str) -> dict[str, Any]:
+    """A ``compiled <variant>`` or ``graphed <variant>`` row: the variant's mode on a copy of
+    ``model``, predicted compiled."""
+    graphs = name.startswith(GRAPHED_PREFIX)
+    rest = name[len(GRAPHED_PREFIX if graphs else COMPILED_PREFIX):]
+    twin = copy.deepcopy(model)
+    twin.set_grad_checkpointing(False if rest == PLAIN else rest[len(ZOO_PREFIX):])
+    return _step(twin, x, on, dtype, "reduce-overhead" if graphs else "compiled")
 
 
 def _benchmark_rows(part: str, on: Card, dtype: str) -> list[dict]:
@@ -70,8 +98,8 @@ def _benchmark_rows(part: str, on: Card, dtype: str) -> list[dict]:
             for name in w.names(model):
                 row = {"model": _label(w.model), "size": w.size, "batch_size": batch,
                        "variant": name}
-                if name.startswith(("compiled", "graphed")):
-                    rows.append(dict(row, why=_COMPILED))
+                if name.startswith((COMPILED_PREFIX, GRAPHED_PREFIX)):
+                    rows.append(dict(row, **_compiled_step(model, x, on, dtype, name)))
                     continue
                 v = build_variant(model, name)
                 v.prepare()
@@ -122,9 +150,11 @@ def file_before(card_name: str, json_out: str | None = None) -> dict:
         "machine": machine_info(torch.device("cpu")), "date": datetime.date.today().isoformat(),
         "code_commit": _git("rev-parse", "HEAD"),
         "code_dirty": bool(_git("status", "--porcelain", "--", "zoo", "scripts")),
-        "constants": {"host": H100_HOST.__dict__, "achieved": H100_ACHIEVED.__dict__},
-        "constants_commit": _git("log", "-1", "--format=%H", "-G", r"H100_(HOST|ACHIEVED) = ",
-                                 "--", timing, "zoo/memory/cards.py"),
+        "constants": {"host": H100_HOST.__dict__, "achieved": H100_ACHIEVED.__dict__,
+                      "launch": H100_LAUNCH},
+        "constants_commit": _git("log", "-1", "--format=%H", "-G",
+                                 r"H100_(HOST|ACHIEVED|LAUNCH) = ", "--", timing,
+                                 "zoo/memory/cards/compiled_step.py", "zoo/memory/cards.py"),
         "out_of_sample": True,
     }
     payload["rows"] = before_rows(on)

@@ -18,6 +18,7 @@ them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -122,6 +123,14 @@ def _overload(name: str) -> Any:
     return getattr(getattr(torch.ops.aten, base), overload or "default")
 
 
+@functools.cache
+def _spare_mode() -> Any:
+    """A fake mode for the probe where the argument is a fake tensor wrapped by a tracer
+    (AOTAutograd's functional tensors, compiling a step): any fake mode makes the probe's
+    tensors."""
+    return _torch.FakeTensorMode()
+
+
 def _cuda_cast(op: Any, args: Any, kwargs: Any) -> torch.dtype | None:
     """The floating dtype CUDA's autocast kernel gives ``op``'s first output on arguments like
     these (fake CUDA tensors of the same shapes and dtypes, under CUDA autocast at CPU
@@ -130,7 +139,8 @@ def _cuda_cast(op: Any, args: Any, kwargs: Any) -> torch.dtype | None:
     def on_cuda(t: torch.Tensor) -> torch.Tensor:
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
 
-    fake = next((t.fake_mode for t in tree_flatten((args, kwargs))[0]
+    fake = next((getattr(t, "fake_mode", None) or _spare_mode()
+                 for t in tree_flatten((args, kwargs))[0]
                  if isinstance(t, torch.Tensor) and _torch.is_fake(t)), None)
     if fake is None:
         return None
