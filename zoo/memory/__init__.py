@@ -219,7 +219,9 @@ def median_seconds(step: Callable[[], Any], repeats: int = 5, warmup: int = 2,
 
 # A step on a named CUDA card, predicted without one (zoo.memory.cards: the card model)
 from .cards.step import CardStep, predict_step  # noqa: E402
+from .cards.compiled_step import CompiledCardStep, predict_compiled_step  # noqa: E402
 from .cards.on_card import on_card  # noqa: E402
 from .cards import CARDS, Card, card  # noqa: E402
 
-__all__ += ["CardStep", "predict_step", "CARDS", "Card", "card", "on_card"]
+__all__ += ["CardStep", "predict_step", "CompiledCardStep", "predict_compiled_step", "CARDS",
+            "Card", "card", "on_card"]
