@@ -63,7 +63,9 @@ def capture_graphs(model: nn.Module, example_input: Any,
                    autocast: torch.dtype | None = None) -> tuple[Graph, Graph, FakeStep]:
     """The forward and backward graphs ``torch.compile(model, fullgraph=True)`` gives inductor
     for one training step on ``example_input`` (in ``autocast`` as CUDA's op lists cast), traced
-    on fake copies of the model's state (returned: the :class:`~zoo.memory.fake.FakeStep`)."""
+    on fake copies of the model's state (returned: the :class:`~zoo.memory.fake.FakeStep`).
+    Dynamo's caches are reset before and after, so each call traces afresh (code this process
+    compiled before compiles again at its next call)."""
     fake = FakeStep(check_model(model), example_input)
     graphs: dict[str, torch.fx.GraphModule] = {}
 
@@ -86,13 +88,15 @@ def capture_graphs(model: nn.Module, example_input: Any,
     cast = torch.autocast("cpu", dtype=autocast, cache_enabled=False) if autocast is not None \
         else torch.autocast("cpu", enabled=False)
     _torch.dynamo().reset()
-    with fake_logs_quiet(model, fake.input), fake.mode, cuda_autocast(autocast is not None), \
-            _torch.reparametrize_module(model, fake.state):
-        compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
-        with cast:
-            loss = (loss_fn or default_loss)(fake.input.call(compiled))
-        loss.backward()
-    _torch.dynamo().reset()
+    try:
+        with fake_logs_quiet(model, fake.input), fake.mode, \
+                cuda_autocast(autocast is not None), _torch.reparametrize_module(model, fake.state):
+            compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+            with cast:
+                loss = (loss_fn or default_loss)(fake.input.call(compiled))
+            loss.backward()
+    finally:
+        _torch.dynamo().reset()
     if set(graphs) != {"forward", "backward"}:
         raise RuntimeError(f"expected a compiled forward and backward, got {sorted(graphs)}")
     return Graph(graphs["forward"]), Graph(graphs["backward"]), fake
