@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -31,13 +32,14 @@ from .report import comma_list, machine_info, write_json
 from .suite import DTYPES, PARTS, device_tag, markdown, run_part
 from .suite_check import problems
 
-__all__ = ["gpu", "run_one", "done"]
+__all__ = ["gpu", "run_one", "done", "compile_ahead"]
 
 SMOKE_BUDGET = "16MB"
 # the order of a whole run on a GPU: the parts without compiled rows first (a minute or so each),
 # so a lease that ends early has them; then the ones that compile (docs/benchmarks/gpu.md)
 FIRST_UNCOMPILED = ("resnet50", "bert", "max_batch", "densenet_b64", "densenet_b256",
                     "overhead", "overhead_graphs")
+COMPILING = FIRST_UNCOMPILED[3:]  # the parts with compiled rows
 
 
 def run_one(part: str, settings: dict[str, Any], out_dir: str | Path) -> Path:
@@ -73,16 +75,60 @@ def done(part: str, out_dir: str | Path, device: str, dtypes: tuple[str, ...]) -
 
 
 def _each_part_apart(flags: dict[str, Any], skip: tuple[str, ...] = ()) -> list[str]:
-    """Every part but ``skip`` in a process of its own (fresh CUDA memory and compile caches;
-    one part's crash does not stop the others); the parts that failed."""
-    args = [f"--{k}={','.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
+    """Every part but ``skip`` in a process of its own (fresh CUDA memory and in-memory
+    compile state; one part's crash does not stop the others); the parts that failed."""
+    failed = []
+    for part in FIRST_UNCOMPILED:
+        if part not in skip:
+            cmd, env = _command(part, _flags(flags))
+            if subprocess.run(cmd, env=env).returncode:
+                failed.append(part)
+    return failed
+
+
+def _flags(flags: dict[str, Any]) -> list[str]:
+    return [f"--{k}={','.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
             for k, v in flags.items() if v is not None]
+
+
+def _command(part: str, args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that run ``part`` in a process of its own."""
     env = dict(os.environ)  # the children import this same zoo
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(zoo.__file__).parents[1]),
                                                       env.get("PYTHONPATH")]))
-    return [part for part in FIRST_UNCOMPILED if part not in skip
-            and subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmark.py"), "gpu", "--part", part, *args],
-                              env=env).returncode]
+    script = str(Path(__file__).parents[1] / "benchmark.py")
+    return [sys.executable, script, "gpu", "--part", part, *args], env
+
+
+def compile_ahead(parts: tuple[str, ...], dtypes: tuple[str, ...], args: list[str],
+                  workers: int) -> float:
+    """Compile the compiled variants of ``parts`` before they are measured: each (part,
+    precision) runs once with one timed round into a scratch folder, ``workers`` processes at
+    a time, and only inductor's and Triton's on-disk caches are kept (one per user, read by
+    every process after). The measured runs then trace their graphs again but take the
+    kernels from the caches, so the compiles of a whole run overlap instead of queueing one
+    after another. A job that fails is reported and left to the measured run. Returns the
+    phase's wall seconds."""
+    start, running = time.perf_counter(), []
+    with tempfile.TemporaryDirectory() as scratch:
+        for part in parts:
+            for dtype in dtypes:
+                while len([p for p in running if p[2].poll() is None]) >= workers:
+                    time.sleep(1)
+                cmd, env = _command(part, [*args, f"--dtype={dtype}", "--repeats=1",
+                                           "--warmup=0", f"--out_dir={scratch}"])
+                log = open(Path(scratch) / f"{part}_{dtype}.log", "w")  # noqa: SIM115
+                running.append((part, dtype, subprocess.Popen(cmd, env=env, stdout=log,
+                                                              stderr=subprocess.STDOUT), log))
+        for part, dtype, proc, log in running:
+            if proc.wait():
+                print(f"precompile: {part} ({dtype}) exited {proc.returncode}; its measured "
+                      f"run will compile from scratch", flush=True)
+            log.close()
+    seconds = time.perf_counter() - start
+    print(f"precompile: {len(running)} runs of {', '.join(parts)} in {seconds:.0f} s, "
+          f"{workers} at a time", flush=True)
+    return seconds
 
 
 def _every_part_here(settings: dict[str, Any], out_dir: str) -> list[str]:
@@ -100,7 +146,8 @@ def _every_part_here(settings: dict[str, Any], out_dir: str) -> list[str]:
 def gpu(part: str = "all", smoke: bool = False, device: str | None = None,
         out_dir: str = "docs/results", repeats: int | None = None, warmup: int | None = None,
         budget: str | None = None, checkpoints: str | tuple | None = None,
-        backend: str | None = None, dtype: str = "both", resume: bool = False) -> list[str]:
+        backend: str | None = None, dtype: str = "both", resume: bool = False,
+        precompile: int = 0) -> list[str]:
     """Every GPU figure, one part at a time (--part), each part in < 10 minutes.
 
     ``--part`` runs one part (overhead, overhead_graphs, densenet_b64, densenet_b256, resnet50,
@@ -113,7 +160,9 @@ def gpu(part: str = "all", smoke: bool = False, device: str | None = None,
     parts' subset of 'torch non-reentrant,torch reentrant,zoo.checkpoint', ``--backend`` the
     torch.compile backend (inductor; smoke aot_eager). ``--resume``: skip each part already
     written in ``--out_dir`` for this device and torch, in these precisions, holding
-    (:func:`done`).
+    (:func:`done`). ``--precompile N`` (a whole run): after the parts that compile nothing,
+    compile every compiled variant of the parts still to run, N processes at a time, into the
+    on-disk compile caches (:func:`compile_ahead`), then measure those parts.
     """
     if part != "all" and part not in PARTS:
         raise ValueError(f"unknown part {part!r}; expected all or one of {', '.join(PARTS)}")
@@ -140,9 +189,14 @@ def gpu(part: str = "all", smoke: bool = False, device: str | None = None,
     skip = tuple(p for p in PARTS if resume and done(p, out_dir, device, dtypes))
     if skip:
         print(f"--resume: {', '.join(skip)} already measured here, skipped", flush=True)
-    failed = _each_part_apart({"device": device, "out_dir": out_dir, "repeats": repeats,
-                               "warmup": warmup, "budget": budget, "checkpoints": checkpoints,
-                               "backend": backend, "dtype": dtype}, skip)
+    flags = {"device": device, "out_dir": out_dir, "repeats": repeats, "warmup": warmup,
+             "budget": budget, "checkpoints": checkpoints, "backend": backend, "dtype": dtype}
+    failed = _each_part_apart(flags, skip + COMPILING)  # kept if a lease ends during compiles
+    if precompile > 0:
+        compile_ahead(tuple(p for p in COMPILING if p not in skip), dtypes,
+                      _flags({"device": device, "backend": backend, "checkpoints": checkpoints}),
+                      precompile)
+    failed += _each_part_apart(flags, skip + tuple(p for p in PARTS if p not in COMPILING))
     if failed:
         print(f"error: part(s) {', '.join(failed)} failed (see above)", file=sys.stderr)
         sys.exit(1)

@@ -130,3 +130,19 @@ def test_resume_skips_only_a_part_this_device_measured_and_that_holds(tmp_path: 
     assert not done("bert", tmp_path, "cpu", ("fp32", "bf16"))  # a precision missing
     write([], ["fp32", "bf16"], "2.0.0")
     assert not done("bert", tmp_path, "cpu", ("fp32",))  # another torch
+
+
+def test_compile_ahead_runs_each_part_and_precision_apart_and_keeps_nothing_but_caches(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
+    """``gpu --precompile``'s phase: real processes, one per (part, precision), two at a time;
+    their tables go to a scratch folder that is removed, and a run that fails is named."""
+    from bench.gpu import compile_ahead
+
+    monkeypatch.chdir(tmp_path)
+    seconds = compile_ahead(("overhead", "no_such_part"), ("fp32",), ["--smoke"], 2)
+    out = capsys.readouterr().out
+    assert seconds > 0
+    assert "precompile: no_such_part (fp32) exited " in out
+    assert "overhead (fp32) exited" not in out
+    assert "precompile: 2 runs of overhead, no_such_part in" in out
+    assert list(tmp_path.iterdir()) == []
