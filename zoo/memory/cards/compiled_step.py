@@ -47,6 +47,10 @@ __all__ = ["CompiledCardStep", "predict_compiled_step", "capture_graphs", "H100_
 # 33 ms a step, host-bound), less that step's autograd-engine nodes at H100_HOST's rate, over
 # the 750 kernels this model counts in it. In-sample for that row only.
 H100_LAUNCH = 38.7e-6
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten.baddbmm.default}  # cuBLAS: a workspace on the thread that runs them
+_LOSS_OPS = 3  # float(), square(), mean() of the default loss, issued from Python
+_LOSS_BACKWARD = ("MeanBackward", "PowBackward", "ToCopyBackward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +131,10 @@ def _replay(graph: Graph, ks: list[Kernel], allocator: CachingAllocator,
     return blocks
 
 
-def _peak(forward: Graph, backward: Graph, fake: FakeStep, on: Card, graphs: bool) -> int:
-    fk, bk = kernels(forward), kernels(backward)
+def _peak(forward: Graph, backward: Graph, fk: list[Kernel], bk: list[Kernel], fake: FakeStep,
+          on: Card, graphs: bool) -> int:
+    """The step's ``max_memory_allocated``: the graphs' kernels ``fk`` and ``bk`` replayed
+    after the state, the batch and the workspaces (module docstring)."""
     allocator = CachingAllocator()
     for t in fake.tensors + fake.input.tensors():
         allocator.malloc(t.untyped_storage().nbytes())
@@ -155,10 +161,6 @@ def _peak(forward: Graph, backward: Graph, fake: FakeStep, on: Card, graphs: boo
     return allocator.peak
 
 
-_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten.baddbmm.default}
-
-
 def predict_compiled_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
                           loss_fn: Callable[[Any], torch.Tensor] | None = None,
                           autocast: torch.dtype | None = None, graphs: bool = False,
@@ -171,8 +173,8 @@ def predict_compiled_step(model: nn.Module, example_input: Any, on: str | Card =
     :func:`~.step.predict_step` takes them; ``launch``: the host's seconds per kernel."""
     target = card(on)
     forward, backward, fake = capture_graphs(model, example_input, loss_fn, autocast)
-    peak = _peak(forward, backward, fake, target, graphs)
     fk, bk = kernels(forward), kernels(backward)
+    peak = _peak(forward, backward, fk, bk, fake, target, graphs)
     device = sum(op_seconds(kernel_record(g, k, g is backward), target, achieved)
                  for g, ks in ((forward, fk), (backward, bk)) for k in ks)
     trainable = sum(t.requires_grad for t in fake.tensors + fake.input.tensors())
@@ -182,6 +184,3 @@ def predict_compiled_step(model: nn.Module, example_input: Any, on: str | Card =
     return CompiledCardStep(target, peak, StepTime(device, host_s), 0,
                             (len(fk), len(bk)), graphs)
 
-
-_LOSS_OPS = 3  # float(), square(), mean() of the default loss, issued from Python
-_LOSS_BACKWARD = ("MeanBackward", "PowBackward", "ToCopyBackward")
