@@ -11,7 +11,7 @@ from zoo.memory import predict_step
 from zoo.memory.quiet import BatchError
 from zoo.memory.cards.allocator import round_size
 from zoo.memory.cards.compiled_step import capture_graphs, predict_compiled_step
-from zoo.memory.cards.inductor import kernel_record, kernels, nbytes
+from zoo.memory.cards.inductor import kernel_record, kernels, nbytes, value
 
 WIDTH, BATCH = 256, 512
 
@@ -48,6 +48,26 @@ def test_pointwise_ops_between_matmuls_fuse_into_one_kernel_that_stores_one_buff
     eager = predict_step(model, x, "h100")
     assert compiled.peak < eager.peak
     assert compiled.kernels[0] == 3
+
+
+def test_batchnorm_fuses_as_inductor_splits_it_on_cuda():
+    """Forward: a reduction kernel with the inverse deviation as its epilogue, then one
+    normalizing kernel (ReLU, and the ReLU's backward mask, inside); backward: the two sums with
+    the weight's gradient as their epilogue (a node later in the graph, moved back), then the
+    input's gradient."""
+    forward, backward, _ = capture_graphs(_conv_net(), torch.randn(4, 8, 8, 8))
+
+    def shapes(graph, k):
+        return [(graph.kind[n], tuple(value(n).shape) if graph.kind[n] == "pointwise" else None)
+                for n in k.nodes]
+
+    fk = [shapes(forward, k) for k in kernels(forward) if not k.extern]
+    assert fk[0] == [("reduction", None), ("pointwise", (1, 16, 1, 1))]
+    assert fk[1] == [("pointwise", (4, 16, 8, 8))]
+    assert fk[3] == [("pointwise", (4, 16, 8, 8))] * 2  # relu and its mask
+    bk = [shapes(backward, k) for k in kernels(backward) if not k.extern]
+    assert [("reduction", None), ("reduction", None), ("pointwise", (16,))] in bk
+    assert sum(1 for k in bk if k == [("pointwise", (4, 16, 8, 8))]) == 2
 
 
 def test_the_extern_kernels_carry_the_eager_steps_flops():

@@ -45,8 +45,8 @@ __all__ = ["CompiledCardStep", "predict_compiled_step", "capture_graphs", "H100_
 # Seconds the host spends per kernel inductor launches: fitted on the one compiled row of the
 # H100 machine (docs/results/gpu_densenet_b64_h100.md: DenseNet-BC-100 b64 compiled plain,
 # 33 ms a step, host-bound), less that step's autograd-engine nodes at H100_HOST's rate, over
-# the 750 kernels this model counts in it. In-sample for that row only.
-H100_LAUNCH = 38.7e-6
+# the 597 kernels this model counts in it (248 forward, 349 backward). In-sample for that row.
+H100_LAUNCH = 48.6e-6
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
             torch.ops.aten.baddbmm.default}  # cuBLAS: a workspace on the thread that runs them
 _LOSS_OPS = 3  # float(), square(), mean() of the default loss, issued from Python
@@ -115,14 +115,23 @@ def _like(v: Any) -> Any:
 
 def _replay(graph: Graph, ks: list[Kernel], allocator: CachingAllocator,
             live: dict[torch.fx.Node, Any]) -> dict[torch.fx.Node, Any]:
-    """Run ``ks``'s allocations: each written buffer allocated at its kernel, freed after the
-    last kernel reading it unless a graph output; ``live``: blocks of the graph's inputs that
-    the graph may free (the rest are held by the caller). Returns the outputs' blocks."""
+    """Run ``ks``'s allocations: each written buffer allocated at its kernel (a fused kernel
+    writes in place of a buffer of the same bytes it reads for the last time, as inductor's
+    ``inplace_buffers`` does), freed after the last kernel reading it unless a graph output;
+    ``live``: blocks of the graph's inputs that the graph may free (the rest are held by the
+    caller). Returns the outputs' blocks."""
     last = {b: i for i, k in enumerate(ks) for b in k.reads}
     blocks = dict(live)
     for i, k in enumerate(ks):
+        dying = [] if k.extern else [b for b in k.reads if last[b] == i and b in blocks
+                                     and b not in graph.outputs]
         for b in k.writes:
-            blocks[b] = allocator.malloc(nbytes(b))
+            same = next((d for d in dying if nbytes(d) == nbytes(b)), None)
+            if same is not None:  # inductor writes in place of an input read here last
+                dying.remove(same)
+                blocks[b] = blocks.pop(same)
+            else:
+                blocks[b] = allocator.malloc(nbytes(b))
         for b in k.reads:
             if last[b] == i and b not in graph.outputs and b in blocks:
                 allocator.free(blocks.pop(b))

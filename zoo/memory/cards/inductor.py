@@ -16,9 +16,15 @@ reference):
   A ``copy_`` into a graph input (BatchNorm's running statistics) is a store of the kernel
   before it, no kernel of its own. Views are their base's buffer.
 * **Kernels** (:func:`kernels`): one per extern op, one per stored pointwise or reduction value;
-  the scheduler's vertical and horizontal fusion joins a kernel to the one before when both
-  loop over the same number of elements and share a buffer (one reads what the other reads or
-  writes). A buffer only its own kernel reads, and no graph output, is then never stored.
+  the scheduler's vertical and horizontal fusion joins a kernel to an earlier one (among the
+  last :data:`WINDOW`, none of those between writing what it reads) when they share a buffer
+  and a loop: pointwise over the same elements, a pointwise epilogue over a reduction's output
+  (BatchNorm's inverse deviation), a reduction over what a pointwise kernel makes or beside
+  another over the same elements. A pointwise pass over a reduction's whole input stays a
+  kernel of its own (a Triton reduction over tens of thousands of elements per channel is not
+  held in registers), as inductor splits BatchNorm into a reduction and a normalizing kernel
+  on CUDA. A buffer only its own kernel reads, and no graph output, is then never stored;
+  a fused kernel writes in place of a buffer of the same size it reads for the last time.
 * Each kernel's bytes: the buffers it reads from before it and the buffers it writes; an
   extern kernel's FLOPs are ``torch.utils.flop_counter``'s.
 
@@ -162,16 +168,33 @@ class Kernel:
     reads: set[torch.fx.Node]
     extra: int = 0
 
-    def loop(self, graph: Graph) -> int:
-        """Elements the kernel loops over: a reduction's input's, else its first output's."""
-        n = self.nodes[0]
-        if graph.kind[n] == "reduction":
-            return max((nbytes(a) // value(a).element_size()
-                        for a in n.all_input_nodes if nbytes(a)), default=0)
-        v = value(n)
-        v = v[0] if isinstance(v, (tuple, list)) else v
-        numel = v.numel() if isinstance(v, torch.Tensor) else 0
-        return numel if isinstance(numel, int) else 0
+    def loops(self, graph: Graph) -> tuple[set[int], set[int]]:
+        """The elements the kernel's loops run over, as inductor's scheduler groups them:
+        ``points``, each pointwise node's elements and each reduction's outputs (a pointwise
+        node on a reduction's result is its epilogue), and ``totals``, each reduction's input
+        elements (a reduction over what a pointwise node makes reads it in the same loop)."""
+        points, totals = set(), set()
+        for n in self.nodes:
+            v = value(n)
+            v = v[0] if isinstance(v, (tuple, list)) else v
+            numel = v.numel() if isinstance(v, torch.Tensor) else 0
+            numel = numel if isinstance(numel, int) else 0
+            points.add(numel)
+            if graph.kind[n] == "reduction":
+                totals.add(max((nbytes(a) // value(a).element_size()
+                                for a in n.all_input_nodes if nbytes(a)), default=0))
+        return points, totals
+
+    def joins(self, prev: Kernel, graph: Graph) -> bool:
+        """Whether the scheduler fuses this kernel into ``prev``: neither extern, a buffer
+        shared (read by both, or written by ``prev`` and read here), and a loop in common: a
+        pointwise kernel over elements ``prev`` loops over pointwise or as a reduction's
+        output; a reduction over elements ``prev`` makes pointwise or reduces too."""
+        if self.extern or prev.extern or not self.reads & (set(prev.writes) | prev.reads):
+            return False
+        points, totals = self.loops(graph)
+        before, reduced = prev.loops(graph)
+        return bool(totals & (before | reduced)) if totals else bool(points & before)
 
 
 def _unfused(graph: Graph) -> Iterator[Kernel]:
@@ -188,17 +211,31 @@ def _unfused(graph: Graph) -> Iterator[Kernel]:
         yield last
 
 
+WINDOW = 8  # kernels back a fused kernel may move to, past those it does not depend on
+
+
+def _fuses_into(k: Kernel, out: list[Kernel], graph: Graph) -> Kernel | None:
+    """The latest of the last :data:`WINDOW` kernels that ``k`` joins and may move back to:
+    none of the kernels after it writes a buffer ``k`` reads (the scheduler fuses nodes that are
+    not neighbours in the graph's order when no dependency lies between them)."""
+    for back in range(len(out) - 1, max(len(out) - WINDOW, 0) - 1, -1):
+        if k.joins(out[back], graph):
+            return out[back]
+        if k.reads & set(out[back].writes):
+            return None
+    return None
+
+
 def kernels(graph: Graph) -> list[Kernel]:
     """The graph's kernels in order, fused as the module docstring says."""
     out: list[Kernel] = []
     for k in _unfused(graph):
-        prev = out[-1] if out else None
-        if prev is not None and not k.extern and not prev.extern and \
-                k.loop(graph) == prev.loop(graph) and k.reads & (set(prev.writes) | prev.reads):
-            prev.nodes += k.nodes
-            prev.writes += k.writes
-            prev.reads |= k.reads
-            prev.extra += k.extra
+        into = _fuses_into(k, out, graph)
+        if into is not None:
+            into.nodes += k.nodes
+            into.writes += k.writes
+            into.reads |= k.reads
+            into.extra += k.extra
         else:
             out.append(k)
     for k in out:
