@@ -198,17 +198,24 @@ class Kernel:
 
 
 def _unfused(graph: Graph) -> Iterator[Kernel]:
-    last: Kernel | None = None
     for n in graph.nodes:
         kind = graph.kind[n]
-        if kind == "mutation" and last is not None:
-            last.extra += nbytes(n)
         if kind not in ("extern", "reduction", "cat", "pointwise") or \
                 (n not in graph.stored and not graph.multi(n)):
             continue
         writes = [u for u in n.users if graph.kind[u] == "item"] if graph.multi(n) else [n]
-        last = Kernel(kind == "extern", [n], writes, graph.read_by(n))
-        yield last
+        yield Kernel(kind == "extern", [n], writes, graph.read_by(n))
+
+
+def _add_mutations(graph: Graph, out: list[Kernel]) -> None:
+    """Each store into a graph input (``mutation``) counted in the kernel of the nearest node
+    before it: inductor writes the new value there."""
+    owner = {n: k for k in out for n in k.nodes}
+    last: Kernel | None = None
+    for n in graph.nodes:
+        last = owner.get(n, last)
+        if graph.kind[n] == "mutation" and last is not None:
+            last.extra += nbytes(n)
 
 
 WINDOW = 8  # kernels back a fused kernel may move to, past those it does not depend on
@@ -235,9 +242,9 @@ def kernels(graph: Graph) -> list[Kernel]:
             into.nodes += k.nodes
             into.writes += k.writes
             into.reads |= k.reads
-            into.extra += k.extra
         else:
             out.append(k)
+    _add_mutations(graph, out)
     for k in out:
         mine = set(k.writes)
         k.reads -= mine
