@@ -13,7 +13,6 @@ counts; one whose graphs cannot be captured is filed with the reason instead of 
 """
 from __future__ import annotations
 
-import copy
 import datetime
 import subprocess
 import time
@@ -31,7 +30,7 @@ from .region_chain import CHECKPOINTS, REGIONS, WIDTH, chain_input, make_chain
 from .measure import one_line
 from .report import command_line, machine_info, write_json
 from .suite import DTYPES, PARTS, _label, workloads
-from .variants import COMPILED_PREFIX, GRAPHED_PREFIX, PLAIN, ZOO_PREFIX, build_variant, create
+from .variants import COMPILED_PREFIX, GRAPHED_PREFIX, build_variant, create
 
 __all__ = ["before_rows", "file_before", "before_table"]
 
@@ -77,17 +76,6 @@ def _overhead_rows(part: str, on: Card, dtype: str) -> list[dict]:
     return rows
 
 
-def _compiled_step(model: torch.nn.Module, x: torch.Tensor, on: Card, dtype: str,
-                   name: str) -> dict[str, Any]:
-    """A ``compiled <variant>`` or ``graphed <variant>`` row: the variant's mode on a copy of
-    ``model``, predicted compiled."""
-    graphs = name.startswith(GRAPHED_PREFIX)
-    rest = name[len(GRAPHED_PREFIX if graphs else COMPILED_PREFIX):]
-    twin = copy.deepcopy(model)
-    twin.set_grad_checkpointing(False if rest == PLAIN else rest[len(ZOO_PREFIX):])
-    return _step(twin, x, on, dtype, "reduce-overhead" if graphs else "compiled")
-
-
 def _benchmark_rows(part: str, on: Card, dtype: str) -> list[dict]:
     rows = []
     for w in workloads(False)[part]:
@@ -98,12 +86,11 @@ def _benchmark_rows(part: str, on: Card, dtype: str) -> list[dict]:
             for name in w.names(model):
                 row = {"model": _label(w.model), "size": w.size, "batch_size": batch,
                        "variant": name}
-                if name.startswith((COMPILED_PREFIX, GRAPHED_PREFIX)):
-                    rows.append(dict(row, **_compiled_step(model, x, on, dtype, name)))
-                    continue
-                v = build_variant(model, name)
+                v = build_variant(model, name)  # a compiled one: its model in its mode
                 v.prepare()
-                rows.append(dict(row, **_step(v.model, x, on, dtype)))
+                run_as = "reduce-overhead" if name.startswith(GRAPHED_PREFIX) else \
+                    "compiled" if name.startswith(COMPILED_PREFIX) else "eager"
+                rows.append(dict(row, **_step(v.model, x, on, dtype, run_as)))
     return rows
 
 

@@ -31,7 +31,8 @@ from zoo import _torch
 from zoo.memory.host import OpCounter
 from zoo.memory.tracker import StepCounter
 
-__all__ = ["CompiledStep", "compile_step", "measure_compiled", "default_solver"]
+__all__ = ["CompiledStep", "compile_step", "measure_compiled", "default_solver",
+           "partitioned"]
 
 
 def default_solver() -> str:
@@ -122,25 +123,29 @@ class CompiledStep:
         loss.backward()
 
 
+def partitioned(fw_compiler: Callable[..., Any], bw_compiler: Callable[..., Any],
+                decompositions: dict) -> Callable[..., Any]:
+    """A Dynamo backend that splits a step as inductor's does: AOTAutograd with the min-cut
+    partitioner, input mutations kept in the graph, each graph handed to its compiler."""
+    return _torch.aot_autograd()(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                                 partition_fn=_torch.min_cut_rematerialization_partition(),
+                                 decompositions=decompositions,
+                                 keep_inference_input_mutations=True)
+
+
 def compile_step(model: nn.Module, x: torch.Tensor, budget: float,
                  loss_fn: Callable[[Any], torch.Tensor], solver: str | None = None
                  ) -> CompiledStep:
     """Compile ``loss_fn(model(x))`` (model in train mode, one graph) with inductor's partitioner
     under ``activation_memory_budget=budget`` and eager interpreted graphs, and run one step (the
     one that compiles). Dynamo's caches are reset first, so each budget compiles afresh."""
-    aot_autograd, min_cut_rematerialization_partition = _torch.aot_autograd(), \
-        _torch.min_cut_rematerialization_partition()
-
     if not 0.0 <= budget <= 1.0:
         raise ValueError(f"activation_memory_budget must be in [0, 1], got {budget!r}")
     counts = {"forward": 0, "backward": 0, "graphs": 0}
     seen: dict[str, Any] = {}
-    aot = aot_autograd(fw_compiler=lambda g, e: _interpreted(counts, "forward", g, e),
-                       bw_compiler=lambda g, e: _interpreted(counts, "backward", g, e),
-                       partition_fn=min_cut_rematerialization_partition,
-                       decompositions={torch.ops.aten.native_batch_norm_backward.default:
-                                       _batch_norm_backward},
-                       keep_inference_input_mutations=True)
+    aot = partitioned(lambda g, e: _interpreted(counts, "forward", g, e),
+                      lambda g, e: _interpreted(counts, "backward", g, e),
+                      {torch.ops.aten.native_batch_norm_backward.default: _batch_norm_backward})
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         counts["graphs"] += 1

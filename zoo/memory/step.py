@@ -20,7 +20,7 @@ from torch import nn
 from .fake import FakeStep
 from .precision import step_precision
 from .training import forward_loss
-from .cards.on_card import held_from_start, step_counter
+from .cards.on_card import held_from_start, step_counter, workspaces_as_used
 from .tracker import StepCounter
 
 __all__ = ["measure_step", "peak_bytes"]
@@ -55,10 +55,7 @@ def measure_step(model: nn.Module, example_input: Any,
             fake.clear()
         return counter
 
-    counter = run((False, True))
-    used = getattr(counter, "matmul_threads", None)  # on a card: a workspace no matmul makes
-    if used is not None and used != {False, True}:  # is not held (as predict_step)
-        counter = run(tuple(sorted(used)))
+    counter = workspaces_as_used(run)
     return counter.peak, counter.flops
 
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ... import _torch
+from ..compiled import partitioned
 from ..fake import FakeStep
 from ..inputs import check_model
 from ..quiet import fake_logs_quiet
@@ -50,7 +51,7 @@ H100_LAUNCH = 48.6e-6
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
             torch.ops.aten.baddbmm.default}  # cuBLAS: a workspace on the thread that runs them
 _LOSS_OPS = 3  # float(), square(), mean() of the default loss, issued from Python
-_LOSS_BACKWARD = ("MeanBackward", "PowBackward", "ToCopyBackward")
+_LOSS_NODES = 3  # their backward nodes: MeanBackward, PowBackward, ToCopyBackward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +86,7 @@ def capture_graphs(model: nn.Module, example_input: Any,
             return run
         return compiler
 
-    backend = _torch.aot_autograd()(
-        fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-        partition_fn=_torch.min_cut_rematerialization_partition(),
-        decompositions=_torch.inductor_decompositions()(), keep_inference_input_mutations=True)
+    backend = partitioned(keep("forward"), keep("backward"), _torch.inductor_decompositions()())
     cast = torch.autocast("cpu", dtype=autocast, cache_enabled=False) if autocast is not None \
         else torch.autocast("cpu", enabled=False)
     _torch.dynamo().reset()
@@ -187,7 +185,7 @@ def predict_compiled_step(model: nn.Module, example_input: Any, on: str | Card =
     device = sum(op_seconds(kernel_record(g, k, g is backward), target, achieved)
                  for g, ks in ((forward, fk), (backward, bk)) for k in ks)
     trainable = sum(t.requires_grad for t in fake.tensors + fake.input.tensors())
-    engine = trainable + len(_LOSS_BACKWARD) + 1
+    engine = trainable + _LOSS_NODES + 1
     launched = 2 if graphs else len(fk) + len(bk)
     host_s = launched * launch + engine * host.per_engine_op + _LOSS_OPS * host.per_op
     return CompiledCardStep(target, peak, StepTime(device, host_s), 0,

@@ -10,7 +10,7 @@ machine without one; outside the block nothing changes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 
 from ...checkpoint.offload import simulated_host
@@ -23,9 +23,11 @@ from .peak import CudaCounter, regions_counted
 from ..fake import FakeStep
 from ..tracker import StepCounter
 
-__all__ = ["on_card", "planning_on", "current_card", "step_counter", "held_from_start"]
+__all__ = ["on_card", "planning_on", "current_card", "step_counter", "held_from_start",
+           "workspaces_as_used"]
 
 _CARD: ContextVar[Card | None] = ContextVar("zoo_card", default=None)
+BOTH_THREADS = (False, True)  # the forward's thread and the autograd engine's
 
 
 @contextlib.contextmanager
@@ -56,7 +58,7 @@ def current_card() -> Card | None:
     return _CARD.get()
 
 
-def step_counter(threads: tuple[bool, ...] = (False, True)
+def step_counter(threads: tuple[bool, ...] = BOTH_THREADS
                  ) -> tuple[StepCounter, contextlib.AbstractContextManager]:
     """A counter for one fake step, and the modes to enter between the fake mode and the
     counter: the CPU's :class:`~zoo.memory.tracker.StepCounter` and nothing outside :func:`on_card`;
@@ -68,6 +70,19 @@ def step_counter(threads: tuple[bool, ...] = (False, True)
     counter = CudaCounter(CachingAllocator(), on.workspace)
     counter.hold_workspaces(threads)
     return counter, _card_kernels(counter)
+
+
+def workspaces_as_used(run: Callable[[tuple[bool, ...]], StepCounter]) -> StepCounter:
+    """The counter of ``run(threads)``, one fake step with the cuBLAS workspaces of ``threads``
+    held from its start, as a step after the first finds them: both first, then, where the
+    step ran no matmul on a thread (a card's ``matmul_threads`` says), again with only the
+    threads that did, since no such workspace is ever made there. The CPU's counter has
+    none."""
+    counter = run(BOTH_THREADS)
+    used = getattr(counter, "matmul_threads", None)
+    if used is None or used == set(BOTH_THREADS):
+        return counter
+    return run(tuple(sorted(used)))
 
 
 def held_from_start(fake: FakeStep) -> list:

@@ -24,6 +24,7 @@ from ...checkpoint.offload import simulated_host
 from ...checkpoint.offload_cost import link_wait
 from ... import _torch
 from .peak import CudaCounter, run_counted
+from .on_card import workspaces_as_used
 from ..fake import FakeStep
 from ..inputs import Batch, check_model
 from ..quiet import fake_logs_quiet
@@ -68,21 +69,22 @@ def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
     batch = Batch.of(example_input)
     model = check_model(model)
 
-    def counted(threads: tuple[bool, ...]) -> tuple[CudaCounter, list]:
+    copies: list[tuple[str, int, int, int]] = []  # the offload copies of the last step run
+
+    def counted(threads: tuple[bool, ...]) -> CudaCounter:
         counter = CudaCounter(CachingAllocator(limit), target.workspace)
-        counter.hold_workspaces(threads)  # as a step after the first finds them
-        copies: list[tuple[str, int, int, int]] = []
+        counter.hold_workspaces(threads)
+        copies.clear()
+
         def note(kind: str, key: int, nbytes: int) -> None:
             copies.append((kind, key, nbytes, len(counter.records)))
 
         with fake_logs_quiet(model, batch), simulated_host(note):
             run_on_card(model, batch, target, loss_fn, counter=counter, optimizer=optimizer,
                         autocast=autocast)
-        return counter, copies
+        return counter
 
-    counter, copies = counted((False, True))
-    if counter.matmul_threads != {False, True}:  # a workspace no matmul of the step makes
-        counter, copies = counted(tuple(sorted(counter.matmul_threads)))
+    counter = workspaces_as_used(counted)
     time = step_time(counter.records, counter.regions, target, host, achieved)
     waited = link_wait(_timed(copies, counter.records, target, achieved), target.host_link)
     return CardStep(target, counter.peak, dataclasses.replace(time, link=waited),
