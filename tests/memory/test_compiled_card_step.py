@@ -113,6 +113,25 @@ def test_bf16_autocast_runs_cudas_casts_in_the_compiled_graphs():
     assert bf16.time.device < fp32.time.device
 
 
+def test_a_hugging_face_batch_dict_with_labels_is_predicted_with_the_models_own_loss():
+    """A BERT classifier's dict with a mask and labels, fp32 and bf16 autocast: the loss is
+    the model's own, inside the compiled graph; the peak lands within 1% of the eager step's."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=64,
+                                     max_position_embeddings=64, num_labels=3,
+                                     attn_implementation="eager")
+    model = transformers.BertForSequenceClassification(config).train()
+    ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "labels": torch.tensor([0, 1, 2, 1])}
+    for dtype in (None, torch.bfloat16):
+        compiled = predict_compiled_step(model, batch, "h100", autocast=dtype)
+        eager = predict_step(model, batch, "h100", autocast=dtype)
+        assert abs(compiled.peak / eager.peak - 1) < 0.01
+        assert min(compiled.kernels) > 0
+
+
 def test_a_step_without_a_backward_is_refused():
     frozen = nn.Linear(4, 4).requires_grad_(False)
     with pytest.raises(BatchError, match="does not require grad"):

@@ -177,7 +177,9 @@ def predict_compiled_step(model: nn.Module, example_input: Any, on: str | Card =
     checkpoint mode ``model`` is set to) on ``example_input``, on card ``on``, predicted from
     the graphs inductor would receive (module docstring). ``graphs``: with
     ``mode="reduce-overhead"`` (CUDA graph trees). ``autocast``, ``host``, ``achieved``: as
-    :func:`~.step.predict_step` takes them; ``launch``: the host's seconds per kernel."""
+    :func:`~.step.predict_step` takes them; ``launch``: the host's seconds per kernel. The
+    step has no optimizer, as the GPU suite's compiled rows measure it; the host's count of
+    loss ops is the default loss's (a model's own loss is traced into the graph)."""
     target = card(on)
     forward, backward, fake = capture_graphs(model, example_input, loss_fn, autocast)
     fk, bk = kernels(forward), kernels(backward)
