@@ -22,10 +22,11 @@ must print nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -120,6 +121,42 @@ NAMES: dict[str, Name] = {
         OLDEST, "required (compiled memory)"),
     "torch._prims.rng_prims": Name(OLDEST, "required (compiled memory on meta)"),
     "torch._inductor.decomposition.select_decomp_table": Name(
+        OLDEST, "required (a compiled step on a card)"),
+    "torch._inductor.compile_fx.compile_fx": Name(OLDEST, "required (a compiled step on a card)"),
+    "torch._inductor.compile_fx.fake_tensor_prop": Name(
+        OLDEST, "required (a compiled step on a card)"),
+    "torch._inductor.compile_fx.record_original_output_strides": Name(
+        OLDEST, "required (a compiled step on a card)"),
+    "torch._inductor.graph.GraphLowering": Name(OLDEST, "required (a compiled step on a card)"),
+    "torch._inductor.scheduler.Scheduler": Name(OLDEST, "required (a compiled step on a card)"),
+    "torch._inductor.scheduler.NopKernelSchedulerNode": Name(
+        OLDEST, "required (a compiled step on a card)"),
+    "torch._inductor.ir.MultiOutput": Name(OLDEST, "required (a compiled step on a card)"),
+    "torch._inductor.ir.IRNode": Name(OLDEST, "required (a compiled step on a card)"),
+    "torch._inductor.ir.Buffer": Name(OLDEST, "required (a compiled step on a card)"),
+    "torch._inductor.ir.Layout": Name(OLDEST, "required (a compiled step on a card)"),
+    "torch._inductor.ir.MutableBox": Name(OLDEST, "required (a compiled step on a card)"),
+    "torch._inductor.ir.BaseView": Name(OLDEST, "required (a compiled step on a card)"),
+    "torch._inductor.ir.NonOwningLayout": Name(OLDEST, "required (a compiled step on a card)"),
+    "torch._inductor.ir.MutationLayoutSHOULDREMOVE": Name(
+        OLDEST, "required (a compiled step on a card)"),
+    "torch._inductor.virtualized.V": Name(OLDEST, "required (a compiled step on a card)"),
+    "torch._inductor.debug.DebugContext": Name(OLDEST, "required (a compiled step on a card)"),
+    "torch._inductor.fx_passes.post_grad.post_grad_passes": Name(
+        OLDEST, "required (a compiled step on a card)"),
+    "torch._inductor.fx_passes.post_grad.view_to_reshape": Name(
+        OLDEST, "required (a compiled step on a card)"),
+    "torch._inductor.runtime.hints.DeviceProperties": Name(
+        OLDEST, "required (a compiled step on a card)"),
+    "torch._inductor.utils.is_big_gpu": Name(OLDEST, "required (a compiled step on a card)"),
+    "torch.utils._triton.has_triton": Name(OLDEST, "required (a compiled step on a card)"),
+    "torch._dynamo.device_interface.CudaInterface": Name(
+        OLDEST, "required (a compiled step on a card)"),
+    "torch._dynamo.device_interface.device_interfaces": Name(
+        OLDEST, "required (a compiled step on a card)"),
+    "torch._dynamo.device_interface.caching_worker_device_properties": Name(
+        OLDEST, "required (a compiled step on a card)"),
+    "torch._dynamo.device_interface.caching_worker_current_devices": Name(
         OLDEST, "required (a compiled step on a card)"),
     "torch.fx.experimental.proxy_tensor.get_proxy_mode": Name((2, 5), "exact: torch's rule"),
     # FakeTensor and the memory tracker
@@ -372,6 +409,76 @@ min_cut_rematerialization_partition = lazy(
 rng_prims = lazy("torch._prims.rng_prims", "the compiled-memory peer on meta")
 inductor_decompositions = lazy("torch._inductor.decomposition.select_decomp_table",
                                "a compiled step predicted on a card")
+
+
+class Inductor(NamedTuple):
+    """Inductor's modules that :mod:`zoo.memory.cards.inductor` runs: its front end
+    (``compile_fx``), post-grad passes (``post_grad``), lowering (``graph``), IR (``ir``),
+    ``scheduler``, ``V`` (its virtualized handlers) and ``debug``."""
+    compile_fx: Any
+    post_grad: Any
+    graph: Any
+    ir: Any
+    scheduler: Any
+    V: Any
+    debug: Any
+
+
+def inductor() -> Inductor:
+    """Inductor's modules (imported on first use); a one-line error where this torch lacks a
+    name of :data:`NAMES` that the card's compiled step uses."""
+    for path in NAMES:
+        if path.startswith("torch._inductor.") and not path.startswith(
+                "torch._inductor.decomposition"):
+            lazy(path, "a compiled step predicted on a card")()
+    names = ("compile_fx", "fx_passes.post_grad", "graph", "ir", "scheduler", "virtualized",
+             "debug")
+    modules = [importlib.import_module(f"torch._inductor.{name}") for name in names]
+    modules[5] = modules[5].V
+    return Inductor(*modules)
+
+
+@contextlib.contextmanager
+def cuda_device_as(props: Any, capability: int) -> Iterator[None]:
+    """While active, Dynamo's and inductor's CUDA device interface answers with ``props``
+    (``torch.cuda.get_device_properties``'s fields: ``multi_processor_count``, ``major``, ...)
+    and compute ``capability`` (90 for 9.0) as CUDA device 0, which is available and runs
+    Triton: inductor lowers and schedules a graph for a card this machine does not have. The
+    registry, the compile workers' cached properties and the cached answers read from them
+    (device properties, Triton's presence) are as before afterwards (process-wide for the
+    duration: not thread-safe)."""
+    feature = "a compiled step predicted on a card"
+    base = lazy("torch._dynamo.device_interface.CudaInterface", feature)()
+    module = importlib.import_module(base.__module__)
+    module.get_interface_for_device("cpu")  # the registry is filled before it is changed
+    tables = [lazy(f"torch._dynamo.device_interface.{name}", feature)() for name in (
+        "device_interfaces", "caching_worker_device_properties",
+        "caching_worker_current_devices")]
+    saved = [dict(t) for t in tables]
+    caches = (lazy("torch._inductor.runtime.hints.DeviceProperties", feature)().create,
+              lazy("torch._inductor.utils.is_big_gpu", feature)(),
+              lazy("torch.utils._triton.has_triton", feature)())
+
+    def const(value: Any) -> Any:
+        return staticmethod(lambda *args, **kwargs: value)
+
+    card = type("CardInterface", (base,), {
+        "get_device_properties": const(props), "get_compute_capability": const(capability),
+        "current_device": const(0), "device_count": const(1), "is_available": const(True),
+        "is_triton_capable": const(True), "raise_if_triton_unavailable": const(None)})
+    interfaces, worker_props, worker_device = tables
+    interfaces.update({"cuda": card, "cuda:0": card})
+    worker_props["cuda"], worker_device["cuda"] = [props], 0
+    for cache in caches:
+        cache.cache_clear()
+    try:
+        yield
+    finally:
+        for table, before in zip(tables, saved):
+            table.clear()
+            table.update(before)
+        for cache in caches:
+            cache.cache_clear()
 
 
 def default_view_ops() -> Any:

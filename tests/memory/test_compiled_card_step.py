@@ -1,17 +1,22 @@
-"""A compiled step on a card, predicted from the graphs inductor would receive: which values are
-stored, which kernels are launched, the peak and the time (zoo.memory.cards.compiled_step)."""
+"""A compiled step on a card, predicted from inductor's own scheduler run for the card: which
+storages are written, which kernels launch, the peak and the time
+(zoo.memory.cards.inductor, zoo.memory.cards.compiled_step)."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from zoo import _torch
 from zoo.memory import predict_step
-from zoo.memory.quiet import BatchError
+from zoo.memory.cards import card
 from zoo.memory.cards.allocator import round_size
 from zoo.memory.cards.compiled_step import capture_graphs, predict_compiled_step
-from zoo.memory.cards.inductor import kernel_record, kernels, nbytes, value
+from zoo.memory.cards.inductor import schedule
+from zoo.memory.quiet import BatchError
 
 WIDTH, BATCH = 256, 512
 
@@ -35,14 +40,19 @@ def _conv_net() -> nn.Module:
                          nn.Linear(16 * 8 * 8, 10)).train()
 
 
+def _scheduled(model: nn.Module, x: torch.Tensor, on: str = "h100", **kwargs):
+    forward, backward, fake = capture_graphs(model, x, **kwargs)
+    saved = [n.name for n in backward.graph.nodes if n.op == "placeholder"]
+    return schedule(forward, card(on), False), schedule(backward, card(on), True), saved, fake
+
+
 def test_pointwise_ops_between_matmuls_fuse_into_one_kernel_that_stores_one_buffer():
     model, x = Pointwise().train(), torch.randn(BATCH, WIDTH)
-    forward, _, _ = capture_graphs(model, x)
-    ks = kernels(forward)
-    assert [k.extern for k in ks] == [True, False, True]
-    fused = ks[1]
-    assert len(fused.nodes) == 1 and len(fused.writes) == 1  # mul and add inlined into relu
-    assert [forward.kind[n] for n in forward.nodes].count("pointwise") == 3
+    forward, _, _, _ = _scheduled(model, x)
+    launched = [k for k in forward.kernels if k.launches]
+    assert [k.extern for k in launched] == [True, False, True]
+    assert len(launched[1].writes) == 1  # mul, add and relu: one kernel, one stored value
+    assert all(k.matmul for k in launched if k.extern)
     # the eager step stores every intermediate; compiled, the relu's output alone
     compiled = predict_compiled_step(model, x, "h100")
     eager = predict_step(model, x, "h100")
@@ -50,31 +60,42 @@ def test_pointwise_ops_between_matmuls_fuse_into_one_kernel_that_stores_one_buff
     assert compiled.kernels[0] == 3
 
 
-def test_batchnorm_fuses_as_inductor_splits_it_on_cuda():
-    """Forward: a reduction kernel with the inverse deviation as its epilogue, then one
-    normalizing kernel (ReLU, and the ReLU's backward mask, inside); backward: the two sums with
-    the weight's gradient as their epilogue (a node later in the graph, moved back), then the
-    input's gradient."""
-    forward, backward, _ = capture_graphs(_conv_net(), torch.randn(4, 8, 8, 8))
+def test_the_scheduler_reads_the_cards_sms_to_split_batchnorms_reduction():
+    """A BatchNorm over 16,384 values per channel: on a card of 132 SMs inductor splits the
+    statistics into a partial and a final reduction before the normalizing kernel; on a card
+    of 4 SMs one kernel reduces and normalizes, as it does over 256 values (batch 4) on
+    either card."""
+    net = _conv_net()
+    small = dataclasses.replace(card("h100"), name="four SMs", sms=4)
+    counts = {}
+    for batch in (4, 256):
+        for on in (card("h100"), small):
+            forward, _, _ = capture_graphs(net, torch.randn(batch, 8, 8, 8))
+            counts[batch, on.sms] = schedule(forward, on, False).launched()
+    assert counts[256, 132] == counts[256, 4] + 2 * 2  # two BatchNorms, two more kernels each
+    assert counts[4, 132] == counts[4, 4] == counts[256, 4]
 
-    def shapes(graph, k):
-        return [(graph.kind[n], tuple(value(n).shape) if graph.kind[n] == "pointwise" else None)
-                for n in k.nodes]
 
-    fk = [shapes(forward, k) for k in kernels(forward) if not k.extern]
-    assert fk[0] == [("reduction", None), ("pointwise", (1, 16, 1, 1))]
-    assert fk[1] == [("pointwise", (4, 16, 8, 8))]
-    assert fk[3] == [("pointwise", (4, 16, 8, 8))] * 2  # relu and its mask
-    bk = [shapes(backward, k) for k in kernels(backward) if not k.extern]
-    assert [("reduction", None), ("reduction", None), ("pointwise", (16,))] in bk
-    assert sum(1 for k in bk if k == [("pointwise", (4, 16, 8, 8))]) == 2
+def test_a_card_without_sms_is_refused_in_one_line():
+    unknown = dataclasses.replace(card("h100"), sms=0)
+    with pytest.raises(ValueError, match="has no SM count"):
+        predict_compiled_step(_conv_net(), torch.randn(4, 8, 8, 8), unknown)
+
+
+def test_the_card_is_answered_only_while_inductor_schedules():
+    """The CUDA device interface answers as the card while a graph is scheduled, and as this
+    machine before and after: torch still sees no GPU here and Triton no CUDA device."""
+    interfaces = _torch.resolve("torch._dynamo.device_interface.device_interfaces")
+    has_triton = _torch.resolve("torch.utils._triton.has_triton")
+    before = (dict(interfaces), has_triton(), torch.cuda.is_available())
+    predict_compiled_step(_conv_net(), torch.randn(4, 8, 8, 8), "h100")
+    assert (dict(interfaces), has_triton(), torch.cuda.is_available()) == before
 
 
 def test_the_extern_kernels_carry_the_eager_steps_flops():
     model, x = _conv_net(), torch.randn(4, 8, 8, 8)
-    forward, backward, _ = capture_graphs(model, x)
-    flops = sum(kernel_record(g, k, g is backward).flops
-                for g in (forward, backward) for k in kernels(g))
+    forward, backward, _, _ = _scheduled(model, x)
+    flops = sum(k.record.flops for g in (forward, backward) for k in g.kernels)
     with FlopCounterMode(display=False) as counted:
         model(x).float().square().mean().backward()
     assert flops == counted.get_total_flops() > 0
@@ -82,14 +103,15 @@ def test_the_extern_kernels_carry_the_eager_steps_flops():
 
 def test_what_the_forward_saves_lives_until_the_backward_reads_it():
     model, x = _conv_net(), torch.randn(4, 8, 8, 8)
-    forward, backward, fake = capture_graphs(model, x)
-    saved = {n.name for n in backward.nodes if n.op == "placeholder"}
-    stored = {b.name for k in kernels(forward) for b in k.writes}
-    assert {"convolution", "relu"} <= saved & stored  # a conv's output and a ReLU's, kept
+    forward, backward, saved, fake = _scheduled(model, x)
+    fw_gm, _, _ = capture_graphs(model, x)
+    names = [a.name for a in list(fw_gm.graph.nodes)[-1].args[0]]
+    stored = {b for k in forward.kernels for b in k.writes}
+    kept = {o for name, o in zip(names, forward.outputs) if name in saved and o in stored}
+    assert len(kept) >= 2  # the convolutions' outputs (and what the BatchNorms save)
     held = sum(t.untyped_storage().nbytes() for t in fake.tensors + fake.input.tensors())
     step = predict_compiled_step(model, x, "h100")
-    kept = sum(round_size(nbytes(n)) for n in forward.nodes if n.name in saved & stored)
-    assert step.peak >= held + kept
+    assert step.peak >= held + sum(round_size(forward.nbytes[b]) for b in kept)
     assert model[0].weight.grad is None  # the model itself untouched
 
 
@@ -105,9 +127,9 @@ def test_cuda_graphs_add_the_static_batch_and_launch_two_graphs():
 
 def test_bf16_autocast_runs_cudas_casts_in_the_compiled_graphs():
     model, x = _conv_net(), torch.randn(64, 8, 8, 8)
-    forward, _, _ = capture_graphs(model, x, autocast=torch.bfloat16)
-    convs = [k for k in kernels(forward) if k.extern and "convolution" in k.nodes[0].name]
-    assert convs and all(kernel_record(forward, k, False).dtype == torch.bfloat16 for k in convs)
+    forward, _, _, _ = _scheduled(model, x, autocast=torch.bfloat16)
+    convs = [k for k in forward.kernels if k.extern and k.record.op is torch.ops.aten.convolution]
+    assert len(convs) == 2 and all(k.record.dtype == torch.bfloat16 for k in convs)
     fp32 = predict_compiled_step(model, x, "h100")
     bf16 = predict_compiled_step(model, x, "h100", autocast=torch.bfloat16)
     assert bf16.time.device < fp32.time.device

@@ -1,269 +1,246 @@
-"""The kernels inductor would make of a compiled step's graphs, modelled on the graphs alone.
+"""The kernels inductor makes of a compiled step's graphs on a card: inductor's own scheduler.
 
 ``torch.compile`` hands inductor two graphs per step, AOTAutograd's forward and backward, split
-by the min-cut partitioner (what the forward saves for the backward is decided there, before any
-kernel exists). Inductor then fuses: an op whose output only feeds the next pointwise op is
-computed inside the consumer's kernel and never stored. What this module keeps of inductor's
-rules (torch/_inductor/graph.py, ir.py and scheduler.py of the installed torch read as the
-reference):
+by the min-cut partitioner after inductor's joint-graph passes (what the forward saves is
+decided there). Inductor then runs its post-grad passes, lowers each graph to its IR and
+schedules it: which values are stored, which ops fuse into one kernel, in which order the
+kernels run. On CUDA those choices read the card (its SM count decides how a reduction is
+split across kernels; Triton must be able to target it), so a CPU scheduler's kernels are not a
+card's. :func:`schedule` runs inductor's own passes, lowering and scheduler on a graph moved to
+fake CUDA tensors, with CUDA device 0 answering as the card (:func:`zoo._torch.cuda_device_as`:
+its SM count, compute capability and per-SM limits), and stops before code generation: no
+kernel is written or compiled, and no GPU is needed.
 
-* **Stored buffers** (:class:`Graph`): the output of an extern kernel (convolutions, matmuls,
-  fused attention: libraries inductor calls), of a reduction, of ``cat``; a graph output (what
-  the forward saves, the gradients); an extern kernel's input; a pointwise value read by more
-  than one op whose inlined function reads more than ``realize_reads_threshold`` (4) buffers or
-  runs more than ``realize_opcount_threshold`` (30) ops; and any pointwise value reading more
-  than ``realize_acc_reads_threshold`` (8). Every other value is inlined where it is read.
-  A ``copy_`` into a graph input (BatchNorm's running statistics) is a store of the kernel
-  before it, no kernel of its own. Views are their base's buffer.
-* **Kernels** (:func:`kernels`): one per extern op, one per stored pointwise or reduction value;
-  the scheduler's vertical and horizontal fusion joins a kernel to an earlier one (among the
-  last :data:`WINDOW`, none of those between writing what it reads) when they share a buffer
-  and a loop: pointwise over the same elements, a pointwise epilogue over a reduction's output
-  (BatchNorm's inverse deviation), a reduction over what a pointwise kernel makes or beside
-  another over the same elements. A pointwise pass over a reduction's whole input stays a
-  kernel of its own (a Triton reduction over tens of thousands of elements per channel is not
-  held in registers), as inductor splits BatchNorm into a reduction and a normalizing kernel
-  on CUDA. A buffer only its own kernel reads, and no graph output, is then never stored;
-  a fused kernel writes in place of a buffer of the same size it reads for the last time.
-* Each kernel's bytes: the buffers it reads from before it and the buffers it writes; an
-  extern kernel's FLOPs are ``torch.utils.flop_counter``'s.
+What is read from the scheduled nodes, in their order: one kernel per node that launches (a
+fused Triton kernel, a foreach kernel, an extern call: cuDNN's convolutions, cuBLAS's matmuls,
+attention, aten fallbacks), none for a node that only names a buffer (``cat``'s output that its
+inputs' kernels write into, one output of a multi-output extern call); the buffers each kernel
+reads and writes (a buffer written and read inside one fused kernel only is never stored, as
+inductor's code generation removes it); the bytes of each buffer's storage; an extern kernel's
+FLOPs (``torch.utils.flop_counter``'s formulas on the graph node it came from).
 
-Not modelled: inductor's choice to recompute a cheap value in two kernels rather than store it
-past these thresholds, template (Triton) matmuls and convolutions instead of cuBLAS and cuDNN,
-split reductions, buffer reuse beyond what the caching allocator reuses, and the padding of
-strides. How close this lands is what the GPU suite's compiled rows check against the filed
-predictions (docs/benchmarks/prediction.md).
+Left out: code generation's own choices (a fused kernel writing in place of a buffer it reads
+last is modelled by the allocator replay, :mod:`.compiled_step`; split reductions' and
+persistent reductions' configurations; Triton templates, which only ``max-autotune`` picks), and
+the joint-graph passes that only run for CUDA inputs (the step is traced on fake CPU tensors,
+then moved: padding a matmul's odd sizes). How close this lands is what the GPU suite's compiled
+rows check against the filed predictions (docs/benchmarks/prediction.md).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import operator
+import logging
+import types
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from ... import _torch
 from ..._torch import tree_map_only
 from .peak import OpRecord
+from .timing import Card
 
-__all__ = ["Graph", "Kernel", "kernels", "kernel_record"]
+__all__ = ["Kernel", "Schedule", "schedule", "to_cuda", "card_properties"]
 
 _aten = torch.ops.aten
-EXTERN = {_aten.convolution, _aten.convolution_backward, _aten.mm, _aten.addmm, _aten.bmm,
-          _aten.baddbmm, _aten._scaled_dot_product_efficient_attention,
-          _aten._scaled_dot_product_flash_attention,
-          _aten._scaled_dot_product_efficient_attention_backward,
-          _aten._scaled_dot_product_flash_attention_backward,
-          _aten._scaled_dot_product_cudnn_attention,
-          _aten._scaled_dot_product_cudnn_attention_backward, _aten._efficient_attention_forward,
-          _aten._efficient_attention_backward, _aten._flash_attention_forward,
-          _aten._flash_attention_backward}
-REDUCTIONS = {_aten.sum, _aten.mean, _aten.var_mean, _aten.var, _aten.std, _aten.amax,
-              _aten.amin, _aten.max, _aten.min, _aten.argmax, _aten.argmin, _aten.prod,
-              _aten.any, _aten.all, _aten.logsumexp}
-READS, OPCOUNT, ACC_READS = 4, 30, 8  # inductor's realize thresholds (module docstring)
+MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm}  # cuBLAS: a workspace each thread
+# Per compute capability: resident threads per SM and shared memory per block (opt-in), bytes
+# (CUDA C++ Programming Guide, "Technical Specifications per Compute Capability").
+_PER_SM = {(8, 0): (2048, 166912), (8, 6): (1536, 101376), (8, 9): (1536, 101376),
+           (9, 0): (2048, 232448)}
 
 
-def _packet(node: torch.fx.Node) -> object:
-    return getattr(node.target, "_overloadpacket", None)
+_AUTOTUNE_LOG = "torch._inductor.utils"  # "Not enough SMs to use max_autotune_gemm mode"
 
 
-def value(node: torch.fx.Node) -> object:
-    """The fake value the tracer recorded for ``node`` (a tensor, a tuple of them, or None)."""
-    return node.meta.get("val")
+@contextlib.contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """Logger ``name`` off for the duration: inductor's advice on autotuning, which a
+    prediction does not do, is not for the user."""
+    log = logging.getLogger(name)
+    was, log.disabled = log.disabled, True
+    try:
+        yield
+    finally:
+        log.disabled = was
 
 
-def nbytes(node: torch.fx.Node) -> int:
-    """Bytes of ``node``'s tensor value: 0 when it has none or its size is symbolic (the CPU
-    generator's state a dropout in a checkpointed region saves; a card keeps a seed and an
-    offset on the host)."""
-    v = value(node)
-    n = v.numel() if isinstance(v, torch.Tensor) else 0
-    return n * v.element_size() if isinstance(n, int) and n else 0
+def card_properties(on: Card) -> types.SimpleNamespace:
+    """``torch.cuda.get_device_properties``'s fields for card ``on``, as inductor reads them."""
+    if on.sms <= 0 or on.capability not in _PER_SM:
+        raise ValueError(f"card {on.name!r} has no SM count or a compute capability this model "
+                         f"knows ({on.capability}); give Card(..., sms=N) with one of "
+                         f"{sorted(_PER_SM)}")
+    threads, shared = _PER_SM[on.capability]
+    return types.SimpleNamespace(
+        name=on.name, major=on.capability[0], minor=on.capability[1],
+        multi_processor_count=on.sms, max_threads_per_multi_processor=threads,
+        regs_per_multiprocessor=65536, max_threads_per_block=1024, warp_size=32,
+        shared_memory_per_block_optin=shared, total_memory=on.memory)
 
 
-class Graph:
-    """One AOTAutograd graph: each node's ``kind`` (``input``, ``output``, ``view``, ``item``:
-    one output of a multi-output op, ``extern``, ``reduction``, ``cat``, ``mutation``,
-    ``pointwise``), each node's ``base`` (the node whose buffer a view reads), ``outputs`` (the
-    bases of the graph's outputs) and ``stored``: the values inductor writes to memory
-    (module docstring)."""
+def to_cuda(gm: torch.fx.GraphModule) -> list[Any]:
+    """Move traced graph ``gm`` to CUDA device 0 in place: every node's fake value a fake CUDA
+    tensor of the same shape, strides and dtype, every device argument CUDA's (the step was
+    traced on the CPU: a tensor the model itself puts on the CPU moves too). Returns the
+    graph's example inputs (fake CUDA tensors, and what else its placeholders hold)."""
+    mode = _torch.FakeTensorMode(allow_non_fake_inputs=True)
+    cuda = torch.device("cuda", 0)
 
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
-        self.gm = gm
-        self.nodes = list(gm.graph.nodes)
-        self.base: dict[torch.fx.Node, torch.fx.Node] = {}
-        self.kind: dict[torch.fx.Node, str] = {}
-        for n in self.nodes:
-            self.kind[n] = kind = self._kind(n)
-            self.base[n] = self.base[n.args[0]] if kind == "view" else n
-        self.outputs = {self.base[a] for a in self.nodes[-1].args[0]
-                        if isinstance(a, torch.fx.Node)}
-        self.users: dict[torch.fx.Node, set[torch.fx.Node]] = {n: set() for n in self.nodes}
-        for n in self.nodes:
-            for a in n.all_input_nodes:
-                self.users[self.base[a]].add(n)
-        self.reads: dict[torch.fx.Node, set[torch.fx.Node]] = {}
-        self.stored = self._stored()
+    def moved(t: torch.Tensor) -> torch.Tensor:
+        with mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=cuda)
 
-    def _kind(self, n: torch.fx.Node) -> str:
-        if n.op in ("placeholder", "output"):
-            return {"placeholder": "input"}.get(n.op, n.op)
-        if n.target is operator.getitem:
-            return "item" if _packet(n.args[0]) in EXTERN | REDUCTIONS else "view"
-        packet = _packet(n)
-        if getattr(n.target, "is_view", False) or packet in (_aten._unsafe_view, _aten.alias):
-            return "view"
-        if packet is _aten.copy_ and self.base[n.args[0]].op == "placeholder":
-            return "mutation"
-        return "extern" if packet in EXTERN else "reduction" if packet in REDUCTIONS else \
-            "cat" if packet is _aten.cat else "pointwise"
-
-    def multi(self, n: torch.fx.Node) -> bool:
-        """Whether ``n`` returns several tensors (each an ``item`` node)."""
-        return isinstance(value(n), (tuple, list))
-
-    def _stored(self) -> set[torch.fx.Node]:
-        stored: set[torch.fx.Node] = set()
-        ops: dict[torch.fx.Node, int] = {}
-        for n in self.nodes:
-            kind = self.kind[n]
-            if kind in ("input", "item") or (kind in ("extern", "reduction", "cat")
-                                             and not self.multi(n)):
-                stored.add(n)
-            if kind != "pointwise":
-                continue
-            reads, count = set(), 1
-            for a in map(self.base.get, n.all_input_nodes):
-                if a in stored:
-                    reads.add(a)
-                else:
-                    reads |= self.reads.get(a, set())
-                    count += ops.get(a, 0)
-            self.reads[n], ops[n] = reads, count
-            shared = len(self.users[n]) > 1 and (len(reads) > READS or count > OPCOUNT)
-            if n in self.outputs or shared or len(reads) > ACC_READS or \
-                    any(self.kind[u] == "extern" for u in self.users[n]):
-                stored.add(n)
-        return stored
-
-    def read_by(self, n: torch.fx.Node) -> set[torch.fx.Node]:
-        """The stored buffers a kernel computing ``n`` reads (through the values it inlines)."""
-        if self.kind[n] == "extern":
-            return {self.base[a] for a in n.all_input_nodes}
-        out: set[torch.fx.Node] = set()
-        for a in map(self.base.get, n.all_input_nodes):
-            out |= {a} if a in self.stored else self.reads.get(a, set())
-        return out
+    for n in gm.graph.nodes:
+        if "val" in n.meta:
+            n.meta["val"] = tree_map_only(torch.Tensor, moved, n.meta["val"])
+        n.args, n.kwargs = tree_map_only(torch.device, lambda _: cuda, (n.args, n.kwargs))
+    gm.recompile()
+    return [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
 
 
 @dataclasses.dataclass
 class Kernel:
-    """One kernel: ``extern`` or not, the graph nodes it computes, the buffers it ``writes``
-    and ``reads`` (stored before it), and ``extra`` bytes it stores into graph inputs."""
+    """One scheduled node: whether it ``launches`` a kernel, ``extern`` or not, the storages
+    it ``writes`` (allocates) and ``reads``, its cost ``record`` (:mod:`.timing` prices it),
+    and whether it calls cuBLAS (``matmul``)."""
 
+    launches: bool
     extern: bool
-    nodes: list[torch.fx.Node]
-    writes: list[torch.fx.Node]
-    reads: set[torch.fx.Node]
-    extra: int = 0
-
-    def loops(self, graph: Graph) -> tuple[set[int], set[int]]:
-        """The elements the kernel's loops run over, as inductor's scheduler groups them:
-        ``points``, each pointwise node's elements and each reduction's outputs (a pointwise
-        node on a reduction's result is its epilogue), and ``totals``, each reduction's input
-        elements (a reduction over what a pointwise node makes reads it in the same loop)."""
-        points, totals = set(), set()
-        for n in self.nodes:
-            v = value(n)
-            v = v[0] if isinstance(v, (tuple, list)) else v
-            numel = v.numel() if isinstance(v, torch.Tensor) else 0
-            numel = numel if isinstance(numel, int) else 0
-            points.add(numel)
-            if graph.kind[n] == "reduction":
-                totals.add(max((nbytes(a) // value(a).element_size()
-                                for a in n.all_input_nodes if nbytes(a)), default=0))
-        return points, totals
-
-    def joins(self, prev: Kernel, graph: Graph) -> bool:
-        """Whether the scheduler fuses this kernel into ``prev``: neither extern, a buffer
-        shared (read by both, or written by ``prev`` and read here), and a loop in common: a
-        pointwise kernel over elements ``prev`` loops over pointwise or as a reduction's
-        output; a reduction over elements ``prev`` makes pointwise or reduces too."""
-        if self.extern or prev.extern or not self.reads & (set(prev.writes) | prev.reads):
-            return False
-        points, totals = self.loops(graph)
-        before, reduced = prev.loops(graph)
-        return bool(totals & (before | reduced)) if totals else bool(points & before)
+    writes: list[str]
+    reads: set[str]
+    record: OpRecord
+    matmul: bool = False
 
 
-def _unfused(graph: Graph) -> Iterator[Kernel]:
-    for n in graph.nodes:
-        kind = graph.kind[n]
-        if kind not in ("extern", "reduction", "cat", "pointwise") or \
-                (n not in graph.stored and not graph.multi(n)):
-            continue
-        writes = [u for u in n.users if graph.kind[u] == "item"] if graph.multi(n) else [n]
-        yield Kernel(kind == "extern", [n], writes, graph.read_by(n))
+@dataclasses.dataclass
+class Schedule:
+    """A graph as inductor schedules it: its ``kernels`` in order, each storage's ``nbytes``,
+    the graph's ``inputs`` (placeholder names, in order) and, per graph output, the storage it
+    lies in (``outputs``; None for no tensor)."""
+
+    kernels: list[Kernel]
+    nbytes: dict[str, int]
+    inputs: list[str]
+    outputs: list[str | None]
+
+    def launched(self) -> int:
+        """Kernels launched when the graph runs once."""
+        return sum(k.launches for k in self.kernels)
 
 
-def _add_mutations(graph: Graph, out: list[Kernel]) -> None:
-    """Each store into a graph input (``mutation``) counted in the kernel of the nearest node
-    before it: inductor writes the new value there."""
-    owner = {n: k for k in out for n in k.nodes}
-    last: Kernel | None = None
-    for n in graph.nodes:
-        last = owner.get(n, last)
-        if graph.kind[n] == "mutation" and last is not None:
-            last.extra += nbytes(n)
-
-
-WINDOW = 8  # kernels back a fused kernel may move to, past those it does not depend on
-
-
-def _fuses_into(k: Kernel, out: list[Kernel], graph: Graph) -> Kernel | None:
-    """The latest of the last :data:`WINDOW` kernels that ``k`` joins and may move back to:
-    none of the kernels after it writes a buffer ``k`` reads (the scheduler fuses nodes that are
-    not neighbours in the graph's order when no dependency lies between them)."""
-    for back in range(len(out) - 1, max(len(out) - WINDOW, 0) - 1, -1):
-        if k.joins(out[back], graph):
-            return out[back]
-        if k.reads & set(out[back].writes):
-            return None
+def _storage(node: Any, ir: Any) -> str | None:
+    """The name of the buffer whose memory IR node ``node`` lies in (through boxes, views,
+    ``cat``'s slices and mutation layouts; ``ir``: inductor's IR module); None for none."""
+    while node is not None:
+        layout = getattr(node, "layout", None)
+        if isinstance(layout, ir.NonOwningLayout):
+            node = layout.view
+        elif isinstance(layout, ir.MutationLayoutSHOULDREMOVE):
+            node = layout.target
+        elif isinstance(node, (ir.MutableBox, ir.BaseView)):
+            node = node.data
+        else:
+            return node.get_name() if isinstance(node, ir.Buffer) else None
     return None
 
 
-def kernels(graph: Graph) -> list[Kernel]:
-    """The graph's kernels in order, fused as the module docstring says."""
+def _layout(buffer: Any, ir: Any) -> Any:
+    """``buffer``'s layout; None for a multi-output call's (its outputs own the bytes)."""
+    layout = getattr(buffer, "layout", None) or buffer.get_layout()
+    return layout if isinstance(layout, ir.Layout) else None
+
+
+def _origin(node: Any) -> torch.fx.Node | None:
+    """The graph node an extern kernel computes (the one with a FLOP formula if any)."""
+    origins = sorted(getattr(node.node, "origins", ()) or (), key=lambda n: n.name)
+    packets = [(getattr(o.target, "_overloadpacket", None), o) for o in origins]
+    return next((o for p, o in packets if p in flop_registry), None) or \
+        next((o for p, o in packets if p is not None), None)
+
+
+def _record(node: Any, reads: set[str], writes: list[str], nbytes: dict[str, int],
+            dtype: torch.dtype | None, backward: bool) -> tuple[OpRecord, bool]:
+    moved = sum(nbytes.get(b, 0) for b in reads | set(writes))
+    if not node.is_extern():
+        return OpRecord(_aten.add, 0, moved, dtype, backward), False
+    origin = _origin(node)
+    packet = getattr(getattr(origin, "target", None), "_overloadpacket", _aten.add)
+    flops = 0
+    if origin is not None and packet in flop_registry:
+        args, kwargs = tree_map_only(torch.fx.Node, lambda a: a.meta.get("val"),
+                                     (origin.args, origin.kwargs))
+        flops = int(flop_registry[packet](*args, **kwargs, out_val=origin.meta.get("val")))
+    return OpRecord(packet, flops, moved, dtype, backward), packet in MATMULS
+
+
+def _kernels(scheduler: Any, graph: Any, ind: _torch.Inductor, backward: bool,
+             nbytes: dict[str, int], dtypes: dict[str, torch.dtype], alias: dict[str, str]
+             ) -> list[Kernel]:
+    """The scheduled nodes as :class:`Kernel`s, their buffers named by the storage they lie
+    in (``alias``)."""
     out: list[Kernel] = []
-    for k in _unfused(graph):
-        into = _fuses_into(k, out, graph)
-        if into is not None:
-            into.nodes += k.nodes
-            into.writes += k.writes
-            into.reads |= k.reads
-        else:
-            out.append(k)
-    _add_mutations(graph, out)
-    for k in out:
-        mine = set(k.writes)
-        k.reads -= mine
-        k.writes = [b for b in k.writes if b in graph.outputs or
-                    any(b in other.reads for other in out if other is not k)]
+    made: dict[str, int] = {}  # each IR buffer's name -> the kernel that writes it
+    for node in scheduler.nodes:
+        names = [b.get_name() for b in node.get_outputs()]
+        stored = list(dict.fromkeys(alias[b] for b in names if nbytes.get(alias[b])))
+        reads = {alias.get(d.name, d.name) for d in node.read_writes.reads} - set(stored)
+        dtype = next((dtypes[b] for b in (*stored, *sorted(reads)) if b in dtypes), None)
+        record, matmul = _record(node, reads, stored, nbytes, dtype, backward)
+        one_of_many = node.is_extern() and isinstance(node.node, ind.ir.MultiOutput)
+        if one_of_many:  # an output of the call before: its bytes are that kernel's
+            call = out[made[node.node.inputs[0].get_name()]]
+            written = sum(nbytes[b] for b in stored)
+            call.record = dataclasses.replace(call.record, bytes=call.record.bytes + written)
+            record = dataclasses.replace(record, flops=0, bytes=0)
+        made.update(dict.fromkeys(names, len(out)))
+        launches = not one_of_many and not isinstance(node, ind.scheduler.NopKernelSchedulerNode)
+        writes = [b for b in stored if b not in graph.graph_inputs]  # inputs: stored into
+        out.append(Kernel(launches, node.is_extern(), writes, reads, record, matmul))
     return out
 
 
-def kernel_record(graph: Graph, k: Kernel, backward: bool) -> OpRecord:
-    """``k`` as :mod:`.timing` prices an op: an extern kernel's op, FLOPs and bytes; a fused
-    kernel as memory traffic (its reads and writes) under a pointwise op's name."""
-    moved = sum(map(nbytes, k.reads)) + sum(map(nbytes, k.writes)) + k.extra
-    first = next((value(a) for a in k.nodes[0].all_input_nodes
-                  if isinstance(value(a), torch.Tensor)), value(k.nodes[0]))
-    dtype = first.dtype if isinstance(first, torch.Tensor) else None
-    if not k.extern:
-        return OpRecord(_aten.add, 0, moved, dtype, backward)
-    n = k.nodes[0]
-    args, kwargs = tree_map_only(torch.fx.Node, value, (n.args, n.kwargs))
-    formula = flop_registry.get(_packet(n))
-    flops = int(formula(*args, **kwargs, out_val=value(n))) if formula is not None else 0
-    return OpRecord(_packet(n), flops, moved, dtype, backward)
+def _stored_only(kernels: list[Kernel], outputs: list[str | None]) -> None:
+    """Drop the writes no other kernel reads and no graph output holds: values that live in
+    one fused kernel's registers (inductor's code generation removes their buffers)."""
+    read = {b for k in kernels for b in k.reads} | set(outputs)
+    for k in kernels:
+        if not k.extern:
+            k.writes = [b for b in k.writes if b in read]
+
+
+def schedule(gm: torch.fx.GraphModule, on: Card, backward: bool) -> Schedule:
+    """Graph ``gm`` (AOTAutograd's forward, or its ``backward``) as inductor schedules it on
+    card ``on`` (module docstring). ``gm`` is moved to fake CUDA tensors and passed through
+    inductor's post-grad passes in place."""
+    ind = _torch.inductor()
+    example = to_cuda(gm)
+    with _torch.cuda_device_as(card_properties(on), 10 * on.capability[0] + on.capability[1]), \
+            ind.debug.DebugContext(), _quiet(_AUTOTUNE_LOG):
+        ind.post_grad.view_to_reshape(gm)
+        with torch.no_grad():
+            mode = ind.compile_fx.fake_tensor_prop(gm, example)
+        ind.compile_fx.record_original_output_strides(gm)
+        with ind.V.set_fake_mode(mode):
+            ind.post_grad.post_grad_passes(gm, False)
+        graph = ind.graph.GraphLowering(gm, example_inputs=example, is_inference=False,
+                                        is_backward=backward)
+        with ind.V.set_fake_mode(mode), ind.V.set_graph_handler(graph):
+            graph.run(*example)
+            scheduler = ind.scheduler.Scheduler(graph.operations)
+            inputs = {n: b for n, b in graph.graph_inputs.items() if isinstance(b, ind.ir.IRNode)}
+            nodes = {**inputs, **{b.get_name(): b for b in graph.buffers}}
+            alias = {n: _storage(b, ind.ir) or n for n, b in nodes.items()}
+            layouts = {n: _layout(nodes[n], ind.ir) for n in set(alias.values()) if n in nodes}
+            layouts = {n: layout for n, layout in layouts.items() if layout is not None}
+            nbytes = {n: int(layout.storage_size()) * layout.dtype.itemsize
+                      for n, layout in layouts.items()}
+            dtypes = {n: layout.dtype for n, layout in layouts.items()}
+            kernels = _kernels(scheduler, graph, ind, backward, nbytes, dtypes, alias)
+            outputs = [_storage(o, ind.ir) for o in graph.graph_outputs]
+            outputs = [alias.get(o, o) if o is not None else None for o in outputs]
+    _stored_only(kernels, outputs)
+    return Schedule(kernels, nbytes, list(graph.graph_inputs), outputs)

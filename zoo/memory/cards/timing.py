@@ -35,7 +35,8 @@ class Card:
     (``fp32``) and on the tensor cores in TF32 and bfloat16/float16, memory bandwidth in
     bytes/s, memory in bytes, compute capability, and ``host_link``: bytes/s in one direction
     between the card and the host's memory (what offloading to the host moves at; default a
-    PCIe Gen4 x16 link, 32 GB/s each way)."""
+    PCIe Gen4 x16 link, 32 GB/s each way), and ``sms``: its streaming multiprocessors, which
+    inductor's scheduler reads (0: unknown; a compiled step is then not predicted)."""
 
     name: str
     fp32: float
@@ -45,6 +46,7 @@ class Card:
     memory: int
     capability: tuple[int, int]
     host_link: float = PCIE_GEN4
+    sms: int = 0
 
     @property
     def workspace(self) -> int:
@@ -58,17 +60,18 @@ class Card:
 # 1,979 BF16 "with sparsity") with 141 GB of HBM3e at 4.8 TB/s. Host links, one direction: PCIe
 # Gen5 x16 for the H100 and H200 SXM (the sheets' "PCIe Gen5: 128GB/s" counts both), Gen4 x16
 # for the others; a GH200's NVLink-C2C moves 450 GB/s each way (its sheet's 900 GB/s, both):
-# a Card of its numbers with host_link=450e9.
+# a Card of its numbers with host_link=450e9. SMs: the H100 architecture whitepaper (132 on the
+# SXM5, the H200's GH100 the same), the A100's (108), the Ada whitepaper (L4 58, RTX 4090 128).
 CARDS: dict[str, Card] = {
     "h100": Card("NVIDIA H100 SXM5 80GB", 66.9e12, 494.7e12, 989.4e12, 3.35e12, 80 * 10**9,
-                 (9, 0), PCIE_GEN5),
+                 (9, 0), PCIE_GEN5, 132),
     "h200": Card("NVIDIA H200 SXM 141GB", 66.9e12, 494.7e12, 989.4e12, 4.8e12, 141 * 10**9,
-                 (9, 0), PCIE_GEN5),
+                 (9, 0), PCIE_GEN5, 132),
     "a100": Card("NVIDIA A100 SXM4 80GB", 19.5e12, 156e12, 312e12, 2.039e12, 80 * 10**9,
-                 (8, 0), PCIE_GEN4),
-    "l4": Card("NVIDIA L4", 30.3e12, 60e12, 121e12, 300e9, 24 * 10**9, (8, 9), PCIE_GEN4),
+                 (8, 0), PCIE_GEN4, 108),
+    "l4": Card("NVIDIA L4", 30.3e12, 60e12, 121e12, 300e9, 24 * 10**9, (8, 9), PCIE_GEN4, 58),
     "rtx4090": Card("NVIDIA GeForce RTX 4090", 82.6e12, 82.6e12, 165.2e12, 1008e9, 24 * 10**9,
-                    (8, 9), PCIE_GEN4),
+                    (8, 9), PCIE_GEN4, 128),
 }
 
 
