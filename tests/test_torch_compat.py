@@ -167,7 +167,21 @@ def test_torch_compiled_checkpoint_replays_batchnorm_updates_where_zoo_says():
 
 def test_what_this_torch_refuses_is_listed_for_the_table():
     """docs/torch-versions.md's "refused here" column: one entry per refusal this torch has."""
-    flags = (_torch.COMPILED_RECOMPUTE_REPLAYS_UPDATES, _torch.COMPILED_STORED_REVERSIBLE_WRONG)
+    flags = (_torch.COMPILED_RECOMPUTE_REPLAYS_UPDATES, _torch.COMPILED_STORED_REVERSIBLE_WRONG,
+             _torch.VERSION < _torch.COMPILED_CARD_STEP_SINCE)
     refused = _torch.refused()
     assert len(refused) == sum(flags)
     assert all(text and "\n" not in text for text in refused)
+
+
+def test_a_compiled_step_on_a_card_is_predicted_from_2_11_and_refused_before():
+    """Below ``COMPILED_CARD_STEP_SINCE`` the prediction is one line naming the torch it needs;
+    from there it predicts (a small conv net: its kernels launched in both graphs)."""
+    from zoo.memory import predict_compiled_step
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).train()
+    x = torch.randn(2, 3, 8, 8)
+    if _torch.VERSION < _torch.COMPILED_CARD_STEP_SINCE:
+        with pytest.raises(RuntimeError, match=r"needs torch >= 2\.11 .*predict_step$"):
+            predict_compiled_step(model, x, "h100")
+    else:
+        assert min(predict_compiled_step(model, x, "h100").kernels) > 0

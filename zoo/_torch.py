@@ -321,6 +321,25 @@ COMPILED_RECOMPUTE_REPLAYS_UPDATES = VERSION < (2, 9)
 COMPILED_STORED_REVERSIBLE_WRONG = VERSION == (2, 11)
 
 
+#: The oldest torch on which a compiled step is predicted on a card
+#: (``zoo.memory.predict_compiled_step``): before 2.11 ``torch.compile`` asserts that the fake
+#: tensors it is handed belong to the fake mode it makes itself, and a prediction's model state
+#: is fake copies of another mode (measured: tests/memory/test_compiled_card_step.py fails on
+#: 2.8.0, 2.9.1 and 2.10.0 with "fake mode ... doesn't match mode", passes from 2.11.0).
+COMPILED_CARD_STEP_SINCE = (2, 11)
+
+
+def require_compiled_card_step() -> None:
+    """The one-line error where this torch cannot predict a compiled step on a card
+    (:data:`COMPILED_CARD_STEP_SINCE`)."""
+    if VERSION < COMPILED_CARD_STEP_SINCE:
+        since = ".".join(map(str, COMPILED_CARD_STEP_SINCE))
+        raise RuntimeError(f"zoo: predict_compiled_step needs torch >= {since} (this is torch "
+                           f"{torch.__version__}, whose torch.compile refuses a model held in "
+                           "another fake mode's tensors); upgrade torch, or predict the eager "
+                           "step with predict_step")
+
+
 def refused() -> list[str]:
     """What zoo refuses on this torch (in one line, when used), a few words each, with why:
     the "refused here" column of docs/torch-versions.md's table."""
@@ -332,6 +351,9 @@ def refused() -> list[str]:
     if COMPILED_STORED_REVERSIBLE_WRONG:
         out.append("under torch.compile, the reversible network storing its activations (this "
                    "torch's compiled backward gives it wrong gradients)")
+    if VERSION < COMPILED_CARD_STEP_SINCE:
+        out.append("a compiled step predicted on a card, predict_compiled_step (needs 2.11: "
+                   "this torch.compile refuses a model held in fake tensors)")
     return out
 
 

@@ -72,6 +72,7 @@ def capture_graphs(model: nn.Module, example_input: Any,
     which hands them to a stand-in for its graph compiler. Dynamo's caches are reset before and
     after, so each call traces afresh (code this process compiled before compiles again at its
     next call)."""
+    _torch.require_compiled_card_step()
     fake = FakeStep(check_model(model), example_input)
     graphs: dict[str, torch.fx.GraphModule] = {}
 
