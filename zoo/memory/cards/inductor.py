@@ -14,10 +14,11 @@ kernel is written or compiled, and no GPU is needed.
 What is read from the scheduled nodes, in their order: one kernel per node that launches (a
 fused Triton kernel, a foreach kernel, an extern call: cuDNN's convolutions, cuBLAS's matmuls,
 attention, aten fallbacks), none for a node that only names a buffer (``cat``'s output that its
-inputs' kernels write into, one output of a multi-output extern call); the buffers each kernel
+inputs' kernels write into, one output of a multi-output extern call); the storages each kernel
 reads and writes (a buffer written and read inside one fused kernel only is never stored, as
-inductor's code generation removes it); the bytes of each buffer's storage; an extern kernel's
-FLOPs (``torch.utils.flop_counter``'s formulas on the graph node it came from).
+inductor's code generation removes it) and their bytes; the bytes each kernel moves, as
+inductor counts them; an extern kernel's FLOPs (``torch.utils.flop_counter``'s formulas on the
+graph node it came from).
 
 Left out: code generation's own choices (a fused kernel writing in place of a buffer it reads
 last is modelled by the allocator replay, :mod:`.compiled_step`; split reductions' and
@@ -162,9 +163,13 @@ def _origin(node: Any) -> torch.fx.Node | None:
         next((o for p, o in packets if p is not None), None)
 
 
-def _record(node: Any, reads: set[str], writes: list[str], nbytes: dict[str, int],
-            dtype: torch.dtype | None, backward: bool) -> tuple[OpRecord, bool]:
-    moved = sum(nbytes.get(b, 0) for b in reads | set(writes))
+def _record(node: Any, dtype: torch.dtype | None, backward: bool) -> tuple[OpRecord, bool]:
+    """``node`` as :mod:`.timing` prices an op, and whether it calls cuBLAS: its bytes as
+    inductor counts a kernel's (``get_read_write_buffers_sizes``: a slice read or written
+    counts its elements, not its buffer's; a value kept inside a fused kernel counts none; a
+    multi-output call counts its outputs), an extern call's FLOPs by its graph node's formula,
+    a Triton kernel under a pointwise op's name."""
+    moved = int(node.get_read_write_buffers_sizes())
     if not node.is_extern():
         return OpRecord(_aten.add, 0, moved, dtype, backward), False
     origin = _origin(node)
@@ -183,20 +188,16 @@ def _kernels(scheduler: Any, graph: Any, ind: _torch.Inductor, backward: bool,
     """The scheduled nodes as :class:`Kernel`s, their buffers named by the storage they lie
     in (``alias``)."""
     out: list[Kernel] = []
-    made: dict[str, int] = {}  # each IR buffer's name -> the kernel that writes it
     for node in scheduler.nodes:
         names = [b.get_name() for b in node.get_outputs()]
         stored = list(dict.fromkeys(alias[b] for b in names if nbytes.get(alias[b])))
         reads = {alias.get(d.name, d.name) for d in node.read_writes.reads} - set(stored)
         dtype = next((dtypes[b] for b in (*stored, *sorted(reads)) if b in dtypes), None)
-        record, matmul = _record(node, reads, stored, nbytes, dtype, backward)
         one_of_many = node.is_extern() and isinstance(node.node, ind.ir.MultiOutput)
-        if one_of_many:  # an output of the call before: its bytes are that kernel's
-            call = out[made[node.node.inputs[0].get_name()]]
-            written = sum(nbytes[b] for b in stored)
-            call.record = dataclasses.replace(call.record, bytes=call.record.bytes + written)
-            record = dataclasses.replace(record, flops=0, bytes=0)
-        made.update(dict.fromkeys(names, len(out)))
+        if one_of_many:  # an output of the call before: that kernel's FLOPs and bytes
+            record, matmul = OpRecord(_aten.add, 0, 0, dtype, backward), False
+        else:
+            record, matmul = _record(node, dtype, backward)
         launches = not one_of_many and not isinstance(node, ind.scheduler.NopKernelSchedulerNode)
         writes = [b for b in stored if b not in graph.graph_inputs]  # inputs: stored into
         out.append(Kernel(launches, node.is_extern(), writes, reads, record, matmul))
