@@ -120,8 +120,6 @@ NAMES: dict[str, Name] = {
     "torch._functorch.partitioners.min_cut_rematerialization_partition": Name(
         OLDEST, "required (compiled memory)"),
     "torch._prims.rng_prims": Name(OLDEST, "required (compiled memory on meta)"),
-    "torch._inductor.decomposition.select_decomp_table": Name(
-        OLDEST, "required (a compiled step on a card)"),
     "torch._inductor.compile_fx.compile_fx": Name(OLDEST, "required (a compiled step on a card)"),
     "torch._inductor.compile_fx.fake_tensor_prop": Name(
         OLDEST, "required (a compiled step on a card)"),
@@ -429,8 +427,6 @@ min_cut_rematerialization_partition = lazy(
     "torch._functorch.partitioners.min_cut_rematerialization_partition",
     "the compiled-memory peer")
 rng_prims = lazy("torch._prims.rng_prims", "the compiled-memory peer on meta")
-inductor_decompositions = lazy("torch._inductor.decomposition.select_decomp_table",
-                               "a compiled step predicted on a card")
 
 
 class Inductor(NamedTuple):
@@ -450,8 +446,7 @@ def inductor() -> Inductor:
     """Inductor's modules (imported on first use); a one-line error where this torch lacks a
     name of :data:`NAMES` that the card's compiled step uses."""
     for path in NAMES:
-        if path.startswith("torch._inductor.") and not path.startswith(
-                "torch._inductor.decomposition"):
+        if path.startswith("torch._inductor."):
             lazy(path, "a compiled step predicted on a card")()
     names = ("compile_fx", "fx_passes.post_grad", "graph", "ir", "scheduler", "virtualized",
              "debug")
