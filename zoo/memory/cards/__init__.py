@@ -11,8 +11,8 @@ The rest of :mod:`zoo.memory` measures this machine; this package models a named
 * ``peak.py``: a fake step counted through that allocator, op by op (``max_memory_allocated``);
 * ``step.py``: one training step of a model on a card, its peak and time (``predict_step``);
 * ``inductor.py`` and ``compiled_step.py``: the same step under ``torch.compile`` (and CUDA
-  graphs), from the graphs inductor would receive and the kernels it would make of them
-  (``predict_compiled_step``);
+  graphs): the graphs inductor receives, and the kernels its own scheduler makes of them for
+  the card (``predict_compiled_step``);
 * ``on_card.py``: ``with on_card("h100"):`` makes the fake steps measured inside count as the
   card's;
 * ``autocast.py``: CUDA's autocast op lists on a step whose fake tensors live on the CPU;
