@@ -31,8 +31,7 @@ from zoo import _torch
 from zoo.memory.host import OpCounter
 from zoo.memory.tracker import StepCounter
 
-__all__ = ["CompiledStep", "compile_step", "measure_compiled", "default_solver",
-           "partitioned"]
+__all__ = ["CompiledStep", "compile_step", "measure_compiled", "default_solver"]
 
 
 def default_solver() -> str:
@@ -123,16 +122,6 @@ class CompiledStep:
         loss.backward()
 
 
-def partitioned(fw_compiler: Callable[..., Any], bw_compiler: Callable[..., Any],
-                decompositions: dict) -> Callable[..., Any]:
-    """A Dynamo backend that splits a step as inductor's does: AOTAutograd with the min-cut
-    partitioner, input mutations kept in the graph, each graph handed to its compiler."""
-    return _torch.aot_autograd()(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
-                                 partition_fn=_torch.min_cut_rematerialization_partition(),
-                                 decompositions=decompositions,
-                                 keep_inference_input_mutations=True)
-
-
 def compile_step(model: nn.Module, x: torch.Tensor, budget: float,
                  loss_fn: Callable[[Any], torch.Tensor], solver: str | None = None
                  ) -> CompiledStep:
@@ -143,9 +132,12 @@ def compile_step(model: nn.Module, x: torch.Tensor, budget: float,
         raise ValueError(f"activation_memory_budget must be in [0, 1], got {budget!r}")
     counts = {"forward": 0, "backward": 0, "graphs": 0}
     seen: dict[str, Any] = {}
-    aot = partitioned(lambda g, e: _interpreted(counts, "forward", g, e),
-                      lambda g, e: _interpreted(counts, "backward", g, e),
-                      {torch.ops.aten.native_batch_norm_backward.default: _batch_norm_backward})
+    aot = _torch.aot_autograd()(
+        fw_compiler=lambda g, e: _interpreted(counts, "forward", g, e),
+        bw_compiler=lambda g, e: _interpreted(counts, "backward", g, e),
+        partition_fn=_torch.min_cut_rematerialization_partition(),
+        decompositions={torch.ops.aten.native_batch_norm_backward.default: _batch_norm_backward},
+        keep_inference_input_mutations=True)
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         counts["graphs"] += 1

@@ -17,7 +17,7 @@ from torch import nn
 
 from .inputs import Batch
 
-__all__ = ["fake_logs_quiet", "BatchError"]
+__all__ = ["fake_logs_quiet", "logger_off", "BatchError"]
 
 _FAKE_LOG = "torch._subclasses.fake_tensor"
 
@@ -27,20 +27,27 @@ class BatchError(ValueError):
 
 
 @contextlib.contextmanager
+def logger_off(name: str) -> Iterator[None]:
+    """torch's logger ``name`` off for the duration, as it was after."""
+    log = logging.getLogger(name)
+    was, log.disabled = log.disabled, True
+    try:
+        yield
+    finally:
+        log.disabled = was
+
+
+@contextlib.contextmanager
 def fake_logs_quiet(model: nn.Module, batch: Batch) -> Iterator[None]:
     """The fake-tensor log off for the duration (module docstring); a ``RuntimeError`` raised by
     the model's step (torch's own class, not a subclass such as an out-of-memory error) becomes a one-line :class:`BatchError` (a ``ValueError``) naming the
     model, the batch's shapes and torch's own first line."""
-    log = logging.getLogger(_FAKE_LOG)
-    was = log.disabled
-    log.disabled = True
     try:
-        yield
+        with logger_off(_FAKE_LOG):
+            yield
     except RuntimeError as e:
         if type(e) is not RuntimeError:  # an out-of-memory error and its kind are not the batch's
             raise
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise BatchError(f"{type(model).__name__} does not run on the batch {batch.describe()}: "
                          f"{first}; pass a batch the model takes, as training will") from None
-    finally:
-        log.disabled = was

@@ -29,11 +29,8 @@ rows check against the filed predictions (docs/benchmarks/prediction.md).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -41,6 +38,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ... import _torch
 from ..._torch import tree_map_only
+from ..quiet import logger_off
 from .peak import OpRecord
 from .timing import Card
 
@@ -54,19 +52,9 @@ _PER_SM = {(8, 0): (2048, 166912), (8, 6): (1536, 101376), (8, 9): (1536, 101376
            (9, 0): (2048, 232448)}
 
 
-_AUTOTUNE_LOG = "torch._inductor.utils"  # "Not enough SMs to use max_autotune_gemm mode"
-
-
-@contextlib.contextmanager
-def _quiet(name: str) -> Iterator[None]:
-    """Logger ``name`` off for the duration: inductor's advice on autotuning, which a
-    prediction does not do, is not for the user."""
-    log = logging.getLogger(name)
-    was, log.disabled = log.disabled, True
-    try:
-        yield
-    finally:
-        log.disabled = was
+# inductor's advice on autotuning ("Not enough SMs to use max_autotune_gemm mode"), which a
+# prediction does not do: not for the user
+_AUTOTUNE_LOG = "torch._inductor.utils"
 
 
 def card_properties(on: Card) -> types.SimpleNamespace:
@@ -220,7 +208,7 @@ def schedule(gm: torch.fx.GraphModule, on: Card, backward: bool) -> Schedule:
     ind = _torch.inductor()
     example = to_cuda(gm)
     with _torch.cuda_device_as(card_properties(on), 10 * on.capability[0] + on.capability[1]), \
-            ind.debug.DebugContext(), _quiet(_AUTOTUNE_LOG):
+            ind.debug.DebugContext(), logger_off(_AUTOTUNE_LOG):
         ind.post_grad.view_to_reshape(gm)
         with torch.no_grad():
             mode = ind.compile_fx.fake_tensor_prop(gm, example)
