@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -30,6 +31,20 @@ class Pointwise(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(torch.relu(self.a(x) * 2 + 1))
+
+
+class Attention(nn.Module):
+    """Self-attention through ``F.scaled_dot_product_attention``, with attention dropout."""
+
+    def __init__(self, width: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.qkv, self.out, self.heads = nn.Linear(width, 3 * width), nn.Linear(width, width), heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, length, width = x.shape
+        q, k, v = self.qkv(x).view(b, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+        return self.out(y.transpose(1, 2).reshape(b, length, width))
 
 
 def _conv_net() -> nn.Module:
@@ -133,6 +148,26 @@ def test_bf16_autocast_runs_cudas_casts_in_the_compiled_graphs():
     fp32 = predict_compiled_step(model, x, "h100")
     bf16 = predict_compiled_step(model, x, "h100", autocast=torch.bfloat16)
     assert bf16.time.device < fp32.time.device
+
+
+def test_attention_is_captured_with_cudas_fused_kernels_not_the_cpus_math_path():
+    """fp32 takes the memory-efficient kernel, bf16 flash, as a CUDA build selects them: the
+    peak is the eager card step's within less than one T x T float32 matrix (the CPU's math
+    path, which the dropout forces there, keeps the probabilities and their dropped copy)."""
+    torch.manual_seed(0)
+    model, x = Attention().train(), torch.randn(8, 256, 64)
+    scores = 8 * model.heads * 256 * 256 * 4
+    aten = torch.ops.aten
+    for dtype, kernel, grad in ((None, aten._scaled_dot_product_efficient_attention,
+                                 aten._scaled_dot_product_efficient_attention_backward),
+                                (torch.bfloat16, aten._scaled_dot_product_flash_attention,
+                                 aten._scaled_dot_product_flash_attention_backward)):
+        forward, backward, _ = capture_graphs(model, x, autocast=dtype)
+        ops = {n.target for g in (forward, backward) for n in g.graph.nodes}
+        assert {kernel.default, grad.default} <= ops
+        compiled = predict_compiled_step(model, x, "h100", autocast=dtype)
+        eager = predict_step(model, x, "h100", autocast=dtype)
+        assert abs(compiled.peak - eager.peak) < scores
 
 
 def test_a_hugging_face_batch_dict_with_labels_is_predicted_with_the_models_own_loss():

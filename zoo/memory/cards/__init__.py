@@ -19,7 +19,8 @@ The rest of :mod:`zoo.memory` measures this machine; this package models a named
 * ``bound.py``: the least peak any keep/recompute/offload plan of a step can reach on a card.
 
 It imports the measuring modules below it (the tracker, the fake step); they import only
-``on_card`` (the step's counter and the tensors it holds) from here. ``zoo.memory`` re-exports the public names.
+``on_card`` (the step's counter and the tensors it holds) from here. ``zoo.memory`` re-exports
+the public names.
 """
 from __future__ import annotations
 

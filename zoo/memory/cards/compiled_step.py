@@ -3,13 +3,15 @@
 The model is compiled whole (``fullgraph=True, dynamic=False``, as the GPU suite compiles it) on
 fake copies of its state by inductor's own front end (decompositions, joint-graph passes, the
 min-cut partitioner): the forward and backward graphs inductor would receive, the saved tensors
-chosen as inductor's are. :mod:`.inductor` then runs inductor's post-grad passes, lowering and
-scheduler on each graph for the card (no kernel is generated), and this module replays the
-scheduled kernels' storages through the caching allocator (parameters, buffers, batch and the
-cuBLAS workspaces of the graphs that run a matmul held from the start; each storage freed after
-the last kernel that reads it, as inductor's code frees it; what the forward saves freed at its
-last use in the backward; gradients kept) and prices the kernels with :mod:`.timing`'s
-roofline. The loss, ``out.float().square().mean()`` as every measured step takes it, runs
+chosen as inductor's are. Attention and dropout are traced as CUDA's kernels
+(:class:`.kernels.CudaKernels`, as in the eager card step), so SDPA stays one fused kernel and
+never the CPU's math path with its T x T probabilities. :mod:`.inductor` then runs inductor's
+post-grad passes, lowering and scheduler on each graph for the card (no kernel is generated),
+and this module replays the scheduled kernels' storages through the caching allocator
+(parameters, buffers, batch and the cuBLAS workspaces of the graphs that run a matmul held from
+the start; each storage freed after the last kernel that reads it, as inductor's code frees it;
+what the forward saves freed at its last use in the backward; gradients kept) and prices the
+kernels with :mod:`.timing`'s roofline. The loss, ``out.float().square().mean()`` as every measured step takes it, runs
 outside the compiled graph; its few bytes are its gradient, the backward graph's input.
 
 The host launches every kernel from inductor's generated Python (:data:`H100_LAUNCH` seconds
@@ -36,6 +38,7 @@ from ..training import default_loss
 from .allocator import CachingAllocator
 from .autocast import cuda_autocast
 from .inductor import Schedule, schedule
+from .kernels import CudaKernels
 from .step import CardStep
 from .timing import H100_ACHIEVED, H100_HOST, Achieved, Card, HostCost, StepTime, card, \
     op_seconds
@@ -93,7 +96,8 @@ def capture_graphs(model: nn.Module, example_input: Any,
     _torch.dynamo().reset()
     try:
         with fake_logs_quiet(model, fake.input), fake.mode, \
-                cuda_autocast(autocast is not None), _torch.reparametrize_module(model, fake.state):
+                cuda_autocast(autocast is not None), CudaKernels(), \
+                _torch.reparametrize_module(model, fake.state):
             compiled = torch.compile(model, backend=lambda gm, ex: compile_fx(
                 gm, ex, inner_compile=keep), fullgraph=True, dynamic=False)
             with cast:

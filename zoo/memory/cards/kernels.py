@@ -7,7 +7,8 @@ memory-efficient kernels, as torch's sdp_utils.cpp selects them, save q, k, v, t
 log-sum-exp, never the CPU math path's B x H x L x L probabilities) and ``F.dropout`` (CUDA's
 fused ``native_dropout`` keeps a one-byte mask). :class:`CudaKernels` calls those CUDA ops in
 their place, on fake tensors through their meta functions, so shapes and saved tensors are the
-CUDA kernels' exactly. BatchNorm and convolution need nothing (docs/benchmarks/prediction.md)."""
+CUDA kernels' exactly. BatchNorm and convolution need nothing (docs/benchmarks/prediction.md).
+A compiled step's capture traces the same substitutes (:mod:`.compiled_step`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -24,30 +25,41 @@ _aten = torch.ops.aten
 
 def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  attn_mask: torch.Tensor | None = None, dtype: torch.dtype | None = None,
-                 enable_gqa: bool = False) -> str:
+                 enable_gqa: bool = False, enabled: tuple[bool, bool] | None = None) -> str:
     """The kernel a CUDA build (sm80 or newer) picks for SDPA on tensors of these shapes in
-    ``dtype`` (the tensors' own if None): ``"flash"``, ``"efficient"`` or ``"math"``."""
+    ``dtype`` (the tensors' own if None): ``"flash"``, ``"efficient"`` or ``"math"``.
+    ``enabled``: whether the flash and the memory-efficient kernels are enabled (None: as
+    ``torch.backends.cuda`` says now; Dynamo cannot trace that query, so a traced call passes
+    what was read before tracing)."""
     dtype = dtype or q.dtype
+    flash_on, efficient_on = enabled if enabled is not None else _enabled()
     head, head_v = q.shape[-1], v.shape[-1]
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or enable_gqa:
         return MATH
     if dtype in _HALF and attn_mask is None and head == head_v and head <= 256 \
-            and head % 8 == 0 and torch.backends.cuda.flash_sdp_enabled():
+            and head % 8 == 0 and flash_on:
         return FLASH
     align = 8 if dtype in _HALF else 4
     if dtype in (*_HALF, torch.float32) and head % align == 0 and head_v % align == 0 \
-            and torch.backends.cuda.mem_efficient_sdp_enabled():
+            and efficient_on:
         return EFFICIENT
     return MATH
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _enabled() -> tuple[bool, bool]:
+    """Whether CUDA's flash and memory-efficient SDPA kernels are enabled
+    (``torch.backends.cuda.sdp_kernel``'s switches)."""
+    return torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled()
+
+
+def _sdpa(enabled: tuple[bool, bool], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
           attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
           is_causal: bool = False, scale: float | None = None,
           enable_gqa: bool = False) -> torch.Tensor | None:
-    """SDPA through the CUDA kernel :func:`sdpa_backend` picks; None for the math path."""
+    """SDPA through the CUDA kernel :func:`sdpa_backend` picks (``enabled``: as it takes
+    them); None for the math path."""
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
-    backend = sdpa_backend(q, k, v, attn_mask, dtype, enable_gqa)
+    backend = sdpa_backend(q, k, v, attn_mask, dtype, enable_gqa, enabled)
     if backend == MATH:
         return None
     if dtype != q.dtype:  # autocast casts SDPA's inputs to the lower precision
@@ -79,9 +91,10 @@ class CudaKernels:
     def __enter__(self) -> CudaKernels:
         self._saved = F.scaled_dot_product_attention, F.dropout
         sdpa, dropout = self._saved
+        enabled = _enabled()  # read here: a compiled capture traces the substitutes
 
         def cuda_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
-            out = _sdpa(*args, **kwargs)
+            out = _sdpa(enabled, *args, **kwargs)
             return sdpa(*args, **kwargs) if out is None else out
 
         def cuda_dropout(*args: Any, **kwargs: Any) -> torch.Tensor:
