@@ -184,6 +184,28 @@ def test_efficient_memory_grows_linearly_with_depth():
         assert low <= growth <= high, f"mode {mode}: memory growth ratio {growth:.2f}"
 
 
+@pytest.mark.slow
+def test_compiled_backward_sums_the_maps_gradients_layer_by_layer(monkeypatch):
+    """Under torch.compile (inductor's schedule for an H100, bf16 autocast) the checkpointed
+    DenseNet peaks lower than the same model with each map's gradient summed by autograd from
+    every later layer (no stand-ins): inductor then fuses each map's sum into one kernel and
+    keeps the block's concatenation gradients alive until it runs."""
+    from zoo.memory import predict_compiled_step
+    from zoo.models import densenet_blocks
+
+    torch.manual_seed(0)
+    model = DenseNet(growth_rate=12, block_config=(8, 8), num_init_features=24, stem="cifar",
+                     efficient=True)
+    x = torch.randn(16, 3, 32, 32)
+    joined = predict_compiled_step(model, x, "h100", autocast=torch.bfloat16).peak
+    of = densenet_blocks.Features.of.__func__
+    monkeypatch.setattr(densenet_blocks.Features, "of",
+                        classmethod(lambda cls, features, mode: of(cls, features, None)))
+    fanned_in = predict_compiled_step(model, x, "h100", autocast=torch.bfloat16).peak
+    one_map = 16 * 12 * 32 * 32 * 4  # one layer's new maps' gradient in float32
+    assert fanned_in - joined > 8 * one_map
+
+
 # -- errors ---------------------------------------------------------------------------------------
 def test_bad_arguments_say_what_to_do():
     with pytest.raises(ValueError, match="stem must be 'imagenet'"):

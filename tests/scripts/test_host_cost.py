@@ -43,9 +43,12 @@ def test_tiny_regions_dispatch_only_what_they_rerun():
 # (model, batch, mode): upper bounds on (ops under a dispatch mode, dispatched ops) of one step.
 # A selective region (``save_ops``) dispatches its floor too; under a dispatch mode each output
 # it keeps shows up once more as a copy (taken without its history when the forward ends).
+# A checkpointed DenseNet dispatches less than its floor (the plain step's ops plus the
+# recompute): its maps' gradients are summed once per layer through the blocks' stand-ins, not
+# once per map and layer as the plain step's are.
 PINNED = {
-    ("densenet_bc_100", 64, "bottleneck"): (2868, 2375),
-    ("densenet_bc_100", 64, "layer"): (2916, 2423),
+    ("densenet_bc_100", 64, "bottleneck"): (2217, 1724),
+    ("densenet_bc_100", 64, "layer"): (2265, 1772),
     ("resnet50", 8, "halves"): (1088, 811),
     ("resnet50", 8, "block"): (1104, 827),
     ("resnet50", 8, "bn_relu"): (1010, 774),
@@ -64,7 +67,8 @@ def test_model_steps_dispatch_no_op_beyond_the_recompute(name, batch, mode):
                            time_steps=False))
     row = rows[f"zoo {mode}"]
     ops, dispatched = PINNED[name, batch, mode]
-    assert row["dispatched"] == row["floor_dispatched"], "a region dispatched more than its rerun"
+    assert row["dispatched"] <= row["floor_dispatched"], "a region dispatched more than its rerun"
+    assert (row["dispatched"] == row["floor_dispatched"]) == (name != "densenet_bc_100")
     assert row["ops"] <= ops and row["dispatched"] <= dispatched, (row["ops"], row["dispatched"])
 
 

@@ -24,7 +24,11 @@ timm's, with the machine and the command: docs/benchmarks/models.md):
 In both modes the transitions (concat-BN-ReLU-conv1x1), the ImageNet stem's BN-ReLU-max-pool and
 the final concat-BN-ReLU are checkpointed too, again without recomputing a convolution, so a
 block's concatenated output is never stored either. Dropout stays outside the checkpoints, so
-they draw no random number and save no RNG state for their recompute.
+they draw no random number and save no RNG state for their recompute. In both modes the maps'
+gradients are summed once per layer, through a stand-in for their concatenation
+(:class:`~zoo.models.densenet_blocks.Features`), not once per map and layer: the same sums in the
+same order, so under ``torch.compile`` a block's concatenation gradients are not all kept at
+once.
 Without bottleneck (DenseNet-40) a layer is concat-BN-ReLU-conv3x3 and both modes checkpoint
 exactly that, again at +0% FLOPs.
 
@@ -49,7 +53,7 @@ from ._base import CIFAR_MEAN, CIFAR_STD, IMAGENET_MEAN, IMAGENET_STD, NO_RNG, Z
     chain_of, classifier
 from ._features import FeatureStages, Level
 from ._registry import register_model
-from .densenet_blocks import DenseBlock, DenseLayer, DenseLink, Transition, _cat
+from .densenet_blocks import DenseBlock, DenseLayer, DenseLink, Features, Transition, _cat
 
 __all__ = ["DenseLayer", "DenseBlock", "DenseLink", "Transition", "DenseNet"]
 
@@ -135,8 +139,8 @@ class DenseNet(FeatureStages, ZooModel):
         f = self.features
         return f.pool0(f.relu0(f.norm0(x)))
 
-    def _final(self, *features: torch.Tensor) -> torch.Tensor:
-        return F.relu(self.features.norm5(_cat(features)), inplace=True)
+    def _final(self, joined: torch.Tensor | None, *features: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.features.norm5(_cat(features, joined)), inplace=True)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images -> BN-ReLU'd feature maps of the last block (before pooling)."""
@@ -147,15 +151,15 @@ class DenseNet(FeatureStages, ZooModel):
         x = f.conv0(x)
         if self.stem == "imagenet":
             x = self._stem_tail(x) if mode is None else checkpoint(self._stem_tail, x, **NO_RNG)
-        features: list[torch.Tensor] = [x]
+        features = Features.of(x, None)
         for name, module in f.named_children():
             if isinstance(module, DenseBlock):
                 features = module.run(features, mode)
             elif isinstance(module, Transition):
-                features = [module(features, mode)]
+                features = Features.of(module(list(features), mode, features.joined), None)
         if mode is None:
-            return self._final(*features)
-        return checkpoint(self._final, *features, **NO_RNG)
+            return self._final(None, *features)
+        return checkpoint(self._final, features.joined, *features, **NO_RNG)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Global average pooling (unless ``global_pool=''``), then the classifier."""
@@ -167,8 +171,8 @@ class DenseNet(FeatureStages, ZooModel):
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         """norm5 and ReLU: what forward_features applies to the last block's output."""
         if self.grad_checkpointing is None:
-            return self._final(x)
-        return checkpoint(self._final, x, **NO_RNG)
+            return self._final(None, x)
+        return checkpoint(self._final, None, x, **NO_RNG)
 
     def _stem_level(self, x: torch.Tensor) -> torch.Tensor:
         f = self.features
@@ -201,7 +205,8 @@ class DenseNet(FeatureStages, ZooModel):
                     x = before(x, mode)
                 elif before is not None:
                     x = before(x)
-                return _cat(block.run([x], mode))
+                features = block.run(x, mode)
+                return _cat(features, features.joined)
             levels.append(Level(stage, channels, reduction, f"features.{name}"))
         return levels
 

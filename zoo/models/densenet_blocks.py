@@ -4,7 +4,9 @@ the planner's one-layer link, each able to run itself in any of the DenseNet che
 (described in :mod:`zoo.models.densenet`)."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -14,11 +16,83 @@ from ..checkpoint import checkpoint
 from ..nn import cp_BatchNorm2d
 from ._base import NO_RNG  # the regions here draw no random number: dropout runs outside
 
-__all__ = ["DenseLayer", "DenseBlock", "DenseLink", "Transition"]
+__all__ = ["DenseLayer", "DenseBlock", "DenseLink", "Transition", "Features"]
 
-Features = Sequence[torch.Tensor]  # the feature maps of a dense block so far, concatenated lazily
 
-def _cat(features: Features) -> torch.Tensor:
+class Features(list):
+    """A dense block's feature maps so far (a list: concatenated only inside the checkpoints
+    that read them), and in a checkpoint mode ``joined``: a stand-in for their concatenation
+    that holds no memory, through which the gradient of every concatenation reaches the maps.
+
+    Why: each map is read by every later layer, so autograd would sum its gradient from up to
+    a block's depth of concatenation gradients. Under ``torch.compile`` inductor fuses that
+    chain of additions into one kernel per map, run when the last term is there, and keeps
+    every term alive until then: all of a block's concatenation gradients at once (in float32
+    under bf16 autocast, where BatchNorm's backward computes them), the quadratic memory
+    checkpointing DenseNets is meant to avoid. Through the stand-ins (:class:`_Join`,
+    :class:`_Joined`) the gradient is one tensor per layer: the next stand-in's, sliced, plus
+    the layer's own concatenation gradient, added once. The terms and their order are the ones
+    autograd adds for the plain model, so gradients are the same bit for bit."""
+
+    joined: torch.Tensor | None = None
+    _element: torch.Tensor | None = None  # the element every stand-in of the block views
+
+    @classmethod
+    def of(cls, features: torch.Tensor | Sequence[torch.Tensor], mode: str | None) -> Features:
+        """``features`` (a tensor or maps so far) as Features, with a stand-in when ``mode``
+        checkpoints (kept if ``features`` has one already)."""
+        maps = cls([features] if isinstance(features, torch.Tensor) else features)
+        maps.joined = getattr(features, "joined", None)
+        maps._element = getattr(features, "_element", None)
+        if mode is not None and maps.joined is None:
+            first = maps[0].detach()
+            maps._element = first[(0,) * first.dim()] if first.numel() else first.new_empty(())
+            maps.joined = _Join.apply(maps._element, *maps)
+        return maps
+
+    def add(self, new: torch.Tensor) -> None:
+        """Append a layer's new maps, and join them to the stand-in if there is one."""
+        self.append(new)
+        if self.joined is not None:
+            self.joined = _Join.apply(self._element, self.joined, new)
+
+
+class _Join(torch.autograd.Function):
+    """Maps (or a stand-in and new maps) -> the stand-in for their concatenation along the
+    channels: ``element`` (one element of the block's first map: no value of a stand-in is
+    ever read, and a view allocates nothing) expanded to its shape; backward splits the
+    concatenation's gradient between the parts (:class:`Features`)."""
+
+    @staticmethod
+    def forward(ctx: Any, element: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
+        ctx.sizes = [p.shape[1] for p in parts]
+        first = parts[0]
+        dtype = functools.reduce(torch.promote_types, (p.dtype for p in parts))
+        return element.to(dtype).expand(first.shape[0], sum(ctx.sizes), *first.shape[2:])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (None, *grad.split(ctx.sizes, 1))
+
+
+class _Joined(torch.autograd.Function):
+    """The maps' concatenation, whose gradient goes to the stand-in ``joined``, not to the
+    maps (:class:`Features`)."""
+
+    @staticmethod
+    def forward(ctx: Any, joined: torch.Tensor, *features: torch.Tensor) -> torch.Tensor:
+        ctx.count = len(features)
+        return features[0] if len(features) == 1 else torch.cat(features, 1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (grad, *(None,) * ctx.count)
+
+
+def _cat(features: Sequence[torch.Tensor], joined: torch.Tensor | None = None) -> torch.Tensor:
+    """The maps concatenated; with the stand-in ``joined``, their gradient goes through it."""
+    if joined is not None:
+        return _Joined.apply(joined, *features)
     return features[0] if len(features) == 1 else torch.cat(list(features), 1)
 
 
@@ -43,21 +117,25 @@ class DenseLayer(nn.Module):
             self.conv2 = nn.Conv2d(width, growth_rate, 3, padding=1, bias=False)
         self.drop_rate = float(drop_rate)
 
-    def first_half(self, *features: torch.Tensor) -> torch.Tensor:
-        """concat-BN-ReLU-conv1: the bottleneck (1x1) convolution, or the 3x3 one without it."""
-        return self.conv1(self.relu1(self.norm1(_cat(features))))
+    def first_half(self, joined: torch.Tensor | None, *features: torch.Tensor) -> torch.Tensor:
+        """concat-BN-ReLU-conv1: the bottleneck (1x1) convolution, or the 3x3 one without it;
+        ``joined``: the maps' stand-in (:class:`Features`) or None."""
+        return self.conv1(self.relu1(self.norm1(_cat(features, joined))))
 
     def second_half(self, x: torch.Tensor) -> torch.Tensor:
         """BN-ReLU-conv2 on the bottleneck's output (DenseNet-B only)."""
         return self.conv2(self.relu2(self.norm2(x)))
 
-    def new_features(self, *features: torch.Tensor) -> torch.Tensor:
+    def new_features(self, joined: torch.Tensor | None, *features: torch.Tensor
+                     ) -> torch.Tensor:
         """The layer's maps before dropout, from the feature maps so far (concatenated here)."""
-        x = self.first_half(*features)
+        x = self.first_half(joined, *features)
         return self.second_half(x) if self.bottleneck else x
 
-    def forward(self, features: torch.Tensor | Features, mode: str | None = None) -> torch.Tensor:
-        """New feature maps from ``features`` (a tensor or the list of the block's maps so far).
+    def forward(self, features: torch.Tensor | Sequence[torch.Tensor], mode: str | None = None,
+                joined: torch.Tensor | None = None) -> torch.Tensor:
+        """New feature maps from ``features`` (a tensor or the list of the block's maps so far;
+        ``joined``: their stand-in, :class:`Features`, or None).
 
         ``mode``: ``None`` runs plainly; ``"bottleneck"`` checkpoints each half (concat-BN-ReLU-
         conv1, BN-ReLU-conv2) on its own, so backward recomputes the BN-ReLUs and stops before
@@ -69,13 +147,13 @@ class DenseLayer(nn.Module):
         if isinstance(features, torch.Tensor):
             features = [features]
         if mode is None:
-            x = self.new_features(*features)
+            x = self.new_features(joined, *features)
         elif mode == "bottleneck":
-            x = checkpoint(self.first_half, *features, **NO_RNG)
+            x = checkpoint(self.first_half, joined, *features, **NO_RNG)
             if self.bottleneck:
                 x = checkpoint(self.second_half, x, **NO_RNG)
         elif mode == "layer":
-            x = checkpoint(self.new_features, *features, **NO_RNG)
+            x = checkpoint(self.new_features, joined, *features, **NO_RNG)
         else:
             raise ValueError(f"unknown DenseNet checkpoint mode {mode!r}; expected None, "
                              f"'bottleneck' or 'layer'")
@@ -94,16 +172,20 @@ class DenseBlock(nn.ModuleDict):
             self[f"denselayer{i + 1}"] = DenseLayer(in_channels + i * growth_rate, growth_rate,
                                                     bn_size, drop_rate)
 
-    def run(self, features: Features, mode: str | None = None) -> list[torch.Tensor]:
-        """All feature maps after the block: ``features`` followed by each layer's new maps."""
-        features = list(features)
+    def run(self, features: torch.Tensor | Sequence[torch.Tensor], mode: str | None = None
+            ) -> Features:
+        """All feature maps after the block: ``features`` followed by each layer's new maps
+        (with their stand-in in a checkpoint mode: :class:`Features`)."""
+        features = Features.of(features, mode)
         for layer in self.values():
-            features.append(layer(features, mode))
+            features.add(layer(list(features), mode, features.joined))
         return features
 
-    def forward(self, x: torch.Tensor | Features, mode: str | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Sequence[torch.Tensor], mode: str | None = None
+                ) -> torch.Tensor:
         """The block's output as one tensor (input and every new map, concatenated)."""
-        return _cat(self.run([x] if isinstance(x, torch.Tensor) else x, mode))
+        features = self.run(x, mode)
+        return _cat(features, features.joined)
 
 
 class DenseLink(nn.Module):
@@ -135,13 +217,15 @@ class Transition(nn.Module):
         self.conv = nn.Conv2d(in_channels, out_channels, 1, bias=False)
         self.pool = nn.AvgPool2d(kernel_size=2, stride=2)
 
-    def _compress(self, *features: torch.Tensor) -> torch.Tensor:
-        return self.conv(self.relu(self.norm(_cat(features))))
+    def _compress(self, joined: torch.Tensor | None, *features: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.relu(self.norm(_cat(features, joined))))
 
-    def forward(self, x: torch.Tensor | Features, mode: str | None = None) -> torch.Tensor:
-        """``x``: the block's output or its list of feature maps; with a ``mode`` the
-        concat-BN-ReLU is recomputed in backward (the convolution is not: backward stops before)."""
+    def forward(self, x: torch.Tensor | Sequence[torch.Tensor], mode: str | None = None,
+                joined: torch.Tensor | None = None) -> torch.Tensor:
+        """``x``: the block's output or its feature maps (``joined``: their stand-in,
+        :class:`Features`, or None); with a ``mode`` the concat-BN-ReLU is recomputed in
+        backward (the convolution is not: backward stops before)."""
         features = [x] if isinstance(x, torch.Tensor) else list(x)
         if mode is None:
-            return self.pool(self._compress(*features))
-        return self.pool(checkpoint(self._compress, *features, **NO_RNG))
+            return self.pool(self._compress(joined, *features))
+        return self.pool(checkpoint(self._compress, joined, *features, **NO_RNG))
