@@ -11,8 +11,9 @@ and this module replays the scheduled kernels' storages through the caching allo
 (parameters, buffers, batch and the cuBLAS workspaces of the graphs that run a matmul held from
 the start; each storage freed after the last kernel that reads it, as inductor's code frees it;
 what the forward saves freed at its last use in the backward; gradients kept) and prices the
-kernels with :mod:`.timing`'s roofline. The loss, ``out.float().square().mean()`` as every measured step takes it, runs
-outside the compiled graph; its few bytes are its gradient, the backward graph's input.
+kernels with :mod:`.timing`'s roofline. The loss, ``out.float().square().mean()`` as every
+measured step takes it, runs outside the compiled graph; its few bytes are its gradient, the
+backward graph's input.
 
 The host launches every kernel from inductor's generated Python (:data:`H100_LAUNCH` seconds
 each) and runs the autograd engine's nodes outside the graph (one per parameter, the loss's and
