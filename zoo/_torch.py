@@ -426,7 +426,7 @@ aot_autograd = lazy("torch._dynamo.backends.common.aot_autograd", "the compiled-
 min_cut_rematerialization_partition = lazy(
     "torch._functorch.partitioners.min_cut_rematerialization_partition",
     "the compiled-memory peer")
-rng_prims = lazy("torch._prims.rng_prims", "the compiled-memory peer on meta")
+rng_prims = lazy("torch._prims.rng_prims", "the compiled-memory peer on meta, the card model")
 
 
 class Inductor(NamedTuple):
@@ -460,10 +460,13 @@ def cuda_device_as(props: Any, capability: int) -> Iterator[None]:
     """While active, Dynamo's and inductor's CUDA device interface answers with ``props``
     (``torch.cuda.get_device_properties``'s fields: ``multi_processor_count``, ``major``, ...)
     and compute ``capability`` (90 for 9.0) as CUDA device 0, which is available and runs
-    Triton: inductor lowers and schedules a graph for a card this machine does not have. The
-    registry, the compile workers' cached properties and the cached answers read from them
-    (device properties, Triton's presence) are as before afterwards (process-wide for the
-    duration: not thread-safe)."""
+    Triton: inductor lowers and schedules a graph for a card this machine does not have. Its
+    random-number generator's state (``torch.cuda.get_rng_state``: 16 bytes, Philox's seed and
+    offset) is read and set without a driver, as the random ops of a checkpointed region under
+    compile are (``run_and_save_rng_state``, ``run_with_rng_state``). The registry, the compile
+    workers' cached properties, the cached answers read from them (device properties, Triton's
+    presence) and the state functions are as before afterwards (process-wide for the duration:
+    not thread-safe)."""
     feature = "a compiled step predicted on a card"
     base = lazy("torch._dynamo.device_interface.CudaInterface", feature)()
     module = importlib.import_module(base.__module__)
@@ -488,9 +491,13 @@ def cuda_device_as(props: Any, capability: int) -> Iterator[None]:
     worker_props["cuda"], worker_device["cuda"] = [props], 0
     for cache in caches:
         cache.cache_clear()
+    rng = torch.cuda.get_rng_state, torch.cuda.set_rng_state
+    torch.cuda.get_rng_state = lambda device="cuda": torch.zeros(16, dtype=torch.uint8)
+    torch.cuda.set_rng_state = lambda new_state, device="cuda": None
     try:
         yield
     finally:
+        torch.cuda.get_rng_state, torch.cuda.set_rng_state = rng
         for table, before in zip(tables, saved):
             table.clear()
             table.update(before)

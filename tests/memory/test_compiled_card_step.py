@@ -98,13 +98,17 @@ def test_a_card_without_sms_is_refused_in_one_line():
 
 
 def test_the_card_is_answered_only_while_inductor_schedules():
-    """The CUDA device interface answers as the card while a graph is scheduled, and as this
-    machine before and after: torch still sees no GPU here and Triton no CUDA device."""
+    """The CUDA device interface (and CUDA's generator state) answers as the card while a graph
+    is scheduled, and as this machine before and after: torch still sees no GPU here and
+    Triton no CUDA device."""
     interfaces = _torch.resolve("torch._dynamo.device_interface.device_interfaces")
+    _torch.resolve("torch._dynamo.device_interface.get_interface_for_device")("cpu")  # filled
     has_triton = _torch.resolve("torch.utils._triton.has_triton")
-    before = (dict(interfaces), has_triton(), torch.cuda.is_available())
+    before = (dict(interfaces), has_triton(), torch.cuda.is_available(),
+              torch.cuda.get_rng_state, torch.cuda.set_rng_state)
     predict_compiled_step(_conv_net(), torch.randn(4, 8, 8, 8), "h100")
-    assert (dict(interfaces), has_triton(), torch.cuda.is_available()) == before
+    assert (dict(interfaces), has_triton(), torch.cuda.is_available(),
+            torch.cuda.get_rng_state, torch.cuda.set_rng_state) == before
 
 
 def test_the_extern_kernels_carry_the_eager_steps_flops():
@@ -168,6 +172,32 @@ def test_attention_is_captured_with_cudas_fused_kernels_not_the_cpus_math_path()
         compiled = predict_compiled_step(model, x, "h100", autocast=dtype)
         eager = predict_step(model, x, "h100", autocast=dtype)
         assert abs(compiled.peak - eager.peak) < scores
+
+
+
+def test_a_checkpointed_regions_attention_dropout_keeps_its_generator_state_on_the_host():
+    """A checkpointed transformer block with attention dropout: under compile the partitioner
+    saves CUDA's generator state before the fused kernel and replays it in backward (no mask is
+    stored). Predicted without a driver, fp32 and bf16, the state held in host memory: the peak
+    and the kernels are those of the same model without attention dropout."""
+    import zoo
+
+    predicted, replayed = {}, {}
+    for rate in (0.1, 0.0):
+        torch.manual_seed(0)
+        model = zoo.create_model("bert_base", efficient=True, vocab_size=64, max_positions=32,
+                                 embed_dim=32, depth=2, num_heads=2, drop_rate=0.0,
+                                 attn_drop_rate=rate).train()
+        x = model.example_input(4, 32)
+        _, backward, _ = capture_graphs(model, x)
+        replayed[rate] = any(n.target is _torch.rng_prims().run_with_rng_state
+                             for n in backward.graph.nodes)
+        for dtype in (None, torch.bfloat16):
+            step = predict_compiled_step(model, x, "h100", autocast=dtype)
+            predicted[rate, dtype] = step.peak, step.kernels
+    assert replayed == {0.1: True, 0.0: False}
+    for dtype in (None, torch.bfloat16):
+        assert predicted[0.1, dtype] == predicted[0.0, dtype]
 
 
 def test_a_hugging_face_batch_dict_with_labels_is_predicted_with_the_models_own_loss():

@@ -30,6 +30,7 @@ rows check against the filed predictions (docs/benchmarks/prediction.md).
 from __future__ import annotations
 
 import dataclasses
+import operator
 import types
 from typing import Any
 
@@ -75,7 +76,9 @@ def to_cuda(gm: torch.fx.GraphModule) -> list[Any]:
     """Move traced graph ``gm`` to CUDA device 0 in place: every node's fake value a fake CUDA
     tensor of the same shape, strides and dtype, every device argument CUDA's (the step was
     traced on the CPU: a tensor the model itself puts on the CPU moves too). Returns the
-    graph's example inputs (fake CUDA tensors, and what else its placeholders hold)."""
+    graph's example inputs (fake CUDA tensors, and what else its placeholders hold). A random
+    number generator's state that a checkpointed region's random ops save for their replay in
+    backward is CUDA's on the card: 16 bytes (Philox's seed and offset) in host memory."""
     mode = _torch.FakeTensorMode(allow_non_fake_inputs=True)
     cuda = torch.device("cuda", 0)
 
@@ -83,12 +86,27 @@ def to_cuda(gm: torch.fx.GraphModule) -> list[Any]:
         with mode:
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=cuda)
 
+    def host_state(_t: torch.Tensor) -> torch.Tensor:
+        with mode:
+            return torch.empty(16, dtype=torch.uint8)
+
     for n in gm.graph.nodes:
         if "val" in n.meta:
-            n.meta["val"] = tree_map_only(torch.Tensor, moved, n.meta["val"])
+            move = host_state if _is_rng_state(n) else moved
+            n.meta["val"] = tree_map_only(torch.Tensor, move, n.meta["val"])
         n.args, n.kwargs = tree_map_only(torch.device, lambda _: cuda, (n.args, n.kwargs))
     gm.recompile()
     return [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _is_rng_state(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a generator state saved for a replay of random ops: the state
+    ``run_and_save_rng_state`` returns first, or what ``run_with_rng_state`` reads first."""
+    prims = _torch.rng_prims()
+    if node.target is operator.getitem and node.args[1] == 0:
+        source = node.args[0]
+        return isinstance(source, torch.fx.Node) and source.target is prims.run_and_save_rng_state
+    return any(u.target is prims.run_with_rng_state and u.args[0] is node for u in node.users)
 
 
 @dataclasses.dataclass
@@ -224,7 +242,8 @@ def schedule(gm: torch.fx.GraphModule, on: Card, backward: bool) -> Schedule:
             nodes = {**inputs, **{b.get_name(): b for b in graph.buffers}}
             alias = {n: _storage(b, ind.ir) or n for n, b in nodes.items()}
             layouts = {n: _layout(nodes[n], ind.ir) for n in set(alias.values()) if n in nodes}
-            layouts = {n: layout for n, layout in layouts.items() if layout is not None}
+            layouts = {n: layout for n, layout in layouts.items() if layout is not None
+                       and layout.device.type == "cuda"}  # the card holds its own buffers
             nbytes = {n: int(layout.storage_size()) * layout.dtype.itemsize
                       for n, layout in layouts.items()}
             dtypes = {n: layout.dtype for n, layout in layouts.items()}
