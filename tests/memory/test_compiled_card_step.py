@@ -174,7 +174,6 @@ def test_attention_is_captured_with_cudas_fused_kernels_not_the_cpus_math_path()
         assert abs(compiled.peak - eager.peak) < scores
 
 
-
 def test_a_checkpointed_regions_attention_dropout_keeps_its_generator_state_on_the_host():
     """A checkpointed transformer block with attention dropout: under compile the partitioner
     saves CUDA's generator state before the fused kernel and replays it in backward (no mask is

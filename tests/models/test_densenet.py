@@ -206,7 +206,6 @@ def test_compiled_backward_sums_the_maps_gradients_layer_by_layer(monkeypatch):
     assert fanned_in - joined > 8 * one_map
 
 
-
 @pytest.mark.slow
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16"])
 def test_compiled_step_peaks_where_the_eager_step_does(autocast):

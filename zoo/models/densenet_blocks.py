@@ -75,8 +75,8 @@ class _Join(torch.autograd.Function):
     64, H200: the compiled ``bottleneck`` step's peak 654.7 -> 571.5 MiB in float32 (eager
     560.3), 388.9 -> 351.3 MiB in bf16 (eager 318.7; inductor stores a float32 intermediate of
     the BatchNorm backward there). An ``as_strided`` view would force the store in any dtype,
-    but its strides are eager's, and inductor, keeping a convolution net channels-last inside,
-    then read the gradient in the wrong order on this CPU."""
+    but it carries eager's strides while inductor keeps a convolution net channels-last inside:
+    its gradients came out wrong (inductor's CPU backend, float64)."""
 
     @staticmethod
     def forward(ctx: Any, element: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
