@@ -184,6 +184,14 @@ def test_efficient_memory_grows_linearly_with_depth():
         assert low <= growth <= high, f"mode {mode}: memory growth ratio {growth:.2f}"
 
 
+def _two_blocks_of_eight() -> tuple[DenseNet, torch.Tensor]:
+    """A checkpointed DenseNet-BC of two blocks of 8 layers and a CIFAR batch of 16."""
+    torch.manual_seed(0)
+    model = DenseNet(growth_rate=12, block_config=(8, 8), num_init_features=24, stem="cifar",
+                     efficient=True)
+    return model, torch.randn(16, 3, 32, 32)
+
+
 @pytest.mark.slow
 def test_compiled_backward_sums_the_maps_gradients_layer_by_layer(monkeypatch):
     """Under torch.compile (inductor's schedule for an H100, bf16 autocast) the checkpointed
@@ -193,10 +201,7 @@ def test_compiled_backward_sums_the_maps_gradients_layer_by_layer(monkeypatch):
     from zoo.memory import predict_compiled_step
     from zoo.models import densenet_blocks
 
-    torch.manual_seed(0)
-    model = DenseNet(growth_rate=12, block_config=(8, 8), num_init_features=24, stem="cifar",
-                     efficient=True)
-    x = torch.randn(16, 3, 32, 32)
+    model, x = _two_blocks_of_eight()
     joined = predict_compiled_step(model, x, "h100", autocast=torch.bfloat16).peak
     of = densenet_blocks.Features.of.__func__
     monkeypatch.setattr(densenet_blocks.Features, "of",
@@ -217,10 +222,7 @@ def test_compiled_step_peaks_where_the_eager_step_does(autocast):
     recompute: 12% above the eager peak in float32, 7% in bf16."""
     from zoo.memory import predict_compiled_step, predict_step
 
-    torch.manual_seed(0)
-    model = DenseNet(growth_rate=12, block_config=(8, 8), num_init_features=24, stem="cifar",
-                     efficient=True)
-    x = torch.randn(16, 3, 32, 32)
+    model, x = _two_blocks_of_eight()
     compiled = predict_compiled_step(model, x, "h100", autocast=autocast).peak
     eager = predict_step(model, x, "h100", autocast=autocast).peak
     widest = 16 * (24 + 8 * 12) * 32 * 32  # the first block's last concatenation, elements

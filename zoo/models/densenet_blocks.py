@@ -100,7 +100,7 @@ class _Joined(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, joined: torch.Tensor, *features: torch.Tensor) -> torch.Tensor:
         ctx.count = len(features)
-        return features[0] if len(features) == 1 else torch.cat(features, 1)
+        return _concat(features)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -111,6 +111,11 @@ def _cat(features: Sequence[torch.Tensor], joined: torch.Tensor | None = None) -
     """The maps concatenated; with the stand-in ``joined``, their gradient goes through it."""
     if joined is not None:
         return _Joined.apply(joined, *features)
+    return _concat(features)
+
+
+def _concat(features: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One map as it is, several concatenated along the channels."""
     return features[0] if len(features) == 1 else torch.cat(list(features), 1)
 
 

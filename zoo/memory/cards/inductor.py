@@ -90,23 +90,28 @@ def to_cuda(gm: torch.fx.GraphModule) -> list[Any]:
         with mode:
             return torch.empty(16, dtype=torch.uint8)
 
+    states = _rng_states(gm)
     for n in gm.graph.nodes:
         if "val" in n.meta:
-            move = host_state if _is_rng_state(n) else moved
+            move = host_state if n in states else moved
             n.meta["val"] = tree_map_only(torch.Tensor, move, n.meta["val"])
         n.args, n.kwargs = tree_map_only(torch.device, lambda _: cuda, (n.args, n.kwargs))
     gm.recompile()
     return [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
 
 
-def _is_rng_state(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is a generator state saved for a replay of random ops: the state
-    ``run_and_save_rng_state`` returns first, or what ``run_with_rng_state`` reads first."""
+def _rng_states(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The nodes of ``gm`` that hold a generator state saved for a replay of random ops: the
+    state ``run_and_save_rng_state`` returns first, and what ``run_with_rng_state`` reads."""
     prims = _torch.rng_prims()
-    if node.target is operator.getitem and node.args[1] == 0:
-        source = node.args[0]
-        return isinstance(source, torch.fx.Node) and source.target is prims.run_and_save_rng_state
-    return any(u.target is prims.run_with_rng_state and u.args[0] is node for u in node.users)
+    states = set()
+    for n in gm.graph.nodes:
+        if n.target is prims.run_with_rng_state and isinstance(n.args[0], torch.fx.Node):
+            states.add(n.args[0])
+        elif n.target is operator.getitem and n.args[1] == 0 and \
+                getattr(n.args[0], "target", None) is prims.run_and_save_rng_state:
+            states.add(n)
+    return states
 
 
 @dataclasses.dataclass
