@@ -216,7 +216,7 @@ def test_compiled_backward_sums_the_maps_gradients_layer_by_layer(monkeypatch):
 def test_compiled_step_peaks_where_the_eager_step_does(autocast):
     """Inductor's schedule of the checkpointed DenseNet (an H100, the card model) stores each
     stand-in's gradient as soon as its layer's BatchNorm backward has its statistics, so the
-    compiled step peaks no higher than the eager one in float32; in bf16 inductor stores a
+    compiled step peaks within 1% of the eager one in float32; in bf16 inductor stores a
     float32 intermediate there, one bf16 concatenation gradient more. Inlined into the previous
     layer's gradient sum instead, it kept a layer's recomputed maps alive through that layer's
     recompute: 12% above the eager peak in float32, 7% in bf16."""
@@ -226,7 +226,7 @@ def test_compiled_step_peaks_where_the_eager_step_does(autocast):
     compiled = predict_compiled_step(model, x, "h100", autocast=autocast).peak
     eager = predict_step(model, x, "h100", autocast=autocast).peak
     widest = 16 * (24 + 8 * 12) * 32 * 32  # the first block's last concatenation, elements
-    slack = 0 if autocast is None else 2 * widest
+    slack = eager // 100 if autocast is None else 2 * widest
     assert compiled <= eager + slack, f"compiled {compiled:,} B against eager {eager:,} B"
 
 

@@ -150,7 +150,8 @@ def _replay(graph: Schedule, allocator: CachingAllocator, live: dict[str, Any]
 def _renamed(graph: Schedule, alias: dict[str, str]) -> Schedule:
     """``graph`` reading each input named in ``alias`` under the name it maps to (two saved
     tensors of the forward that share one storage)."""
-    kernels = [dataclasses.replace(k, reads={alias.get(b, b) for b in k.reads})
+    kernels = [dataclasses.replace(k, reads=tuple(dict.fromkeys(alias.get(b, b)
+                                                                for b in k.reads)))
                for k in graph.kernels]
     return dataclasses.replace(graph, kernels=kernels)
 

@@ -123,7 +123,7 @@ class Kernel:
     launches: bool
     extern: bool
     writes: list[str]
-    reads: set[str]
+    reads: tuple[str, ...]  # in inductor's order: the replay is the same in every process
     record: OpRecord
     matmul: bool = False
 
@@ -202,7 +202,8 @@ def _kernels(scheduler: Any, graph: Any, ind: _torch.Inductor, backward: bool,
     for node in scheduler.nodes:
         names = [b.get_name() for b in node.get_outputs()]
         stored = list(dict.fromkeys(alias[b] for b in names if nbytes.get(alias[b])))
-        reads = {alias.get(d.name, d.name) for d in node.read_writes.reads} - set(stored)
+        reads = tuple(dict.fromkeys(alias.get(d.name, d.name) for d in node.read_writes.reads
+                                    if alias.get(d.name, d.name) not in stored))
         dtype = next((dtypes[b] for b in (*stored, *sorted(reads)) if b in dtypes), None)
         one_of_many = node.is_extern() and isinstance(node.node, ind.ir.MultiOutput)
         if one_of_many:  # an output of the call before: that kernel's FLOPs and bytes
