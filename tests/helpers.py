@@ -1,6 +1,7 @@
 """Shared test helpers: train a model a few steps and compare it with its plain twin."""
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 import weakref
@@ -66,6 +67,36 @@ def assert_same_training(plain: nn.Module, plain_forward: Callable, ckpt: nn.Mod
     for (name, a), b in zip(ckpt.state_dict().items(), plain.state_dict().values()):
         torch.testing.assert_close(a, b, **close,
                                    msg=lambda m: f"{name} after {steps} steps: {m}")
+
+
+class GraphRecorder:
+    """A torch.compile backend that keeps the graphs it sees: ``aot_eager`` (AOTAutograd with
+    inductor's partitioner, eager kernels) with the forward and backward graphs recorded."""
+
+    def __init__(self) -> None:
+        self.dynamo: list[torch.fx.GraphModule] = []
+        self.forward: list[torch.fx.GraphModule] = []
+        self.backward: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        self.dynamo.append(gm)
+
+        def keep(graphs: list, g: torch.fx.GraphModule, _: list) -> Callable:
+            graphs.append(g)
+            return make_boxed_func(g.forward)
+
+        return aot_autograd(fw_compiler=functools.partial(keep, self.forward),
+                            bw_compiler=functools.partial(keep, self.backward),
+                            partition_fn=min_cut_rematerialization_partition,  # as inductor
+                            keep_inference_input_mutations=True)(gm, example_inputs)
+
+    def count(self, which: str, target: object) -> int:
+        graphs = {"dynamo": self.dynamo, "forward": self.forward, "backward": self.backward}[which]
+        return sum(node.target is target for g in graphs for node in g.graph.nodes)
 
 
 def train_step_peak(model: nn.Module, x: torch.Tensor) -> int:

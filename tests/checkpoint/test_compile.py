@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -25,43 +24,13 @@ from torch import nn
 
 import zoo
 from zoo.models.densenet import DenseNet
-from helpers import assert_same_training
+from helpers import GraphRecorder, assert_same_training
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),  # torch's SAC/compile notices
               pytest.mark.skipif(zoo._torch.VERSION < zoo._torch.COMPILED_REGIONS_SINCE,
                                  reason="zoo.checkpoint under torch.compile needs torch >= 2.8 "
                                  "(see test_torch_compat.py)")]
 TAG = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)  # torch >= 2.5
-
-
-class GraphRecorder:
-    """A torch.compile backend that keeps the graphs it sees: ``aot_eager`` (AOTAutograd with
-    inductor's partitioner, eager kernels) with the forward and backward graphs recorded."""
-
-    def __init__(self) -> None:
-        self.dynamo: list[torch.fx.GraphModule] = []
-        self.forward: list[torch.fx.GraphModule] = []
-        self.backward: list[torch.fx.GraphModule] = []
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.aot_autograd import make_boxed_func
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-        self.dynamo.append(gm)
-
-        def keep(graphs: list, g: torch.fx.GraphModule, _: list) -> Callable:
-            graphs.append(g)
-            return make_boxed_func(g.forward)
-
-        return aot_autograd(fw_compiler=functools.partial(keep, self.forward),
-                            bw_compiler=functools.partial(keep, self.backward),
-                            partition_fn=min_cut_rematerialization_partition,  # as inductor
-                            keep_inference_input_mutations=True)(gm, example_inputs)
-
-    def count(self, which: str, target: object) -> int:
-        graphs = {"dynamo": self.dynamo, "forward": self.forward, "backward": self.backward}[which]
-        return sum(node.target is target for g in graphs for node in g.graph.nodes)
 
 
 def assert_compiled_matches_eager_plain(plain: nn.Module, ckpt: nn.Module, x: torch.Tensor,

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import zoo
-from helpers import assert_same_training
-from test_compile import TAG, GraphRecorder
+from helpers import GraphRecorder, assert_same_training
+from test_compile import TAG
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # torch's compile notices
 
