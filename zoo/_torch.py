@@ -120,6 +120,8 @@ NAMES: dict[str, Name] = {
     "torch._functorch.partitioners.min_cut_rematerialization_partition": Name(
         OLDEST, "required (compiled memory)"),
     "torch._prims.rng_prims": Name(OLDEST, "required (compiled memory on meta)"),
+    "torch._inductor.inductor_prims.force_stride_order": Name(
+        OLDEST, "exact: a compiled DenseNet keeps each stand-in's gradient as an expression"),
     "torch._inductor.compile_fx.compile_fx": Name(OLDEST, "required (a compiled step on a card)"),
     "torch._inductor.compile_fx.fake_tensor_prop": Name(
         OLDEST, "required (a compiled step on a card)"),
@@ -243,6 +245,19 @@ tensor_version = operator.attrgetter("_version")
 #: Keeps a tensor's version counter unchanged across an in-place op: offload uses it to make an
 #: empty alias that shares a saved tensor's counter but not its storage.
 preserve_version_counter = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
+
+
+_force_stride_order = resolve("torch._inductor.inductor_prims.force_stride_order")
+
+
+def stored_when_compiled(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself, which inductor then writes to memory where it is made, in its own
+    dtype, instead of keeping it an expression that each reader recomputes from the buffers it
+    reads (inductor's ``inductor_force_stride_order`` with the strides the tensor has: no copy,
+    and the identity in eager and under any other backend). ``tensor`` where torch lacks it."""
+    if _force_stride_order is None:
+        return tensor
+    return _force_stride_order(tensor, tensor.stride())
 
 
 def storage_id(tensor: torch.Tensor) -> int:

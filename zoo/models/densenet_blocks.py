@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import _torch
 from ..checkpoint import checkpoint
 from ..nn import cp_BatchNorm2d
 from ._base import NO_RNG  # the regions here draw no random number: dropout runs outside
@@ -58,6 +59,11 @@ class Features(list):
             self.joined = _Join.apply(self._element, self.joined, new)
 
 
+#: Under ``torch.compile`` a stand-in's gradient of fewer bytes per element than this is stored
+#: by force (:class:`_Join`): bf16 and float16, where inductor's own rule stores float32.
+FORCED_STORE_BELOW = 4
+
+
 class _Join(torch.autograd.Function):
     """Maps (or a stand-in and new maps) -> the stand-in for their concatenation along the
     channels: ``element`` (one element of the block's first map: no value of a stand-in is
@@ -66,17 +72,22 @@ class _Join(torch.autograd.Function):
 
     Under ``torch.compile`` the parts are cut by one ``narrow`` each, not one ``split``: the
     gradient then has as many readers as parts, and inductor stores a value read more than once
-    from more than four buffers (``StorageBox.mark_reuse``), so the gradient is written as soon
-    as its layer's BatchNorm backward has its statistics. Behind one ``split`` it stays an
-    expression inlined into each reader: the new maps' part computed at once, for their
-    convolution's backward, the stand-in's part inside the previous layer's gradient sum, which
-    then keeps this layer's recomputed concatenation, its ReLU and its convolution's input
-    gradient alive through the previous layer's recompute. Card model, DenseNet-BC-100, batch
-    64, H200: the compiled ``bottleneck`` step's peak 654.7 -> 571.5 MiB in float32 (eager
-    560.3), 388.9 -> 351.3 MiB in bf16 (eager 318.7; inductor stores a float32 intermediate of
-    the BatchNorm backward there). An ``as_strided`` view would force the store in any dtype,
-    but it carries eager's strides while inductor keeps a convolution net channels-last inside:
-    its gradients came out wrong (inductor's CPU backend, float64)."""
+    from more than four buffers (``StorageBox.mark_reuse``), so in float32 the gradient is
+    written as soon as its layer's BatchNorm backward has its statistics. Behind one ``split``
+    it stays an expression inlined into each reader: the new maps' part computed at once, for
+    their convolution's backward, the stand-in's part inside the previous layer's gradient sum,
+    which then keeps what the expression reads alive through the previous layer's recompute
+    (this layer's recomputed concatenation, ReLU and convolution input gradient). In bf16 or
+    float16 the rule stores a float32 intermediate of the BatchNorm backward instead, and the
+    gradient, a cast of it read from three buffers, stays inlined, so its store is forced
+    (:func:`zoo._torch.stored_when_compiled`). Card model, DenseNet-BC-100, batch 64, H200, the
+    compiled ``bottleneck`` step's peak: 654.7 (one split) -> 571.5 MiB in float32 (eager
+    560.3), 388.9 -> 351.3 (narrows) -> 321.7 MiB in bf16 (eager 318.7). Forced in float32 too,
+    the card's peak is the same, but inductor's CPU backend peaked higher (the step's resident
+    memory, DenseNet-BC-100 b16: 140 against 131 MiB, medians of runs), so float32 keeps the
+    rule. An identity ``as_strided`` would force the store too, but it carries eager's strides
+    while inductor keeps a convolution net channels-last inside: its gradients came out
+    wrong."""
 
     @staticmethod
     def forward(ctx: Any, element: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
@@ -88,6 +99,8 @@ class _Join(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if torch.compiler.is_compiling():  # stored once (above); eager's is stored already
+            if grad.dtype.itemsize < FORCED_STORE_BELOW:
+                grad = _torch.stored_when_compiled(grad)
             starts = itertools.accumulate(ctx.sizes[:-1], initial=0)
             return (None, *(grad.narrow(1, a, b) for a, b in zip(starts, ctx.sizes)))
         return (None, *grad.split(ctx.sizes, 1))
