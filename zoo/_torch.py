@@ -253,8 +253,9 @@ _force_stride_order = resolve("torch._inductor.inductor_prims.force_stride_order
 def stored_when_compiled(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself, which inductor then writes to memory where it is made, in its own
     dtype, instead of keeping it an expression that each reader recomputes from the buffers it
-    reads (inductor's ``inductor_force_stride_order`` with the strides the tensor has: no copy,
-    and the identity in eager and under any other backend). ``tensor`` where torch lacks it."""
+    reads (inductor's ``inductor_force_stride_order`` with the strides the tensor has: a copy
+    only where inductor laid the value out otherwise; the identity in eager and under any other
+    backend). ``tensor`` where torch lacks it."""
     if _force_stride_order is None:
         return tensor
     return _force_stride_order(tensor, tensor.stride())
