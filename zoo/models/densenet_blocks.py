@@ -84,7 +84,7 @@ class _Join(torch.autograd.Function):
     compiled ``bottleneck`` step's peak: 654.7 (one split) -> 571.5 MiB in float32 (eager
     560.3), 388.9 -> 351.3 (narrows) -> 321.7 MiB in bf16 (eager 318.7). Forced in float32 too,
     the card's peak is the same, but inductor's CPU backend peaked higher (the step's resident
-    memory, DenseNet-BC-100 b16: 140 against 131 MiB, medians of runs), so float32 keeps the
+    memory, DenseNet-BC-100 b16: 141 against 131 MiB, medians of 8 runs), so float32 keeps the
     rule. An identity ``as_strided`` would force the store too, but it carries eager's strides
     while inductor keeps a convolution net channels-last inside: its gradients came out
     wrong."""
