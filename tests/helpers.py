@@ -99,6 +99,16 @@ class GraphRecorder:
         return sum(node.target is target for g in graphs for node in g.graph.nodes)
 
 
+def assert_compiled_matches_eager_plain(plain: nn.Module, ckpt: nn.Module, x: torch.Tensor,
+                                        backend: object = "aot_eager", steps: int = 3,
+                                        exact: bool = False) -> None:
+    """``ckpt`` compiled (fullgraph) trains as eager ``plain`` (same initial state);
+    ``exact``: bit for bit."""
+    torch._dynamo.reset()
+    compiled = torch.compile(ckpt, fullgraph=True, backend=backend)
+    assert_same_training(plain, plain, ckpt, compiled, x, steps, exact)
+
+
 def train_step_peak(model: nn.Module, x: torch.Tensor) -> int:
     """Exact CPU peak (MemTracker) of one training step (``zoo.memory.train_step``: train mode,
     fresh gradients), parameters counted."""

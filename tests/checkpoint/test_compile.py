@@ -24,21 +24,13 @@ from torch import nn
 
 import zoo
 from zoo.models.densenet import DenseNet
-from helpers import GraphRecorder, assert_same_training
+from helpers import GraphRecorder, assert_compiled_matches_eager_plain
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),  # torch's SAC/compile notices
               pytest.mark.skipif(zoo._torch.VERSION < zoo._torch.COMPILED_REGIONS_SINCE,
                                  reason="zoo.checkpoint under torch.compile needs torch >= 2.8 "
                                  "(see test_torch_compat.py)")]
 TAG = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)  # torch >= 2.5
-
-
-def assert_compiled_matches_eager_plain(plain: nn.Module, ckpt: nn.Module, x: torch.Tensor,
-                                        backend: object = "aot_eager", steps: int = 3) -> None:
-    """``ckpt`` compiled (fullgraph) trains exactly as eager ``plain`` (same initial state)."""
-    torch._dynamo.reset()
-    compiled = torch.compile(ckpt, fullgraph=True, backend=backend)
-    assert_same_training(plain, plain, ckpt, compiled, x, steps)
 
 
 # ---- a user's own module calling zoo.checkpoint directly ---------------------------------------

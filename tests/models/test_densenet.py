@@ -13,8 +13,8 @@ import torch
 import torchvision
 
 import zoo
-from helpers import (GraphRecorder, assert_published_parameter_count, assert_same_training,
-                     train_step_peak)
+from helpers import (GraphRecorder, assert_compiled_matches_eager_plain,
+                     assert_published_parameter_count, assert_same_training, train_step_peak)
 from zoo.memory import count_flops, cpu_peak_bytes, default_loss
 from zoo.models.densenet import DenseLayer, DenseNet
 
@@ -244,11 +244,9 @@ def test_a_forced_store_of_the_stand_ins_gradient_trains_like_plain(backend, mon
     plain = tiny().double()
     ckpt = tiny(efficient="bottleneck").double()
     recorder = GraphRecorder()
-    torch._dynamo.reset()
-    compiled = torch.compile(ckpt, fullgraph=True,
-                             backend=recorder if backend == "aot_eager" else backend)
     x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
-    assert_same_training(plain, plain, ckpt, compiled, x, steps=2, exact=backend == "aot_eager")
+    assert_compiled_matches_eager_plain(plain, ckpt, x, recorder if backend == "aot_eager"
+                                        else backend, steps=2, exact=backend == "aot_eager")
     if backend == "aot_eager":
         store = torch.ops.prims.inductor_force_stride_order.default
         stand_ins = (1 + 2) + (1 + 3)  # per block: its input maps', then one per layer

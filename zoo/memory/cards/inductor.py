@@ -202,8 +202,8 @@ def _kernels(scheduler: Any, graph: Any, ind: _torch.Inductor, backward: bool,
     for node in scheduler.nodes:
         names = [b.get_name() for b in node.get_outputs()]
         stored = list(dict.fromkeys(alias[b] for b in names if nbytes.get(alias[b])))
-        reads = tuple(dict.fromkeys(alias.get(d.name, d.name) for d in node.read_writes.reads
-                                    if alias.get(d.name, d.name) not in stored))
+        names_read = (alias.get(d.name, d.name) for d in node.read_writes.reads)
+        reads = tuple(dict.fromkeys(b for b in names_read if b not in stored))
         dtype = next((dtypes[b] for b in (*stored, *sorted(reads)) if b in dtypes), None)
         one_of_many = node.is_extern() and isinstance(node.node, ind.ir.MultiOutput)
         if one_of_many:  # an output of the call before: that kernel's FLOPs and bytes
