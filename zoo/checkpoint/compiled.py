@@ -198,10 +198,16 @@ def _save_updates(save_ops: Collection[Any], ctx: Any, op: Any, *args: Any, **kw
     the recomputed value where the source is recomputed: the statistics move twice per step.
     Saved, the source is the forward's value, so the backward's copy writes what is already
     there. It costs the memory of those ops' outputs (a BatchNorm's normalised tensor); from
-    torch 2.9 the update is not replayed and nothing is saved.
+    torch 2.9 the update is not replayed and nothing is saved. Only while AOTAutograd traces
+    (a proxy mode is active): run eagerly, as Dynamo's fallback for a region with a graph
+    break, the zoo's recompute guard keeps the statistics, and torch's eager selective
+    checkpoint would refuse a saved output a later op writes into (dropout's ``bernoulli_``
+    mask, scaled in place by ``div_``).
     """
     policy = _torch.CheckpointPolicy
-    if op in save_ops or _torch.mutates_an_input(op):
+    if op in save_ops:
+        return policy.MUST_SAVE
+    if _torch.mutates_an_input(op) and _torch.proxy_mode() is not None:
         return policy.MUST_SAVE
     return policy.PREFER_RECOMPUTE
 
