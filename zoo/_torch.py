@@ -159,6 +159,7 @@ NAMES: dict[str, Name] = {
     "torch._dynamo.device_interface.caching_worker_current_devices": Name(
         OLDEST, "required (a compiled step on a card)"),
     "torch.fx.experimental.proxy_tensor.get_proxy_mode": Name((2, 5), "exact: torch's rule"),
+    "torch._guards.detect_fake_mode": Name(OLDEST, "required"),
     # FakeTensor and the memory tracker
     "torch._subclasses.fake_tensor.FakeTensor": Name(OLDEST, "required (planner)"),
     "torch._subclasses.fake_tensor.FakeTensorMode": Name(OLDEST, "required (planner)"),
@@ -531,6 +532,13 @@ def proxy_mode() -> Any:
     """The proxy mode tracing now (AOTAutograd's tracer), or ``None``."""
     get = getattr(resolve("torch.fx.experimental.proxy_tensor"), "get_proxy_mode", None)
     return None if get is None else get()
+
+
+def tracing() -> bool:
+    """Whether torch is tracing now rather than running: Dynamo compiling, or a fake mode
+    active (AOTAutograd's tracer, a backend's fake propagation of Dynamo's graph)."""
+    return torch.compiler.is_compiling() or resolve("torch._guards.detect_fake_mode")() \
+        is not None
 
 
 # FakeTensor and the memory tracker

@@ -318,6 +318,34 @@ def test_inductor_recompute_uses_the_forwards_dropout_mask():
     torch.testing.assert_close(x.grad, torch.cos(mask) * mask * 2)
 
 
+def test_a_backend_that_runs_dynamos_graph_eagerly_is_refused_in_one_line():
+    """``backend="eager"`` (any backend without AOTAutograd) runs a traced region's checkpoint
+    eagerly on Dynamo's ops, without the zoo's guards: there torch's own checkpoint (torch
+    2.14, 2.15) trains this dropout region with other gradients than the plain model's (its
+    recompute draws a new mask), so the zoo's region refuses the step in one line, and
+    ``aot_eager`` trains it as plain."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8)).double()
+    x = torch.randn(16, 8, dtype=torch.float64)
+
+    def grads(run) -> list[torch.Tensor]:
+        model = copy.deepcopy(block)
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        run(model, x).square().mean().backward()
+        return [p.grad for p in model.parameters()]
+
+    plain = grads(lambda m, t: m(t))
+    with pytest.raises(RuntimeError, match=r'^zoo: zoo\.checkpoint under torch\.compile needs a '
+                                           r'backend that runs AOTAutograd [^\n]*"aot_eager"$'):
+        grads(lambda m, t: torch.compile(lambda u: zoo.checkpoint(m, u), backend="eager")(t))
+    zoos = grads(lambda m, t: torch.compile(lambda u: zoo.checkpoint(m, u),
+                                            backend="aot_eager")(t))
+    for a, b in zip(zoos, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
 def test_torch_keywords_and_a_users_selective_policy_compile():
     """A library handing zoo.checkpoint torch's keywords (and its own SAC context_fn) compiles."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts

@@ -128,7 +128,7 @@ def zoo_plan_warnings(model: torch.nn.Module, x: torch.Tensor) -> list[str]:
     import warnings
 
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="eager", fullgraph=True)  # no graph break
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # no graph break
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model(x)

@@ -60,8 +60,11 @@ def traced_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any
         out = _tagged_region(fn, args, kwargs, save_ops, context_fn)
     finally:
         _tracing_region = False
+    # Traced, the views region carries the policy that refuses a backend without AOTAutograd;
+    # run eagerly (Dynamo's fallback), the plain one.
+    views_policy = _KEEP_BASES_TRACED if torch.compiler.is_compiling() else _KEEP_BASES
     return torch_checkpoint.checkpoint(_kept_outputs, out, use_reentrant=False,
-                                       context_fn=_KEEP_BASES)
+                                       context_fn=views_policy)
 
 
 _tracing_region = False  # True while Dynamo traces a region's body (regions nest)
@@ -137,14 +140,35 @@ def _keep_base(node: torch.fx.Node, views: Collection[Any]) -> None:
             kept.meta["recompute"] = policy.MUST_SAVE
 
 
+def _traced_views_contexts() -> tuple[Any, Any]:
+    """The views region's contexts where Dynamo traced the region: :func:`_keep_bases`'s while
+    AOTAutograd traces the graph. Called while nothing traces (no compile, no fake mode), the
+    backend runs Dynamo's graph itself (``backend="eager"``, any backend without AOTAutograd):
+    the region's checkpoint then runs eagerly on the traced ops, whose recompute draws
+    dropout's mask anew (the compiled checkpoint does not preserve the RNG state) and updates
+    BatchNorm's statistics again, for torch's own checkpoint as for the zoo's (measured on
+    torch 2.14 and 2.15: a dropout region's gradients off by 0.14, a BatchNorm step refused by
+    autograd), so the step is refused in one line."""
+    if not _torch.tracing():
+        raise RuntimeError(
+            "zoo: zoo.checkpoint under torch.compile needs a backend that runs AOTAutograd "
+            "(inductor, aot_eager, cudagraphs); this one runs Dynamo's graph eagerly, where a "
+            "checkpoint's recompute redraws dropout and updates BatchNorm twice; to debug "
+            "without inductor, compile with backend=\"aot_eager\"")
+    return _torch.create_selective_checkpoint_contexts(_keep_bases)
+
+
 _LAYER_NORM = torch.ops.aten.native_layer_norm
 _KEEP_BASES = None if _torch.create_selective_checkpoint_contexts is None else \
     functools.partial(_torch.create_selective_checkpoint_contexts, _keep_bases)
+_KEEP_BASES_TRACED = functools.partial(_traced_views_contexts)
 
 
 def _own_context_fn(context_fn: Any) -> bool:
     """Whether a compiled region's ``context_fn`` is the zoo's own (the outputs' region, or the
     policy of torch 2.8's regions)."""
+    if context_fn is _KEEP_BASES_TRACED:
+        return True
     if not isinstance(context_fn, functools.partial) or not context_fn.args:
         return False
     policy = context_fn.args[0]
