@@ -185,3 +185,40 @@ def test_a_compiled_step_on_a_card_is_predicted_from_2_11_and_refused_before():
             predict_compiled_step(model, x, "h100")
     else:
         assert min(predict_compiled_step(model, x, "h100").kernels) > 0
+
+
+def test_a_plan_for_compile_is_made_from_2_9_and_refused_before():
+    """On torch 2.8 compiled regions keep each BatchNorm's output, so no plan keeps its peak
+    compiled: ``compiled=True`` is one line naming torch 2.9, and a model running a plan that
+    checkpoints something says at its first compiled call that it can peak above the plan;
+    from 2.9 the compiled plan is made, and runs compiled without a word."""
+    import warnings
+
+    import zoo
+    from zoo.planner import plans
+    torch.manual_seed(0)
+    model = zoo.create_model("resnet20", num_classes=10)
+    x = torch.randn(2, 3, 16, 16)
+    roomy = zoo.plan(model, x, "inf", apply=False)
+    budget = (roomy.smallest_peak + roomy.plain_peak) // 2
+    refused = _torch.COMPILED_RECOMPUTE_REPLAYS_UPDATES
+    if refused:
+        with pytest.raises(RuntimeError, match=r"needs torch >= 2\.9 .*step eagerly$"):
+            zoo.plan(model, x, budget, compiled=True)
+    plan = zoo.plan(model, x, budget, compiled=not refused)
+    assert plan.checkpointed_blocks
+    torch._dynamo.reset()
+    plans._SAID.clear()
+    step = torch.compile(lambda inp: model(inp).square().mean(), backend="aot_eager")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            step(x).backward()
+    said = [str(w.message) for w in seen if str(w.message).startswith("zoo.plan")]
+    peak = zoo.memory.format_bytes(plan.predicted_peak)
+    assert said == ([f"zoo.plan: this model runs a plan that torch {torch.__version__}'s compiled "
+                     f"regions do not keep (they keep each BatchNorm's output): compiled, the "
+                     f"step can peak above the predicted {peak}; on torch >= 2.9 plan with "
+                     "zoo.plan(model, x, budget, compiled=True) before compiling"]
+                    if refused else [])
+    torch._dynamo.reset()

@@ -328,6 +328,19 @@ COMPILED_REGIONS_SINCE = (2, 8)
 COMPILED_RECOMPUTE_REPLAYS_UPDATES = VERSION < (2, 9)
 
 
+def require_compiled_plan() -> None:
+    """The one-line error where a plan cannot keep its peak compiled: on a torch whose
+    compiled regions keep what each in-place op writes (:data:`COMPILED_RECOMPUTE_REPLAYS_UPDATES`:
+    a BatchNorm's output), every checkpointed step peaks above the eager plan compiled
+    (measured on torch 2.8.0: ResNet-20 b8's least plan, 8,711,216 B compiled against
+    6,337,584 B planned, tests/planner/test_planner_compile.py)."""
+    if COMPILED_RECOMPUTE_REPLAYS_UPDATES:
+        raise RuntimeError(f"zoo: zoo.plan(..., compiled=True) needs torch >= 2.9 (this is "
+                           f"torch {torch.__version__}, whose compiled regions keep each "
+                           "BatchNorm's output, so a compiled step peaks above any plan); "
+                           "upgrade torch, or plan and run the step eagerly")
+
+
 #: torch 2.11.0 compiles the stored reversible network (zoo/reversible/stored.py's autograd
 #: Functions, ``efficient=False``) into a backward whose gradients differ from eager's (measured:
 #: float64, ``aot_eager``, one coupling without BatchNorm or dropout: the input's and every
@@ -360,9 +373,10 @@ def refused() -> list[str]:
     the "refused here" column of docs/torch-versions.md's table."""
     out = []
     if COMPILED_RECOMPUTE_REPLAYS_UPDATES:
-        out.append("under torch.compile, a user's context_fn and a set of save_ops (needs 2.9: "
-                   "this torch's partitioner replays BatchNorm updates; its Dynamo cannot trace "
-                   "a set of ops)")
+        out.append("under torch.compile, a user's context_fn and a set of save_ops; "
+                   "zoo.plan(..., compiled=True) (needs 2.9: this torch's partitioner replays "
+                   "BatchNorm updates, so compiled regions keep each BatchNorm's output; its "
+                   "Dynamo cannot trace a set of ops)")
     if COMPILED_STORED_REVERSIBLE_WRONG:
         out.append("under torch.compile, the reversible network storing its activations (this "
                    "torch's compiled backward gives it wrong gradients)")

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import _torch
 from ..memory import parse_budget
 from ..memory.inputs import Batch, check_model
 from ..memory.optimizer import check_optimizer
@@ -184,6 +185,7 @@ class Planner:
                  profile: ChainProfile | None = None, compiled: bool = False,
                  optimizer: torch.optim.Optimizer | None = None) -> None:
         if compiled:
+            _torch.require_compiled_plan()
             modes = block_modes = False
         with collector_paused(), step_precision() as precision:
             self.whole = WholeStep.of(model, example_input, loss_fn, optimizer, precision)
@@ -334,6 +336,8 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
     if offload and (compiled or device is None):
         raise ValueError("zoo.plan: offload=True needs device= (a card whose host link prices "
                          "the copies) and an eager step (torch.compile keeps what it saves)")
+    if compiled:
+        _torch.require_compiled_plan()
     ambient = Precision.ambient()
     with fake_logs_quiet(model, inputs):
         if device is not None:
