@@ -8,6 +8,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -15,8 +16,15 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zoo
+from zoo import _torch
 from zoo.train.config import TrainConfig
 from zoo.memory import cpu_peak_bytes, default_loss, train_step
+
+#: A compiled step predicted on a card needs COMPILED_CARD_STEP_SINCE (older torch refuses it
+#: in one line, tests/test_torch_compat.py).
+needs_compiled_card_step = pytest.mark.skipif(
+    _torch.VERSION < _torch.COMPILED_CARD_STEP_SINCE,
+    reason="this torch cannot predict a compiled step on a card (needs torch >= 2.11)")
 
 
 def grads(model: nn.Module) -> list[torch.Tensor | None]:

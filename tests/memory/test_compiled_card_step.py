@@ -18,6 +18,9 @@ from zoo.memory.cards.allocator import round_size
 from zoo.memory.cards.compiled_step import capture_graphs, predict_compiled_step
 from zoo.memory.cards.inductor import schedule
 from zoo.memory.quiet import BatchError
+from helpers import needs_compiled_card_step
+
+pytestmark = needs_compiled_card_step
 
 WIDTH, BATCH = 256, 512
 

@@ -14,7 +14,8 @@ import torchvision
 
 import zoo
 from helpers import (GraphRecorder, assert_compiled_matches_eager_plain,
-                     assert_published_parameter_count, assert_same_training, train_step_peak)
+                     assert_published_parameter_count, assert_same_training,
+                     needs_compiled_card_step, train_step_peak)
 from zoo.memory import count_flops, cpu_peak_bytes, default_loss
 from zoo.models.densenet import DenseLayer, DenseNet
 
@@ -192,6 +193,7 @@ def _two_blocks_of_eight() -> tuple[DenseNet, torch.Tensor]:
     return model, torch.randn(16, 3, 32, 32)
 
 
+@needs_compiled_card_step
 @pytest.mark.slow
 def test_compiled_backward_sums_the_maps_gradients_layer_by_layer(monkeypatch):
     """Under torch.compile (inductor's schedule for an H100, bf16 autocast) the checkpointed
@@ -211,6 +213,7 @@ def test_compiled_backward_sums_the_maps_gradients_layer_by_layer(monkeypatch):
     assert fanned_in - joined > 8 * one_map
 
 
+@needs_compiled_card_step
 @pytest.mark.slow
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16"])
 def test_compiled_step_peaks_where_the_eager_step_does(autocast):

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import zoo
+from zoo import _torch
 from zoo.memory.host import COPY, OpCounter
 
 from bench.host_cost import measure
@@ -61,6 +62,12 @@ PINNED = {
 }
 
 
+# The pins are torch 2.14's and hold on 2.15. An older torch counts more: torch 2.9.1 the same
+# dispatched ops and 160 to 350 more under a dispatch mode; torch 2.8.0 2 to 8 more dispatched
+# too (its checkpoint's own). There the bound that the rerun sets is asserted alone.
+PINNED_SINCE = (2, 14)
+
+
 @pytest.mark.parametrize("name, batch, mode", list(PINNED))
 def test_model_steps_dispatch_no_op_beyond_the_recompute(name, batch, mode):
     rows = by_name(measure(zoo_entries(name, batch, modes=[mode], peers=False),
@@ -69,7 +76,9 @@ def test_model_steps_dispatch_no_op_beyond_the_recompute(name, batch, mode):
     ops, dispatched = PINNED[name, batch, mode]
     assert row["dispatched"] <= row["floor_dispatched"], "a region dispatched more than its rerun"
     assert (row["dispatched"] == row["floor_dispatched"]) == (name != "densenet_bc_100")
-    assert row["ops"] <= ops and row["dispatched"] <= dispatched, (row["ops"], row["dispatched"])
+    if _torch.VERSION >= PINNED_SINCE:
+        assert row["ops"] <= ops and row["dispatched"] <= dispatched, (row["ops"],
+                                                                       row["dispatched"])
 
 
 @pytest.mark.parametrize("norm", [zoo.cp_BatchNorm2d, nn.BatchNorm2d])
