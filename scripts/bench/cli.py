@@ -21,7 +21,8 @@ from typing import Any
 from . import (chain, families, gpu, model_commands, outside, overhead, planner_levels,
                planner_modes, planner_promise, planner_time, planner_vs_compile, planner_vs_uniform, plots,
                primitive, reversible)
-from . import card_plan, host_report, offload, planner_step, prediction, region_cost
+from . import (card_plan, compiled_layout, host_report, offload, planner_step, prediction,
+               region_cost)
 
 __all__ = ["SUBCOMMANDS", "usage", "main"]
 
@@ -50,6 +51,7 @@ SUBCOMMANDS: dict[str, Callable[..., Any]] = {
     "reversible": reversible.reversible,
     "prediction": prediction.prediction,
     "card-plan": card_plan.card_plan,
+    "compiled-layout": compiled_layout.compiled_layout,
     "offload": offload.offload,
 }
 
