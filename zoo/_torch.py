@@ -329,11 +329,11 @@ COMPILED_RECOMPUTE_REPLAYS_UPDATES = VERSION < (2, 9)
 
 
 def require_compiled_plan() -> None:
-    """The one-line error where a plan cannot keep its peak compiled: on a torch whose
-    compiled regions keep what each in-place op writes (:data:`COMPILED_RECOMPUTE_REPLAYS_UPDATES`:
-    a BatchNorm's output), every checkpointed step peaks above the eager plan compiled
-    (measured on torch 2.8.0: ResNet-20 b8's least plan, 8,711,216 B compiled against
-    6,337,584 B planned, tests/planner/test_planner_compile.py)."""
+    """The one-line error where no plan keeps its peak compiled: on a torch whose compiled
+    regions keep what each in-place op writes (a BatchNorm's output,
+    :data:`COMPILED_RECOMPUTE_REPLAYS_UPDATES`), a checkpointed step compiled peaks above its
+    eager plan (measured on torch 2.8.0: ResNet-20 b8's least plan, 8,711,216 B compiled
+    against 6,337,584 B planned, tests/planner/test_planner_compile.py)."""
     if COMPILED_RECOMPUTE_REPLAYS_UPDATES:
         raise RuntimeError(f"zoo: zoo.plan(..., compiled=True) needs torch >= 2.9 (this is "
                            f"torch {torch.__version__}, whose compiled regions keep each "

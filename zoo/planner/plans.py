@@ -134,7 +134,7 @@ class Plan:
         spine planned for eager runs its activations out of place). On torch 2.8 only a plan
         that checkpoints nothing: its compiled regions keep each BatchNorm's output
         (``_torch.COMPILED_RECOMPUTE_REPLAYS_UPDATES``)."""
-        if self.offloaded_bytes or any(ck == OFFLOAD for *_, ck in self.segments):
+        if self._offloads:
             return False  # offload is a no-op while torch.compile traces: the graph keeps all
         if self.mode is None and not any(self.block_modes or ()) \
                 and all(ck is False for *_, ck in self.segments):
@@ -144,15 +144,19 @@ class Plan:
         return self.compiled or (self.spine is None and self.mode is None and self.levels <= 1
                                  and not any(self.block_modes or ()))
 
+    @property
+    def _offloads(self) -> bool:
+        return bool(self.offloaded_bytes) or any(ck == OFFLOAD for *_, ck in self.segments)
+
     def _compile_warning(self) -> str:
         peak = format_bytes(self.predicted_peak)
-        if _torch.COMPILED_RECOMPUTE_REPLAYS_UPDATES:
+        if _torch.COMPILED_RECOMPUTE_REPLAYS_UPDATES and not self._offloads:  # no plan is kept
             return (f"zoo.plan: this model runs a plan that torch {torch.__version__}'s "
                     f"compiled regions do not keep (they keep each BatchNorm's output): "
                     f"compiled, the step can peak above the predicted {peak}; on torch >= 2.9 "
                     f"plan with zoo.plan(model, x, budget, compiled=True) before compiling")
         what = f"the hand mode {self.mode!r}" if self.mode is not None else \
-            "offloaded segments" if any(ck == OFFLOAD for *_, ck in self.segments) else \
+            "offloaded segments" if self._offloads else \
             "checkpoints nested in a recompute" if self.levels > 1 else \
             "per-block modes" if any(self.block_modes or ()) else "an eager spine"
         return (f"zoo.plan: this model runs a plan made for eager steps ({what}), which "
