@@ -26,6 +26,12 @@ needs_compiled_card_step = pytest.mark.skipif(
     _torch.VERSION < _torch.COMPILED_CARD_STEP_SINCE,
     reason="this torch cannot predict a compiled step on a card (needs torch >= 2.11)")
 
+#: Plans kept under torch.compile need torch >= 2.9 (2.8 refuses them in one line,
+#: tests/test_torch_compat.py: its compiled regions keep each BatchNorm's output).
+needs_plans_for_compile = pytest.mark.skipif(
+    _torch.COMPILED_RECOMPUTE_REPLAYS_UPDATES,
+    reason="this torch refuses plans for compile (needs torch >= 2.9)")
+
 
 def grads(model: nn.Module) -> list[torch.Tensor | None]:
     return [p.grad for p in model.parameters()]

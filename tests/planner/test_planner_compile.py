@@ -13,14 +13,11 @@ import pytest
 import torch
 
 import zoo
-from zoo import _torch
+from helpers import needs_plans_for_compile
 from zoo.memory.compiled import measure_compiled
 from zoo.planner import Planner, default_loss, measure_step, spine_planner
 
-pytestmark = [pytest.mark.usefixtures("one_thread"),
-              pytest.mark.skipif(_torch.COMPILED_RECOMPUTE_REPLAYS_UPDATES,
-                                 reason="torch 2.8 refuses plans for compile "
-                                        "(tests/test_torch_compat.py)")]
+pytestmark = [pytest.mark.usefixtures("one_thread"), needs_plans_for_compile]
 
 
 def check_compiled(make, x: torch.Tensor, planner: Planner, fractions: tuple) -> None:

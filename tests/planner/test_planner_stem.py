@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 import zoo
-from zoo import _torch
-from helpers import assert_same_training
+from helpers import assert_same_training, needs_plans_for_compile
 from zoo.planner import measure_step
 from zoo.planner.modules.spine import Spine, SpineStep
 
@@ -104,8 +103,7 @@ def test_in_place_steps_run_out_of_place_and_train_as_plain():
     assert out is not y and torch.equal(out, y.relu()) and y.min() < 0
 
 
-@pytest.mark.skipif(_torch.COMPILED_RECOMPUTE_REPLAYS_UPDATES,
-                    reason="torch 2.8 refuses plans for compile (tests/test_torch_compat.py)")
+@needs_plans_for_compile
 def test_a_spine_planned_for_compile_keeps_its_in_place_steps():
     """The partitioner's way: planned with ``compiled=True``, the spine's in-place steps stay in
     place (the compiled graph is functional: nothing to run out of place)."""

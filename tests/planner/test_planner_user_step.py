@@ -13,6 +13,7 @@ import transformers
 from torch import nn
 
 import zoo
+from helpers import needs_plans_for_compile
 from zoo.memory import format_bytes
 from zoo.memory.inputs import Batch
 from zoo.planner import BudgetTooSmallError, largest_batch
@@ -281,8 +282,9 @@ def test_an_fp16_plan_with_a_grad_scaler_is_the_scaled_step():
     assert abs(measured - plan.predicted_peak) <= 16
 
 
-@pytest.mark.parametrize("route", [pytest.param(r, marks=pytest.mark.slow)
-                                   for r in ("chain", "time", "compiled")] + ["spine"])
+@pytest.mark.parametrize("route", [
+    pytest.param("chain", marks=pytest.mark.slow), pytest.param("time", marks=pytest.mark.slow),
+    pytest.param("compiled", marks=[pytest.mark.slow, needs_plans_for_compile]), "spine"])
 def test_every_route_of_plan_takes_a_batch_tuple(route):
     torch.manual_seed(0)
     if route == "spine":

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bench import cli
+from helpers import needs_plans_for_compile
 from zoo.models.cifar_cnn import CifarCNN
 
 pytestmark = [pytest.mark.slow,  # benchmark commands end to end: the whole suite's lane
@@ -89,6 +90,7 @@ def test_planner_time_reports_both_plans_within_the_budget(tmp_path: Path,
     assert "| resnet20 (4) | " in capsys.readouterr().out
 
 
+@needs_plans_for_compile
 def test_planner_vs_compile_meets_torchs_peak(tmp_path: Path) -> None:
     out = tmp_path / "vs_compile.json"
     bench("planner-vs-compile", "--models", "cifar_cnn", "--batch", 2, "--fractions", "1.0",
@@ -105,6 +107,7 @@ def test_planner_vs_compile_meets_torchs_peak(tmp_path: Path) -> None:
     assert r["zoo_least"]["peak_bytes"] <= r["plain_peak_bytes"]
 
 
+@needs_plans_for_compile
 def test_planner_vs_compile_fake_gives_the_cpu_figures(tmp_path: Path) -> None:
     """``--fake True`` (torch's compiled steps and the compile-safe plans compiled, on the meta
     device) writes the rows, least peaks and verdict the CPU run writes."""
@@ -121,6 +124,7 @@ def test_planner_vs_compile_fake_gives_the_cpu_figures(tmp_path: Path) -> None:
     assert runs[True]["zoo_least"]["zoo_compiled_peak_bytes"] is not None  # compiled, on meta
 
 
+@needs_plans_for_compile
 def test_planner_promise_measures_what_each_plan_predicts(tmp_path: Path, capsys) -> None:
     out = tmp_path / "promise.json"
     bench("planner-promise", "--models", "cifar_cnn", "--batch", 2, "--compiled", "cifar_cnn",

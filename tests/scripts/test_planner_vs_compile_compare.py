@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import zoo
-from helpers import tiny_cnn
+from helpers import needs_plans_for_compile, tiny_cnn
 from zoo.memory.compiled import check_meta_like_cpu
 from zoo.models.vit import VisionTransformer
 
@@ -18,6 +18,7 @@ from bench.planner_vs_compile import compare, markdown
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
+@needs_plans_for_compile
 def test_compare_reports_both_sides() -> None:
     result = compare(tiny_cnn, batch=4, fractions=(1.0, 0.3), size=16)
     first, second = result["rows"]
@@ -49,6 +50,7 @@ def small_bert() -> nn.Module:
 
 
 @pytest.mark.slow
+@needs_plans_for_compile
 def test_fake_compare_is_the_cpu_compare() -> None:
     """``compare(..., fake=True)`` (torch's compiled steps, and zoo's compile-safe plans compiled,
     on the meta device: no kernel) gives every figure the CPU run gives, to the byte and FLOP, on
