@@ -23,11 +23,11 @@ import torch
 import zoo
 from zoo.memory import format_bytes, predict_compiled_step, predict_step
 
+from .suite import AUTOCAST as DTYPES
 from .report import comma_list, command_line, machine_info, write_json
 
 __all__ = ["compiled_layout", "layout_rows", "markdown"]
 
-DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 LAYOUTS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
 
 

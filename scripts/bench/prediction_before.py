@@ -29,13 +29,12 @@ from .max_batch import CardPredictor, search_largest_batch
 from .region_chain import CHECKPOINTS, REGIONS, WIDTH, chain_input, make_chain
 from .measure import one_line
 from .report import command_line, machine_info, write_json
-from .suite import DTYPES, PARTS, _label, workloads
+from .suite import AUTOCAST, DTYPES, PARTS, _label, workloads
 from .variants import COMPILED_PREFIX, GRAPHED_PREFIX, build_variant, create
 
 __all__ = ["before_rows", "file_before", "before_table"]
 
 ROOT = Path(__file__).resolve().parents[2]
-_AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}
 BUDGET = 11 * 10**9  # the max_batch part's
 
 
@@ -50,11 +49,11 @@ def _step(model: torch.nn.Module, x: torch.Tensor, on: Card, dtype: str,
     is the row's reason."""
     model.train()
     if run_as == "eager":
-        s = predict_step(model, x, on, autocast=_AUTOCAST[dtype])
+        s = predict_step(model, x, on, autocast=AUTOCAST[dtype])
         extra = {}
     else:
         try:
-            s = predict_compiled_step(model, x, on, autocast=_AUTOCAST[dtype],
+            s = predict_compiled_step(model, x, on, autocast=AUTOCAST[dtype],
                                       graphs=run_as == "reduce-overhead")
         except Exception as error:  # noqa: BLE001 - filed as the row's reason
             return {"why": f"not predicted: {one_line(error)}"}
@@ -99,7 +98,7 @@ def _max_batch_rows(on: Card, dtype: str) -> list[dict]:
     for w in workloads(False)["max_batch"]:
         with torch.device("meta"):
             names = w.names(create(w.model, **w.kwargs))
-        predictor = CardPredictor(w.model, BUDGET, on, w.size, autocast=_AUTOCAST[dtype],
+        predictor = CardPredictor(w.model, BUDGET, on, w.size, autocast=AUTOCAST[dtype],
                                   **w.kwargs)
         for name in names:
             b, seen = search_largest_batch(lambda n, v=name: predictor.peak(v, n), BUDGET)

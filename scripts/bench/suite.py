@@ -59,6 +59,7 @@ __all__ = ["PARTS", "DTYPES", "Workload", "workloads", "precision", "run_part", 
 PARTS = ("overhead", "overhead_graphs", "densenet_b64", "densenet_b256", "resnet50", "bert",
          "max_batch")
 DTYPES = ("fp32", "bf16")  # float32, and bfloat16 autocast
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}  # each one's autocast dtype (None: none)
 EFFICIENT = "efficient"  # stands for "zoo <the model's first checkpoint mode>"
 
 
