@@ -268,6 +268,22 @@ def test_card_autocast_follows_cudas_op_lists_not_the_cpus():
             assert F.layer_norm(F.linear(x, w), (8,)).dtype == torch.bfloat16
 
 
+def test_card_autocast_casts_convolutions_as_cuda_does():
+    """A convolution under CudaAutocast runs in bfloat16, its gradients float32, on every torch
+    (the probe of CUDA's kernel needs no CUDA driver, even where the fake convolution asks cuDNN
+    for its backend)."""
+    from zoo.memory.cards.autocast import CudaAutocast
+
+    with FakeTensorMode():
+        x = torch.randn(2, 3, 8, 8)
+        conv = nn.Conv2d(3, 4, 3)
+        with CudaAutocast() as cuda, torch.autocast("cpu", dtype=torch.bfloat16):
+            y = conv(x)
+        y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and conv.weight.grad.dtype == torch.float32
+    assert torch.bfloat16 in cuda.casts.values()
+
+
 def test_bf16_on_the_card_halves_what_a_step_keeps_and_runs_on_the_tensor_cores():
     """A transformer block in bfloat16 autocast on the H100: a lower peak than float32, its
     matmuls timed at the BF16 tensor peak (records in bfloat16), and the float32 step as

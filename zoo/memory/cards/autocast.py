@@ -131,14 +131,35 @@ def _spare_mode() -> Any:
     return _torch.FakeTensorMode()
 
 
+def _like(t: torch.Tensor, device: str) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+
+
+class _MetaWhereFakeNeedsDevice(_torch.TorchDispatchMode):
+    """Below CUDA's autocast kernel in the probe: each op its kernel calls (on the cast
+    arguments) runs in the fake mode; where that fake kernel asks the device itself (torch
+    2.8 and 2.9's fake convolution picks its cuDNN backend, which needs a CUDA driver), the
+    op's meta kernel gives the same shapes and dtypes without one."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - any device query: the meta kernel has the dtypes
+            meta = functools.partial(_like, device="meta")
+            with _torch.disable_current_modes():
+                out = func(*tree_map_only(torch.Tensor, meta, args),
+                           **tree_map_only(torch.Tensor, meta, kwargs))
+            return tree_map_only(torch.Tensor, functools.partial(_like, device="cuda"), out)
+
+
 def _cuda_cast(op: Any, args: Any, kwargs: Any) -> torch.dtype | None:
     """The floating dtype CUDA's autocast kernel gives ``op``'s first output on arguments like
     these (fake CUDA tensors of the same shapes and dtypes, under CUDA autocast at CPU
     autocast's dtype), where that is a dtype autocast casts to; None where it does not cast
     or cannot say (the op then runs on its arguments as they are)."""
-    def on_cuda(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
-
+    on_cuda = functools.partial(_like, device="cuda")
     fake = next((getattr(t, "fake_mode", None) or _spare_mode()
                  for t in tree_flatten((args, kwargs))[0]
                  if isinstance(t, torch.Tensor) and _torch.is_fake(t)), None)
@@ -149,7 +170,8 @@ def _cuda_cast(op: Any, args: Any, kwargs: Any) -> torch.dtype | None:
         torch.set_autocast_enabled("cuda", True)
         torch.set_autocast_dtype("cuda", torch.get_autocast_dtype("cpu"))
         # the fake mode alone: the probe is no op of the step (no counter sees it)
-        with _torch.disable_current_modes(), fake, torch.no_grad():
+        with _torch.disable_current_modes(), fake, _MetaWhereFakeNeedsDevice(), \
+                torch.no_grad():
             out = op(*tree_map_only(torch.Tensor, on_cuda, args),
                      **tree_map_only(torch.Tensor, on_cuda, kwargs))
     except Exception:  # noqa: BLE001 - an op fake CUDA tensors cannot run: left uncast
