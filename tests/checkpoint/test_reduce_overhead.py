@@ -22,11 +22,16 @@ import torch
 from torch import nn
 
 from helpers import assert_same_training
+from zoo import _torch
+from zoo.models._transformer import Attention
 from test_compile import small_models
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
-
+#: Before torch 2.13 inductor's CPU backward of a float64 attention fails for the plain compiled
+#: model alike ("expected scalar type Double but found Float", pytorch/pytorch#185539; measured
+#: on 2.8.0 to 2.12.1, fixed in 2.13.0).
+CPU_FLOAT64_ATTENTION_SINCE = (2, 13)
 
 def without_dropout(model: nn.Module) -> nn.Module:
     """Every dropout of a zoo model at p = 0 (modules, DenseNet's and attention's rates)."""
@@ -57,6 +62,10 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
 def test_reduce_overhead_trains_like_eager_plain(build, mode, device):
     torch.manual_seed(0)
     plain = without_dropout(build()).double().to(device)
+    if device == "cpu" and _torch.VERSION < CPU_FLOAT64_ATTENTION_SINCE and \
+            any(isinstance(m, Attention) for m in plain.modules()):
+        pytest.skip("this torch's inductor fails a float64 attention backward on the CPU, the "
+                    "plain model's alike (needs torch >= 2.13)")
     ckpt = copy.deepcopy(plain)
     ckpt.set_grad_checkpointing(mode)
     x = plain.example_input(2).to(device)
