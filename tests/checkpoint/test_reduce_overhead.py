@@ -30,8 +30,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 #: Before torch 2.13 inductor's CPU backward of a float64 attention fails for the plain compiled
 #: model alike ("expected scalar type Double but found Float", pytorch/pytorch#185539; measured
-#: on 2.8.0 to 2.12.1, fixed in 2.13.0).
+#: on 2.8.0 to 2.12.1; 2.13.0 runs it).
 CPU_FLOAT64_ATTENTION_SINCE = (2, 13)
+
 
 def without_dropout(model: nn.Module) -> nn.Module:
     """Every dropout of a zoo model at p = 0 (modules, DenseNet's and attention's rates)."""

@@ -132,6 +132,7 @@ def _spare_mode() -> Any:
 
 
 def _like(t: torch.Tensor, device: str) -> torch.Tensor:
+    """An empty tensor of ``t``'s shape, strides and dtype on ``device``."""
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
 
 
@@ -169,7 +170,8 @@ def _cuda_cast(op: Any, args: Any, kwargs: Any) -> torch.dtype | None:
     try:
         torch.set_autocast_enabled("cuda", True)
         torch.set_autocast_dtype("cuda", torch.get_autocast_dtype("cpu"))
-        # the fake mode alone: the probe is no op of the step (no counter sees it)
+        # the fake mode (and its meta fallback) alone: the probe is no op of the step (no
+        # counter sees it)
         with _torch.disable_current_modes(), fake, _MetaWhereFakeNeedsDevice(), \
                 torch.no_grad():
             out = op(*tree_map_only(torch.Tensor, on_cuda, args),
