@@ -416,19 +416,27 @@ def quiet_context_fn_warning(own: Callable[[Any], bool]) -> None:
     """Hold back torch's "Detected that context_fn is passed to torch.utils.checkpoint under
     torch.compile ... in-place ops" log line for the regions whose ``context_fn`` ``own`` says
     is the zoo's (their exactness with in-place ops is tested); a user's own ``context_fn``
-    still gets it. The line is logged by ``tag_activation_checkpoint_impl`` while AOTAutograd
-    traces a region, whose local ``context_fn`` is the region's."""
+    still gets it. The line is logged by ``torch/_higher_order_ops/wrap.py`` while AOTAutograd
+    traces a region (``tag_activation_checkpoint_impl``; ``TagActivationCheckpoint.__call__``
+    on torch 2.8), whose local ``gmod`` carries the region's ``context_fn`` in its meta."""
     import logging
+    import os
     import sys
+
+    wrap = os.path.join("_higher_order_ops", "wrap.py")
 
     class _OwnRegions(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
             if "context_fn is passed" not in str(record.msg):
                 return True
             frame = sys._getframe(1)
-            while frame is not None and frame.f_code.co_name != "tag_activation_checkpoint_impl":
+            while frame is not None and not (frame.f_code.co_filename.endswith(wrap)
+                                             and "gmod" in frame.f_locals):
                 frame = frame.f_back
-            return frame is None or not own(frame.f_locals.get("context_fn"))
+            if frame is None:
+                return True
+            meta = getattr(frame.f_locals["gmod"], "meta", {})
+            return not own(meta.get("_checkpoint_context_fn"))
 
     logging.getLogger("torch._higher_order_ops.wrap").addFilter(_OwnRegions())
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -369,3 +371,42 @@ def test_torch_keywords_and_a_users_selective_policy_compile():
         return
     assert_compiled_matches_eager_plain(plain, Keyworded(None).double(), x, backend=rec)
     assert rec.count("backward", torch.ops.aten.addmm.default) == 0  # the policy was honoured
+
+
+def _context_fn_warnings(caplog: pytest.LogCaptureFixture, step: Callable[[], object]) -> list:
+    """torch's "context_fn is passed ... in-place ops" log records of ``step``, compiled afresh.
+    torch logs the line once a process (``warning_once``): its cache is cleared first, so that
+    a line another test logged earlier cannot hide this one's."""
+    torch._dynamo.reset()
+    torch._logging._internal.warning_once.cache_clear()
+    with caplog.at_level(logging.WARNING):
+        step()
+    torch._dynamo.reset()
+    return [r for r in caplog.records if "context_fn is passed" in r.getMessage()]
+
+
+def test_a_compiled_zoo_region_logs_no_context_fn_warning(caplog):
+    block = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8))
+    fn = torch.compile(lambda x: zoo.checkpoint(block, x).sum(), backend="aot_eager")
+    assert not _context_fn_warnings(
+        caplog, lambda: fn(torch.randn(4, 8, requires_grad=True)).backward())
+
+
+def test_a_compiled_zoo_model_logs_no_context_fn_warning(caplog):
+    model = zoo.create_model("resnet20", num_classes=10).train()
+    model.set_grad_checkpointing("halves")
+    fn = torch.compile(model, backend="aot_eager")
+    assert not _context_fn_warnings(
+        caplog, lambda: fn(model.example_input(2)).sum().backward())
+
+
+@pytest.mark.skipif(zoo._torch.COMPILED_RECOMPUTE_REPLAYS_UPDATES,
+                    reason="torch 2.8 refuses a context_fn under torch.compile")
+def test_a_users_own_context_fn_still_gets_torchs_warning(caplog):
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    policy = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    block = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    fn = torch.compile(lambda x: zoo.checkpoint(block, x, context_fn=policy).sum(),
+                       backend="aot_eager")
+    assert _context_fn_warnings(
+        caplog, lambda: fn(torch.randn(4, 8, requires_grad=True)).backward())

@@ -233,15 +233,6 @@ def test_cpu_peak_bytes_of_a_planned_spine_gives_no_warning():
         zoo.memory.cpu_peak_bytes(zoo.memory.train_step(seq, x), track=(seq,))
 
 
-def test_a_compiled_zoo_region_logs_no_context_fn_warning(caplog):
-    block = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8))
-    fn = torch.compile(lambda x: zoo.checkpoint(block, x).sum(), backend="aot_eager")
-    torch._dynamo.reset()
-    with caplog.at_level(logging.WARNING):
-        fn(torch.randn(4, 8, requires_grad=True)).backward()
-    assert not [r for r in caplog.records if "context_fn is passed" in r.getMessage()]
-
-
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_card_plan_predicts_what_predict_step_says_of_the_planned_step(precision):
     torch.manual_seed(0)

@@ -166,10 +166,13 @@ _KEEP_BASES_TRACED = functools.partial(_traced_views_contexts)
 
 def _own_context_fn(context_fn: Any) -> bool:
     """Whether a compiled region's ``context_fn`` is the zoo's own (the outputs' region, or the
-    policy of torch 2.8's regions)."""
-    if context_fn is _KEEP_BASES_TRACED:
+    policy of torch 2.8's regions). Dynamo hands the region a copy of the ``functools.partial``
+    it traced, so the partial is known by its function and arguments, not by identity."""
+    if not isinstance(context_fn, functools.partial):
+        return False
+    if context_fn.func is _traced_views_contexts:
         return True
-    if not isinstance(context_fn, functools.partial) or not context_fn.args:
+    if not context_fn.args:
         return False
     policy = context_fn.args[0]
     return policy is _keep_bases or (isinstance(policy, functools.partial)
