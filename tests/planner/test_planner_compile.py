@@ -9,13 +9,18 @@ and why a model running such a plan made without it says so at its first compile
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 import zoo
-from helpers import needs_plans_for_compile
+from helpers import call_command, needs_plans_for_compile
 from zoo.memory.compiled import measure_compiled
-from zoo.planner import Planner, default_loss, measure_step, spine_planner
+from zoo.memory.inputs import Batch
+from zoo.planner import (BudgetTooSmallError, Planner, default_loss, largest_batch, measure_step,
+                         spine_planner)
+from zoo.train.cli import command
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), needs_plans_for_compile]
 
@@ -156,3 +161,40 @@ def test_a_plan_compile_does_not_keep_says_so_once_at_the_first_compiled_call():
         assert plan.compile_safe
         plan.apply(model)
         assert zoo_plan_warnings(model, x) == []
+
+
+def test_the_largest_batch_for_a_compiled_step_is_what_a_plan_for_compile_fits():
+    """A nested schedule reaches below a one-level one, so an eager step fits a larger batch
+    than a compiled one; the compiled answer is one ``compiled=True`` plans within the
+    budget, and the next batch is one it does not."""
+    torch.manual_seed(0)
+    model = zoo.create_model("resnet20", num_classes=10)
+    x = Batch.of(torch.randn(2, 3, 16, 16))
+    budget = 12_000_000
+    eager, _ = largest_batch(model, x.resized, budget)
+    compiled, _ = largest_batch(model, x.resized, budget, compiled=True)
+    assert 0 < compiled < eager
+    fits = zoo.plan(model, x.resized(compiled), budget, compiled=True, apply=False)
+    assert fits.compiled and fits.predicted_peak <= budget
+    with pytest.raises(BudgetTooSmallError):
+        zoo.plan(model, x.resized(compiled + 1), budget, compiled=True, apply=False)
+
+
+TINY = dict(model="resnet20", dataset="synthetic", train_size=16, test_size=8, epochs=1,
+            device="cpu", compile="aot_eager")
+
+
+@pytest.mark.parametrize("batch", [16, "auto"])
+def test_train_compile_with_a_memory_budget_plans_the_compiled_step(capsys, tmp_path, batch):
+    """train.py --compile --memory_budget: the plan is one torch.compile keeps, so the compiled
+    run never warns that its plan was made for eager steps."""
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        code, out, err = call_command(command("train.py"), capsys, **TINY, batch_size=batch,
+                                      memory_budget="20MB", out_dir=str(tmp_path / "run"))
+    torch._dynamo.reset()
+    assert code in (0, None), err
+    assert "memory plan for memory_budget 19.1 MiB, the whole compiled step" in out
+    assert "blocks recomputed" in out and " 0 of " not in out  # the budget checkpoints
+    assert not [w for w in seen if "zoo.plan" in str(w.message)]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from zoo import _torch
 from zoo.train.config import ConfigError, TrainConfig
 from zoo.train.run_dir import load_checkpoint
 from zoo.train.loop import fit
@@ -57,6 +58,19 @@ def test_compile_takes_true_false_or_a_backend_name_and_refuses_others():
     with pytest.raises(ConfigError, match="compile must be True, False or a torch.compile "
                                           "backend .*inductor.*got 'inductr'"):
         TrainConfig(model="cifar_cnn", compile="inductr").validate()
+
+
+def test_compile_with_a_memory_budget_is_refused_where_no_plan_survives_compile():
+    both = dict(model="cifar_cnn", compile="aot_eager", memory_budget="1GB")
+    with pytest.raises(ConfigError, match=r"^--offload keeps saved tensors in host memory, "
+                                          r"[^\n]*drop --compile or --offload$"):
+        TrainConfig(**both, card="h100", offload=True).validate()
+    if not _torch.COMPILED_RECOMPUTE_REPLAYS_UPDATES:
+        TrainConfig(**both).validate()
+        return
+    with pytest.raises(ConfigError, match=r"^--memory_budget with --compile plans the compiled "
+                                          r"step, which needs torch >= 2\.9 [^\n]*$"):
+        TrainConfig(**both).validate()
 
 
 @pytest.mark.slow

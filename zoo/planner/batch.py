@@ -17,11 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import _torch
 from ..memory import parse_bytes
 from ..memory.inputs import Batch
 from ..memory.optimizer import state_bytes
 from .profiling.profile import ChainProfile, profile_chain
 from .search.multi_level import chain_floor
+from .search.one_level import smallest_peak
 
 __all__ = ["extrapolate", "largest_batch", "largest_feasible"]
 
@@ -64,25 +66,31 @@ def largest_batch(model: nn.Module, make_input: Callable[[int], Any] | Any,
                   memory_budget: int | float | str,
                   loss_fn: Callable[[Any], torch.Tensor] | None = None,
                   limit: int = 1 << 16, tries: int = 6,
-                  optimizer: torch.optim.Optimizer | None = None) -> tuple[int, ChainProfile]:
+                  optimizer: torch.optim.Optimizer | None = None,
+                  compiled: bool = False) -> tuple[int, ChainProfile]:
     """The largest batch whose best schedule fits ``memory_budget``, and its profile.
 
     ``make_input(b)`` builds an example batch of size ``b`` (a tensor, tuple or dict); or give
     one batch, which is resized along the batch dimension it is found to have
     (``zoo.memory.inputs.Batch.resized``). ``optimizer``: its state is taken off the budget
-    (``zoo.plan(..., optimizer=...)`` at the answer then checks the whole step). Extrapolates
-    from two profiles,
+    (``zoo.plan(..., optimizer=...)`` at the answer then checks the whole step). ``compiled``:
+    the step will run under ``torch.compile``, so only the one-level schedules
+    ``zoo.plan(..., compiled=True)`` chooses from count (their floor lies above a nested
+    schedule's). Extrapolates from two profiles,
     profiles the answer, and refines the line through the two closest profiles until the answer
     repeats (a peak is a maximum of affine terms: at tiny batches a constant term such as the
     parameters' gradients can hide the slope). Returns ``(0, profile at batch 1)`` when not even
     batch 1 fits.
     """
+    if compiled:
+        _torch.require_compiled_plan()
     budget = parse_bytes(memory_budget) - state_bytes(optimizer)
     if not callable(make_input):
         make_input = Batch.of(make_input).resized
+    floor = smallest_peak if compiled else chain_floor  # one level, or what nesting reaches
 
     def feasible(p: ChainProfile) -> bool:
-        return chain_floor(p) <= budget  # what multi-level schedules reach
+        return floor(p) <= budget
 
     known = {1: profile_chain(model, make_input(1), loss_fn)}
     if not feasible(known[1]):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from .. import _torch
@@ -129,8 +130,23 @@ class TrainConfig:
                 hint = f"; did you mean {close[0]}?" if close else ""
                 raise ConfigError(f"compile must be True, False or a torch.compile backend name "
                                   f"({', '.join(list_backends())}), got {self.compile!r}{hint}")
+        self._validate_compile_with_budget()
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise ConfigError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+
+    def _validate_compile_with_budget(self) -> None:
+        """``--compile`` with ``--memory_budget``: the plan must be one torch.compile keeps."""
+        if not self.compile or self.memory_budget is None:
+            return
+        if self.offload:
+            raise ConfigError("--offload keeps saved tensors in host memory, which a step "
+                              "under torch.compile does not do (the graph keeps what it saves): "
+                              "drop --compile or --offload")
+        if _torch.COMPILED_RECOMPUTE_REPLAYS_UPDATES:
+            raise ConfigError(f"--memory_budget with --compile plans the compiled step, which "
+                              f"needs torch >= 2.9 (torch {torch.__version__}'s compiled regions "
+                              f"keep each BatchNorm's output, above any plan); upgrade torch, "
+                              f"or drop --compile")
 
     def _validate_card(self) -> None:
         """``--card``: a known card, with a memory budget to size for, that the card holds."""

@@ -134,7 +134,8 @@ def plan_memory(cfg: TrainConfig, model: nn.Module, world_size: int, side: int,
     Returns ``cfg`` with the batch resolved. ``--card``: every step is sized with that card's
     kernels and allocator (predicted here, ``zoo.memory.on_card``), and its predicted time is
     said; ``--offload``: the plan may keep segments' saved tensors in host memory (priced on
-    that card; on a CPU run they stay, exactly the same step)."""
+    that card; on a CPU run they stay, exactly the same step). ``--compile``: the plan is one
+    ``torch.compile`` keeps (``zoo.plan(..., compiled=True)``)."""
     from ..memory import card, format_bytes, on_card, parse_bytes
     from ..planner import BudgetTooSmallError, largest_batch, plan
     from ..planner.offload_choice import largest_offload_batch
@@ -154,17 +155,18 @@ def plan_memory(cfg: TrainConfig, model: nn.Module, world_size: int, side: int,
         else contextlib.nullcontext()
     model.train()
     per_rank = cfg.batch_size // world_size if cfg.batch_size != "auto" else None
+    compiled = bool(cfg.compile)
     with amp, on_card(cfg.card) if cfg.card else contextlib.nullcontext():
         if per_rank is None:
             per_rank, _ = largest_batch(model, make_input, budget, cross_entropy,
-                                        optimizer=optimizer)
+                                        optimizer=optimizer, compiled=compiled)
             if cfg.offload and per_rank >= 1:  # offload fits more: the floor it reaches
                 per_rank = largest_offload_batch(model, make_input, budget, card(cfg.card),
                                                  per_rank, cross_entropy, optimizer)
         while True:
             try:
                 result = plan(model, make_input(max(per_rank, 1)), budget, loss_fn=cross_entropy,
-                              optimizer=optimizer, offload=cfg.offload)
+                              optimizer=optimizer, offload=cfg.offload, compiled=compiled)
                 break
             except BudgetTooSmallError as e:
                 if cfg.batch_size != "auto" or per_rank <= 1:
@@ -177,7 +179,8 @@ def plan_memory(cfg: TrainConfig, model: nn.Module, world_size: int, side: int,
         say(f"batch_size auto: {cfg.batch_size} ({per_rank} per device) is the largest batch "
             f"that fits memory_budget {format_bytes(budget)} with a planned schedule")
     where = f" on the {card(cfg.card).name} (predicted here)" if cfg.card else ""
-    say(f"memory plan for memory_budget {format_bytes(budget)}{where}, the whole step with "
+    step = "the whole compiled step" if compiled else "the whole step"
+    say(f"memory plan for memory_budget {format_bytes(budget)}{where}, {step} with "
         f"{type(optimizer).__name__}'s state and step:\n{result}")
     if speed:
         say(speed)
@@ -212,7 +215,8 @@ def _card_speed(cfg: TrainConfig, model: nn.Module, x: torch.Tensor,
     from ..memory import format_bytes, predict_step
 
     step = predict_step(model, x, cfg.card, loss_fn, optimizer=optimizer)
-    return (f"predicted on the {step.card.name}: a step of {x.shape[0]} per device peaks at "
+    eager = " run eagerly (compiled, inductor's kernels differ)" if cfg.compile else ""
+    return (f"predicted on the {step.card.name}: a step of {x.shape[0]} per device{eager} peaks at "
             f"{format_bytes(step.peak)} and takes {1e3 * step.time.step:.1f} ms "
             f"({x.shape[0] / step.time.step:,.0f} samples/s per device)")
 
