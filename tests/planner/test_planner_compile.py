@@ -198,3 +198,10 @@ def test_train_compile_with_a_memory_budget_plans_the_compiled_step(capsys, tmp_
     assert "memory plan for memory_budget 19.1 MiB, the whole compiled step" in out
     assert "blocks recomputed" in out and " 0 of " not in out  # the budget checkpoints
     assert not [w for w in seen if "zoo.plan" in str(w.message)]
+
+
+def test_train_compile_with_too_small_a_budget_names_the_compiled_floor(capsys, tmp_path):
+    code, out, err = call_command(command("train.py"), capsys, **TINY, batch_size=16,
+                                  memory_budget="1MB", out_dir=str(tmp_path / "run"))
+    assert code == 2 and "Traceback" not in err
+    assert "below the smallest peak any checkpoint schedule that torch.compile keeps" in err

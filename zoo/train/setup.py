@@ -200,8 +200,9 @@ def _too_small(cfg: TrainConfig, budget: int, e: Exception, per_rank: int) -> st
     if cfg.batch_size == "auto":
         return (f"not even a batch of 1 fits memory_budget {format_bytes(budget)} with "
                 f"{cfg.model}; give a larger budget")
+    kept = " that torch.compile keeps" if cfg.compile else ""
     return (f"memory_budget {format_bytes(budget)} is below the smallest peak any checkpoint "
-            f"schedule of {cfg.model} reaches at batch {cfg.batch_size} with its "
+            f"schedule{kept} of {cfg.model} reaches at batch {cfg.batch_size} with its "
             f"{cfg.optimizer} optimizer: {format_bytes(e.smallest)} ({e.smallest} bytes; plain "
             f"training needs {format_bytes(e.plain)}). Give --memory_budget {e.smallest} or "
             f"more, a smaller --batch_size, or --batch_size auto")
