@@ -298,6 +298,8 @@ tree_leaves = torch.utils._pytree.tree_leaves
 OpOverload = torch._ops.OpOverload
 HigherOrderOperator = torch._ops.HigherOrderOperator
 fused_sdp_choice = torch._fused_sdp_choice
+#: ``aten._to_copy``: the op every dtype cast dispatches (autocast's casts among them).
+to_copy_op = torch.ops.aten._to_copy.default
 
 # torch.utils.checkpoint's selective checkpoint (torch >= 2.5)
 create_selective_checkpoint_contexts = getattr(_checkpoint, "create_selective_checkpoint_contexts",

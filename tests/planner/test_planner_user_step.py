@@ -16,9 +16,12 @@ import zoo
 from helpers import needs_plans_for_compile
 from zoo.memory import format_bytes
 from zoo.memory.inputs import Batch
+from zoo.memory import default_loss
 from zoo.planner import BudgetTooSmallError, largest_batch
 from zoo.planner import plans
 from zoo.memory.quiet import BatchError
+from zoo.planner.profiling.profile import profile_chain
+from zoo.planner.profiling.trace import traced_step
 from zoo.planner.step_sweep import real_whole_peak, step_rows
 
 
@@ -129,6 +132,50 @@ def test_a_bf16_autocast_plan_keeps_its_budget():
         assert torch.is_autocast_enabled("cpu")  # the caller's autocast is put back
     assert "bf16 autocast (cpu)" in str(plan)
     assert real_whole_peak(model, x, opt, "bf16") == plan.predicted_peak <= plan.budget
+
+
+def small_bert() -> nn.Module:
+    torch.manual_seed(0)
+    return zoo.create_model("bert_base", vocab_size=200, max_positions=64, embed_dim=64,
+                            depth=4, num_heads=2)
+
+
+def bert_tokens(batch: int) -> dict[str, torch.Tensor]:
+    return {"x": torch.zeros(batch, 32, dtype=torch.long),
+            "attention_mask": torch.ones(batch, 32, dtype=torch.long)}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_autocasts_cached_parameter_casts_leave_every_block_open_to_checkpointing(precision):
+    # autocast keeps each parameter's bf16 copy in its cache until the autocast block exits,
+    # checkpointed or not; a block's copies of its biases are saved by nothing, so the hooks
+    # never see them: they are noted as cached, and the block stays one a recompute can run
+    model = small_bert()
+    x = bert_tokens(4)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else \
+        contextlib.nullcontext()
+    n = len(model.checkpoint_chain())
+    with amp:
+        trace = traced_step(model, x, default_loss, [(0, n, False)])[0]
+        prof = profile_chain(model, x)
+    biases = sum(m.bias.numel() * 2 for m in model.blocks[0].modules()
+                 if isinstance(m, nn.Linear))
+    expected = biases if precision == "bf16" else 0
+    assert [trace.cached[i] for i in range(n)] == [0] + [expected] * (n - 1)
+    assert not any(prof.opaque)
+
+
+def test_a_bf16_largest_batch_is_one_the_whole_step_fits_and_near_the_largest():
+    model = small_bert()
+    opt = torch.optim.AdamW(model.parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        budget = zoo.plan(model, bert_tokens(32), "inf", optimizer=opt, apply=False).plain_peak
+        budget //= 2
+        best, _ = largest_batch(model, bert_tokens, budget, optimizer=opt)
+        plan = zoo.plan(model, bert_tokens(best), budget, optimizer=opt, apply=False)
+        assert plan.predicted_peak <= budget
+        with pytest.raises(BudgetTooSmallError):  # the largest the planner fits: 48 or 49
+            zoo.plan(model, bert_tokens(best * 5 // 4 + 1), budget, optimizer=opt, apply=False)
 
 
 def test_batchnorm_after_a_bf16_convolution_saves_float32_statistics_as_the_kernel_does():

@@ -37,6 +37,7 @@ def storage_bytes(t: torch.Tensor) -> int:
 
 _DEVICE = torch.ops.prim.device.default  # asked by the autograd engine: most of a step's calls
 _DETACH = torch.ops.aten.detach.default  # autograd's, for each fake tensor it saves or unpacks
+_TO_COPY = _torch.to_copy_op  # a dtype cast: autocast's of a parameter among them
 
 
 def fake_detach(t: FakeTensor) -> FakeTensor:
@@ -56,7 +57,8 @@ class StepCounter(TorchDispatchMode):
 
     ``track(*objects)``: tensors, modules (parameters, buffers, gradients) and optimizers
     (states) that exist before the step count from the start. ``on_op``: called after each op
-    (the profiler reads ``current`` there)."""
+    (the profiler reads ``current`` there); ``on_copy``: called with the source and the result
+    of each ``_to_copy`` (a cast: the profiler notes autocast's casts of parameters)."""
 
     supports_higher_order_operators = True  # a replayed compiled graph's RNG wrappers
 
@@ -66,6 +68,7 @@ class StepCounter(TorchDispatchMode):
         self.peak = 0
         self.flops = 0
         self.on_op = on_op
+        self.on_copy: Callable[[torch.Tensor, torch.Tensor], None] | None = None
         self._live: dict[int, tuple[int, Any, int]] = {}
         self._made = 0  # storages seen so far: each live one's serial number
 
@@ -136,6 +139,8 @@ class StepCounter(TorchDispatchMode):
                     self._add(t)
         if self.current > self.peak:
             self.peak = self.current
+        if func is _TO_COPY and self.on_copy is not None:
+            self.on_copy(args[0], out)
         if self.on_op is not None:
             self.on_op()
         return out

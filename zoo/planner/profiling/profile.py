@@ -230,8 +230,11 @@ def _from_plain(plain: Trace, units: list[tuple[int, int]], names: list[str]) ->
         grown = plain.mark[("G", b - 1) if ("G", b - 1) in plain.mark else ("head",)] \
             - plain.mark[("F", a)]
         # what the level grew by beyond the output is what the unit keeps: more than the hooks
-        # saw is kept out of their sight; less, the hooks saw storages older than the unit
-        prof.opaque.append(grown - new_output > kept)
+        # saw is kept out of their sight; less, the hooks saw storages older than the unit.
+        # Autocast's cache of parameter casts is out of their sight too, but it keeps them
+        # whether or not the unit is checkpointed: it does not make the unit opaque.
+        cached = sum(plain.cached.get(j, 0) for j in blocks)
+        prof.opaque.append(grown - new_output - cached > kept)
         prof.saved.append(max(0, grown - new_output))
         if prof.opaque[-1]:  # torch's checkpoint keeps its inputs too, out of the hooks' sight
             prof.keeps_input[-1] = True

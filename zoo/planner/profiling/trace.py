@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -43,8 +44,10 @@ class Trace:
     recomputing), ``grads`` (parameter gradients created). Per position ``i``: ``saved[i]``
     (storage -> bytes autograd saved in its forward, parameters excluded), ``at_last_pack[i]``
     (the forward's peak when it saved its last tensor), its input's and output's storage and
-    bytes, ``out_dgrad[i]`` (bytes of its output's gradient) and ``alias[i]`` (its output is its
-    input's storage: an in-place block)."""
+    bytes, ``out_dgrad[i]`` (bytes of its output's gradient), ``alias[i]`` (its output is its
+    input's storage: an in-place block) and ``cached[i]`` (bytes of the casts of parameters
+    autocast made in its forward and still holds at its end, unsaved: the cache keeps a
+    cast until the autocast block exits, ``torch.autocast(cache_enabled=True)``)."""
 
     def __init__(self, counter: StepCounter, param_keys: set[int]) -> None:
         self.counter, self.param_keys = counter, param_keys
@@ -64,6 +67,8 @@ class Trace:
         self.alias: dict[int, bool] = {}
         self.meta: dict[int, tuple] = {}  # position -> (input's, output's shape and dtype)
         self.regions: dict[int, list[set[int]]] = {}  # position -> its own regions' inputs
+        self.cached: dict[int, int] = {}
+        self._casts: dict[int, list[tuple[weakref.ref, int, int]]] = {}  # (cast, key, bytes)
         self.length = 0
         self.stopped = False  # the step ended after its forward
         self._last_flops = 0
@@ -95,6 +100,19 @@ class Trace:
                 self.saved.setdefault(i, {})[key] = self.counter.bytes_of(t)
         return t
 
+    def note_copy(self, source: torch.Tensor, out: torch.Tensor) -> None:
+        """A cast ran: note it when it casts a parameter in a block's first forward."""
+        if self.phase[0] == "F" and not is_recomputing() \
+                and self.counter.key(source) in self.param_keys:
+            self._casts.setdefault(self.phase[1], []).append(
+                (weakref.ref(out), self.counter.key(out), self.counter.bytes_of(out)))
+
+    def _cached_at_end(self, i: int) -> int:
+        """Bytes of block ``i``'s parameter casts alive at its end that it did not save."""
+        saved = self.saved.get(i, {})
+        return sum(b for ref, key, b in self._casts.pop(i, ())
+                   if ref() is not None and key not in saved)
+
     def region_inputs(self, args: tuple, kwargs: dict) -> None:
         """A block's own checkpoint keeps its inputs itself, out of autograd's sight: count them
         as saved by the block, as ``pack`` counts saved tensors (and note which they are)."""
@@ -123,6 +141,7 @@ class Trace:
         self.out_dgrad[i] = grad_bytes(y, self.counter) if y.requires_grad else 0
         self.meta[i] = ((tuple(x.shape), x.dtype), (tuple(y.shape), y.dtype))
         self.alias[i] = self.out_key[i] == self.in_key[i]
+        self.cached[i] = self._cached_at_end(i)
         if y.requires_grad:
             y.register_hook(lambda g, i=i: self.enter(("B", i)))
         self.enter(("head",) if i == self.length - 1 else ("G", i))
@@ -155,7 +174,7 @@ def traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torc
     counter, kernels = step_counter()  # the CPU's, or a card's under zoo.memory.on_card
     counter.track(held_from_start(fake))
     trace = Trace(counter, {counter.key(t) for t in tensors})
-    counter.on_op = trace.op_done
+    counter.on_op, counter.on_copy = trace.op_done, trace.note_copy
     handles = [p.register_hook(trace.note_grad) for p in tensors
                if p.requires_grad and p.is_leaf]
 
