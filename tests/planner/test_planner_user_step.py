@@ -198,6 +198,21 @@ def test_largest_batch_resizes_a_batch_and_leaves_room_for_the_optimizer():
     assert 0 < with_opt < bare
 
 
+def test_largest_batch_of_a_hugging_face_model_is_the_largest_its_whole_step_plan_fits():
+    # no zoo chain to extrapolate: every candidate is planned whole, so the answer is exact
+    model = bert_classifier()
+    opt = torch.optim.AdamW(model.parameters())
+    batch = Batch.of(bert_batch())
+    budget = zoo.plan(model, batch.resized(16), "inf", optimizer=opt, apply=False).plain_peak
+    budget = budget * 2 // 3
+    best, profile = largest_batch(model, bert_batch(), budget, optimizer=opt)
+    assert profile is None and best > 4
+    assert zoo.plan(model, batch.resized(best), budget, optimizer=opt,
+                    apply=False).predicted_peak <= budget
+    with pytest.raises(BudgetTooSmallError):
+        zoo.plan(model, batch.resized(best + 1), budget, optimizer=opt, apply=False)
+
+
 def test_batch_size_is_found_from_the_tensors_and_resized():
     b = Batch.of({"input_ids": torch.zeros(6, 9), "mask": torch.zeros(6, 9), "t": torch.zeros(3)})
     assert b.size() == 6

@@ -21,6 +21,7 @@ from .. import _torch
 from ..memory import parse_bytes
 from ..memory.inputs import Batch
 from ..memory.optimizer import state_bytes
+from .errors import BudgetTooSmallError
 from .profiling.profile import ChainProfile, profile_chain
 from .search.multi_level import chain_floor
 from .search.one_level import smallest_peak
@@ -67,7 +68,7 @@ def largest_batch(model: nn.Module, make_input: Callable[[int], Any] | Any,
                   loss_fn: Callable[[Any], torch.Tensor] | None = None,
                   limit: int = 1 << 16, tries: int = 6,
                   optimizer: torch.optim.Optimizer | None = None,
-                  compiled: bool = False) -> tuple[int, ChainProfile]:
+                  compiled: bool = False) -> tuple[int, ChainProfile | None]:
     """The largest batch whose best schedule fits ``memory_budget``, and its profile.
 
     ``make_input(b)`` builds an example batch of size ``b`` (a tensor, tuple or dict); or give
@@ -80,13 +81,18 @@ def largest_batch(model: nn.Module, make_input: Callable[[int], Any] | Any,
     profiles the answer, and refines the line through the two closest profiles until the answer
     repeats (a peak is a maximum of affine terms: at tiny batches a constant term such as the
     parameters' gradients can hide the slope). Returns ``(0, profile at batch 1)`` when not even
-    batch 1 fits.
+    batch 1 fits. A model without the zoo's chain (torchvision, timm, Hugging Face, yours) has
+    no profile to extrapolate: each candidate batch is planned whole by ``zoo.plan``
+    (:func:`_planned_largest`), and the profile returned is None.
     """
     if compiled:
         _torch.require_compiled_plan()
     budget = parse_bytes(memory_budget) - state_bytes(optimizer)
     if not callable(make_input):
         make_input = Batch.of(make_input).resized
+    if not callable(getattr(model, "checkpoint_chain", None)):
+        return _planned_largest(model, make_input, memory_budget, loss_fn, limit, optimizer,
+                                compiled), None
     floor = smallest_peak if compiled else chain_floor  # one level, or what nesting reaches
 
     def feasible(p: ChainProfile) -> bool:
@@ -115,3 +121,23 @@ def largest_batch(model: nn.Module, make_input: Callable[[int], Any] | Any,
         else:  # too optimistic: keep the line through the largest fitting and this one
             known = {b: p for b, p in known.items() if b <= best or b == guess}
     return best, known[best]
+
+
+def _planned_largest(model: nn.Module, make_input: Callable[[int], Any],
+                     memory_budget: int | float | str,
+                     loss_fn: Callable[[Any], torch.Tensor] | None, limit: int,
+                     optimizer: torch.optim.Optimizer | None, compiled: bool) -> int:
+    """The largest batch ``zoo.plan`` fits ``memory_budget`` for a model without the zoo's
+    chain: doubling, then bisection, on whether a plan of the whole step exists (its least
+    peak grows with the batch); each candidate costs one planning of the model."""
+    from .choose import plan
+
+    def fits(b: int) -> bool:
+        try:
+            plan(model, make_input(b), memory_budget, loss_fn=loss_fn, apply=False,
+                 optimizer=optimizer, compiled=compiled)
+        except BudgetTooSmallError:
+            return False
+        return True
+
+    return largest_feasible(fits, limit)
