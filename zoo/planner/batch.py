@@ -23,7 +23,8 @@ from ..memory.inputs import Batch
 from ..memory.optimizer import state_bytes
 from .errors import BudgetTooSmallError
 from .profiling.profile import ChainProfile, profile_chain
-from .search.multi_level import chain_floor
+from .choose import plan, profile_block_modes
+from .search.multi_level import MAX_UNITS, least_peak
 from .search.one_level import smallest_peak
 
 __all__ = ["extrapolate", "largest_batch", "largest_feasible"]
@@ -69,7 +70,9 @@ def largest_batch(model: nn.Module, make_input: Callable[[int], Any] | Any,
                   limit: int = 1 << 16, tries: int = 6,
                   optimizer: torch.optim.Optimizer | None = None,
                   compiled: bool = False) -> tuple[int, ChainProfile | None]:
-    """The largest batch whose best schedule fits ``memory_budget``, and its profile.
+    """The largest batch whose best schedule fits ``memory_budget``, and its profile: the
+    least peak of the schedules the planner searches (nested, with per-block modes) against
+    the budget.
 
     ``make_input(b)`` builds an example batch of size ``b`` (a tensor, tuple or dict); or give
     one batch, which is resized along the batch dimension it is found to have
@@ -93,34 +96,64 @@ def largest_batch(model: nn.Module, make_input: Callable[[int], Any] | Any,
     if not callable(getattr(model, "checkpoint_chain", None)):
         return _planned_largest(model, make_input, memory_budget, loss_fn, limit, optimizer,
                                 compiled), None
-    floor = smallest_peak if compiled else chain_floor  # one level, or what nesting reaches
+    def profiled(b: int) -> list[ChainProfile]:
+        return _profiles(model, make_input(b), loss_fn, compiled)
 
-    def feasible(p: ChainProfile) -> bool:
-        return floor(p) <= budget
+    def feasible(ps: list[ChainProfile]) -> bool:
+        return _floor(ps, compiled) <= budget
 
-    known = {1: profile_chain(model, make_input(1), loss_fn)}
+    known = {1: profiled(1)}
     if not feasible(known[1]):
-        return 0, known[1]
-    known[2] = profile_chain(model, make_input(2), loss_fn)
+        return 0, known[1][0]
+    known[2] = profiled(2)
     if not feasible(known[2]):
-        return 1, known[1]
+        return 1, known[1][0]
     best = max(b for b, p in known.items() if feasible(p))
     for _ in range(tries):
         bs = sorted(known)
         ba, bb = bs[-2], bs[-1]  # the two largest batches profiled so far
 
         def fits(b: int, ba: int = ba, bb: int = bb) -> bool:
-            return feasible(extrapolate(known[ba], known[bb], b, ba, bb))
+            return feasible(_extrapolated(known[ba], known[bb], b, ba, bb))
 
         guess = largest_feasible(fits, limit)
         if guess in known:
             break
-        known[guess] = profile_chain(model, make_input(guess), loss_fn)
+        known[guess] = profiled(guess)
         if feasible(known[guess]):
             best = max(best, guess)
         else:  # too optimistic: keep the line through the largest fitting and this one
             known = {b: p for b, p in known.items() if b <= best or b == guess}
-    return best, known[best]
+    return best, known[best][0]
+
+
+def _profiles(model: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+              compiled: bool) -> list[ChainProfile]:
+    """The chain's plain profile on ``x``, then, where the planner searches them (eager, at
+    most ``MAX_UNITS`` units), its profile in each per-block mode of the same units."""
+    plain = profile_chain(model, x, loss_fn)
+    if compiled or plain.n_units > MAX_UNITS:
+        return [plain]
+    return [plain, *(q for q in profile_block_modes(model, x, loss_fn, like=plain)
+                     if q.units == plain.units and q.act == plain.act)]
+
+
+def _floor(profiles: list[ChainProfile], compiled: bool) -> int:
+    """The least peak of the plans the planner searches over ``profiles`` (:func:`_profiles`):
+    one-level schedules of plain blocks under ``torch.compile`` and beyond ``MAX_UNITS`` units,
+    else nested schedules with per-block modes (the model's hand modes, measured whole, aside)."""
+    plain = profiles[0]
+    if compiled or plain.n_units > MAX_UNITS:
+        return smallest_peak(plain)
+    return least_peak(profiles)
+
+
+def _extrapolated(pa: list[ChainProfile], pb: list[ChainProfile], batch: int, batch_a: int,
+                  batch_b: int) -> list[ChainProfile]:
+    """:func:`extrapolate` for every profile of :func:`_profiles` found at both batches."""
+    at_b = {q.block_mode: q for q in pb}
+    return [extrapolate(q, at_b[q.block_mode], batch, batch_a, batch_b) for q in pa
+            if q.block_mode in at_b]
 
 
 def _planned_largest(model: nn.Module, make_input: Callable[[int], Any],
@@ -130,8 +163,6 @@ def _planned_largest(model: nn.Module, make_input: Callable[[int], Any],
     """The largest batch ``zoo.plan`` fits ``memory_budget`` for a model without the zoo's
     chain: doubling, then bisection, on whether a plan of the whole step exists (its least
     peak grows with the batch); each candidate costs one planning of the model."""
-    from .choose import plan
-
     def fits(b: int) -> bool:
         try:
             plan(model, make_input(b), memory_budget, loss_fn=loss_fn, apply=False,
