@@ -96,6 +96,27 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def summary(rows: list[dict[str, Any]]) -> str:
+    """Per model: the planner's plans against their real steps, and the old arithmetic's."""
+    lines = ["| model | plans | worst \\|measured - predicted\\| | within budget | trains like "
+             "plain (3 steps) | the old arithmetic: plans | worst miss | over budget | no plan |",
+             "|---|---:|---:|---|---|---:|---:|---:|---:|"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        n, old = len(mine), [r for r in mine if r["arithmetic"]]
+        worst = max(abs(r["measured"] - r["predicted"]) for r in mine)
+        gap = {id(r): abs(r["arithmetic_measured"] - r["arithmetic"]) for r in old}
+        miss = max(old, key=lambda r: gap[id(r)] / r["arithmetic_measured"], default=None)
+        missed = "-" if miss is None else \
+            f"{gap[id(miss)]:,} B ({100 * gap[id(miss)] / miss['arithmetic_measured']:.1f}%)"
+        lines.append(
+            f"| {model} | {n} | {worst:,} B | "
+            f"{sum(r['measured'] <= r['budget'] for r in mine)} of {n} | "
+            f"{sum(r['exact'] for r in mine)} of {n} bit for bit | {len(old)} | {missed} | "
+            f"{sum(r['arithmetic_measured'] > r['budget'] for r in old)} | {n - len(old)} |")
+    return "\n".join(lines)
+
+
 def planner_step(models: Any = ",".join(MODELS), out: str = "") -> list[dict[str, Any]]:
     """Plans of the whole step (batch, loss, optimizer, precision) predicted against measured."""
     torch.set_num_threads(1)
@@ -106,7 +127,7 @@ def planner_step(models: Any = ",".join(MODELS), out: str = "") -> list[dict[str
             raise ValueError(f"unknown model {name!r}; expected some of {', '.join(MODELS)}")
         make, batch = MODELS[name]()
         rows += [vars(r) for r in step_rows(name, _seeded(make), batch)]
-    print(markdown(rows))
+    print(summary(rows) + "\n\n" + markdown(rows))
     worst = max(abs(r["measured"] - r["predicted"]) / r["predicted"] for r in rows)
     print(f"\n{len(rows)} plans; worst |measured - predicted| {100 * worst:.4f}%; "
           f"{sum(r['exact'] for r in rows)} train bit for bit like plain; "

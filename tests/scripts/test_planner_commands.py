@@ -140,9 +140,13 @@ def test_planner_promise_measures_what_each_plan_predicts(tmp_path: Path, capsys
     assert "| cifar_cnn | 2 | 1.000 |" in capsys.readouterr().out
 
 
-def test_planner_step_predicts_the_whole_step_and_trains_like_plain(tmp_path: Path) -> None:
+def test_planner_step_predicts_the_whole_step_and_trains_like_plain(tmp_path: Path,
+                                                                   capsys) -> None:
     out = tmp_path / "step.json"
     bench("planner-step", "--models", "resnet20", "--out", out)
+    # the page's summary row, from the same rows
+    assert "| resnet20 | 12 | 0 B | 12 of 12 | 12 of 12 bit for bit | 10 |" in \
+        capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["command"].startswith("python ") and data["machine"]
     rows = data["rows"]
