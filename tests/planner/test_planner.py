@@ -303,7 +303,16 @@ def test_train_batch_size_auto_picks_the_largest_batch_under_the_budget(capsys, 
                               out_dir=str(tmp_path / "run"))
     assert code in (0, None), err
     chosen = int(out.split("batch_size auto: ")[1].split()[0])
-    assert 8 <= chosen < 200
+    model = zoo.create_model("resnet20", num_classes=10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def plan_at(batch: int) -> zoo.Plan:
+        return zoo.plan(model, torch.zeros(batch, 3, 32, 32), "40MB", apply=False, optimizer=opt,
+                        loss_fn=lambda out: nn.functional.cross_entropy(
+                            out, torch.zeros(out.shape[0], dtype=torch.long)))
+    assert plan_at(chosen).predicted_peak <= 40_000_000
+    with pytest.raises(BudgetTooSmallError):  # the largest
+        plan_at(chosen + 1)
     assert "memory plan for memory_budget" in out and "predicted peak" in out
     assert f"batch_size: {chosen}" in (tmp_path / "run" / "config.yaml").read_text()
 

@@ -171,7 +171,9 @@ def plan_memory(cfg: TrainConfig, model: nn.Module, world_size: int, side: int,
             except BudgetTooSmallError as e:
                 if cfg.batch_size != "auto" or per_rank <= 1:
                     raise ConfigError(_too_small(cfg, budget, e, max(per_rank, 1))) from None
-                per_rank -= 1  # the whole step (optimizer, casts) holds a little more
+                # the whole step (optimizer, casts) holds a little more: down by at least
+                # the share its least peak is over (a peak grows a little slower than the batch)
+                per_rank = min(per_rank - 1, per_rank * budget // e.smallest)
         speed = _card_speed(cfg, model, make_input(per_rank), cross_entropy, optimizer) \
             if cfg.card else None
     if cfg.batch_size == "auto":
