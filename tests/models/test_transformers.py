@@ -123,6 +123,18 @@ def test_text_models_refuse_bad_inputs():
         bert(bert.example_input(2, 8), attention_mask=torch.ones(2, 9))
 
 
+def test_bert_reads_a_1_0_mask_of_any_dtype_as_the_boolean_mask():
+    bert = tiny("bert").eval()
+    ids = bert.example_input(2, 8)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    with torch.no_grad():
+        expected = bert(ids, attention_mask=mask.bool())
+        for same in (mask, mask.int(), mask.float()):
+            assert torch.equal(bert(ids, attention_mask=same), expected)
+        assert not torch.equal(bert(ids), expected)  # the mask is read
+
+
 # -- timm -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["vit_small_patch16_224", "vit_base_patch16_224"])
 def test_vit_state_dict_has_timms_keys_and_shapes(name):

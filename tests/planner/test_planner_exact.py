@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 FAMILIES = ["resnet", "densenet", "cifar_cnn", "vit", "bert", "gpt2"]
 
 
-def measured(model: torch.nn.Module, x: torch.Tensor, segments: list,
+def measured(model: torch.nn.Module, x: torch.Tensor | dict, segments: list,
              block_modes: list | None) -> tuple[int, int]:
     """A step's (peak, FLOPs) with the chain run by ``segments`` and ``block_modes`` (model
     modes, or save sets: op-level choices)."""
@@ -94,7 +94,7 @@ def test_the_finer_save_sets_are_predicted_to_the_byte_stored_and_nested(family)
                                                    cost), (name, schedule)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "bert with a 1/0 mask"])
 def test_every_plan_and_random_schedules_are_predicted_to_the_byte(family):
     model, x = small(family)
     planner = Planner(model, x, modes=False)

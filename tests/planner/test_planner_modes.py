@@ -41,9 +41,13 @@ def small(family: str) -> tuple[zoo.ZooModel, torch.Tensor]:
         model = VisionTransformer(img_size=32, patch_size=4, embed_dim=64, depth=3, num_heads=2,
                                   num_classes=10)
         return model, model.example_input(4)
-    if family == "bert":
+    if family.startswith("bert"):
         model = zoo.create_model("bert_base", vocab_size=200, max_positions=64, embed_dim=64,
                                  depth=3, num_heads=2)
+        if family == "bert with a 1/0 mask":  # Hugging Face's convention, padded after 20
+            mask = torch.ones(4, 32, dtype=torch.long)
+            mask[:, 20:] = 0
+            return model, {"x": model.example_input(4, 32), "attention_mask": mask}
         return model, model.example_input(4, 32)
     model = GPT2(num_classes=200, context_length=64, embed_dim=64, depth=3, num_heads=2)
     return model, model.example_input(4, 32)
