@@ -96,6 +96,7 @@ def largest_batch(model: nn.Module, make_input: Callable[[int], Any] | Any,
     if not callable(getattr(model, "checkpoint_chain", None)):
         return _planned_largest(model, make_input, memory_budget, loss_fn, limit, optimizer,
                                 compiled), None
+
     def profiled(b: int) -> list[ChainProfile]:
         return _profiles(model, make_input(b), loss_fn, compiled)
 
