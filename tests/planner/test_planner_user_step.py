@@ -14,9 +14,8 @@ from torch import nn
 
 import zoo
 from helpers import needs_plans_for_compile
-from zoo.memory import format_bytes
+from zoo.memory import default_loss, format_bytes
 from zoo.memory.inputs import Batch
-from zoo.memory import default_loss
 from zoo.planner import BudgetTooSmallError, largest_batch
 from zoo.planner import plans
 from zoo.memory.quiet import BatchError
