@@ -90,12 +90,12 @@ def largest_batch(model: nn.Module, make_input: Callable[[int], Any] | Any,
     """
     if compiled:
         _torch.require_compiled_plan()
-    budget = parse_bytes(memory_budget) - state_bytes(optimizer)
     if not callable(make_input):
         make_input = Batch.of(make_input).resized
     if not callable(getattr(model, "checkpoint_chain", None)):
         return _planned_largest(model, make_input, memory_budget, loss_fn, limit, optimizer,
                                 compiled), None
+    budget = parse_bytes(memory_budget) - state_bytes(optimizer)  # the state is held all step
 
     def profiled(b: int) -> list[ChainProfile]:
         return _profiles(model, make_input(b), loss_fn, compiled)
