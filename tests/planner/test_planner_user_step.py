@@ -18,6 +18,7 @@ from zoo.memory import default_loss, format_bytes
 from zoo.memory.inputs import Batch
 from zoo.planner import BudgetTooSmallError, largest_batch
 from zoo.planner import plans
+from zoo.planner.modules.spine import Spine
 from zoo.memory.quiet import BatchError
 from zoo.planner.profiling.profile import profile_chain
 from zoo.planner.profiling.trace import traced_step
@@ -149,19 +150,28 @@ def test_autocasts_cached_parameter_casts_leave_every_block_open_to_checkpointin
     # autocast keeps each parameter's bf16 copy in its cache until the autocast block exits,
     # checkpointed or not; a block's copies of its biases are saved by nothing, so the hooks
     # never see them: they are noted as cached, and the block stays one a recompute can run
-    model = small_bert()
-    x = bert_tokens(4)
+    torch.manual_seed(0)
+    user = nn.Sequential(*[nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+                           for _ in range(4)])
+    model, x = Spine(user, [str(i) for i in range(4)]), torch.randn(8, 32)
     amp = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else \
         contextlib.nullcontext()
-    n = len(model.checkpoint_chain())
     with amp:
-        trace = traced_step(model, x, default_loss, [(0, n, False)])[0]
+        trace = traced_step(model, x, default_loss, [(0, 4, False)])[0]
         prof = profile_chain(model, x)
-    biases = sum(m.bias.numel() * 2 for m in model.blocks[0].modules()
-                 if isinstance(m, nn.Linear))
-    expected = biases if precision == "bf16" else 0
-    assert [trace.cached[i] for i in range(n)] == [0] + [expected] * (n - 1)
+    biases = (64 + 32) * 2  # and the first weight, whose mm computes no input gradient
+    expected = [biases + 32 * 64 * 2, *[biases] * 3] if precision == "bf16" else [0] * 4
+    assert [trace.cached[i] for i in range(4)] == expected
     assert not any(prof.opaque)
+
+
+def test_a_zoo_model_leaves_no_parameter_cast_in_autocasts_cache():
+    """It casts each parameter once, without the cache (``zoo.models._base.casts_once``)."""
+    model = small_bert()
+    n = len(model.checkpoint_chain())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        trace = traced_step(model, bert_tokens(4), default_loss, [(0, n, False)])[0]
+    assert [trace.cached[i] for i in range(n)] == [0] * n
 
 
 def test_a_bf16_largest_batch_is_the_largest_the_whole_step_plan_fits():

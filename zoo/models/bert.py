@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ._registry import register_model
-from ._base import classifier
+from ._base import casts_once, classifier
 from ._transformer import Block, TransformerModel, init_linear_and_embedding
 
 __all__ = ["BertEmbeddings", "Bert"]
@@ -139,6 +139,7 @@ class Bert(TransformerModel):
         x = self.head_drop(torch.tanh(self.pooler(x[:, 0])))
         return x if pre_logits else self.head(x)
 
+    @casts_once
     def forward(self, x: torch.Tensor, token_type_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.forward_head(self.forward_features(x, token_type_ids, attention_mask))

@@ -1,0 +1,89 @@
+"""A zoo model under autocast casts each parameter once and holds no cast past its use.
+
+Autocast caches each parameter's low-precision copy until its block exits; a zoo model runs
+without that cache (``zoo.models._base.casts_once``). These tests pin both halves of why that
+is safe and worth it: every model trains bit for bit as with the cache (each parameter is cast
+once per forward either way), and nothing is left for the autocast block's exit to free, where a
+checkpointed region with the cache would hold its weights' copies until then.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zoo
+from helpers import assert_same_training
+from test_models import names
+from zoo.memory import default_loss
+from zoo.memory.tracker import StepCounter
+
+
+def _bf16(model: nn.Module, cached: bool):
+    """``model``'s forward under bf16 autocast, with autocast's cache (the forward unwrapped)
+    or as the model runs it."""
+    forward = type(model).forward.__wrapped__ if cached else type(model).forward
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return forward(model, x)
+    return run
+
+
+@pytest.mark.parametrize("name", names())
+def test_every_model_trains_in_bf16_as_with_the_cache_bit_for_bit(name):
+    """Checkpointed (its recommended mode): stored stem and head, regions in forward and
+    recompute, each casting without the cache."""
+    torch.manual_seed(0)
+    cached, model = zoo.create_model(name, efficient=True), zoo.create_model(name, efficient=True)
+    x = cached.example_input(2)
+    assert_same_training(cached, _bf16(cached, True), model, _bf16(model, False), x, steps=1,
+                         exact=True)
+
+
+def test_the_cache_changes_the_gradient_of_a_parameter_used_twice():
+    """Why only a model that uses each parameter once may drop the cache: a weight used twice
+    shares one cached copy, whose gradient sums both uses in bf16; two copies sum in float32."""
+    torch.manual_seed(0)
+    linear, x = nn.Linear(64, 64), torch.randn(8, 64)
+
+    def grad(cache: bool) -> torch.Tensor:
+        linear.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
+            loss = linear(torch.tanh(linear(x))).float().square().sum()
+        loss.backward()
+        return linear.weight.grad.clone()
+    assert not torch.equal(grad(True), grad(False))
+
+
+@pytest.mark.parametrize("name", ["gpt2_small", "resnet20"])
+def test_the_autocast_block_exit_frees_nothing_a_zoo_model_cast(name):
+    """With the cache, the exit frees every cast no saved tensor holds: a plain model's unsaved
+    ones (biases), a checkpointed model's weights in its regions too (their copies saved for
+    nothing: recomputed in backward); a zoo model has no cast left for the exit to free."""
+    kwargs = {"depth": 2, "embed_dim": 64, "num_heads": 2, "num_classes": 100} \
+        if name == "gpt2_small" else {}
+    freed = {}
+    for efficient in (False, True):
+        torch.manual_seed(0)
+        model = zoo.create_model(name, efficient=efficient, **kwargs)
+        x = model.example_input(2)
+        for cached in (True, False):
+            freed[efficient, cached] = _freed_at_exit(model, x, cached)
+    assert freed[False, False] == freed[True, False] == 0
+    assert freed[True, True] > freed[False, True] > 0
+
+
+def _freed_at_exit(model: nn.Module, x: torch.Tensor, cached: bool) -> int:
+    """Bytes the exit of the autocast block around a training step's forward frees."""
+    forward = type(model).forward.__wrapped__ if cached else type(model).forward
+    counter = StepCounter()
+    counter.track(model)
+    with counter:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = default_loss(forward(model, x))
+            before = counter.current
+        freed = before - counter.current
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return freed
