@@ -21,8 +21,8 @@ from typing import Any
 from . import (chain, families, gpu, model_commands, outside, overhead, planner_levels,
                planner_modes, planner_promise, planner_time, planner_vs_compile, planner_vs_uniform, plots,
                primitive, reversible)
-from . import (card_plan, compiled_layout, host_report, offload, planner_step, prediction,
-               region_cost)
+from . import (autocast_casts, card_plan, compiled_layout, host_report, offload, planner_step,
+               prediction, region_cost)
 
 __all__ = ["SUBCOMMANDS", "usage", "main"]
 
@@ -37,6 +37,7 @@ SUBCOMMANDS: dict[str, Callable[..., Any]] = {
     "densenet": families.densenet,
     "resnet": families.resnet,
     "transformers": families.transformers,
+    "autocast": autocast_casts.autocast,
     "outside": outside.outside,
     "planner": planner_vs_uniform.planner,
     "planner-modes": planner_modes.planner_modes,

@@ -1,7 +1,8 @@
-"""The ``densenet``, ``resnet``, ``transformers`` and ``outside`` subcommands end to end on the
-CPU at their smallest sizes: every workload and variant is a row with exact bytes and FLOPs, the
-zoo's plain model and timm's are the same network (same FLOPs), checkpointing lowers the peak,
-and outside models count BatchNorm once under zoo.set_grad_checkpointing.
+"""The ``densenet``, ``resnet``, ``transformers``, ``autocast`` and ``outside`` subcommands end to
+end on the CPU at their smallest sizes: every workload and variant is a row with exact bytes and
+FLOPs, the zoo's plain model and timm's are the same network (same FLOPs), checkpointing lowers
+the peak, a zoo model's bf16 step peaks no higher than timm's, and outside models count BatchNorm
+once under zoo.set_grad_checkpointing.
 
 The models are the benchmarks' own (DenseNet-121, ResNet-50, ViT-S/16, BERT-base, ...), so even
 at batch 2 on small images MemTracker's bookkeeping takes tens of seconds: marked slow."""
@@ -57,6 +58,15 @@ def test_transformers(tmp_path: Path) -> None:
     assert {"plain", "block", "selective"} <= {v for w, v in rows if w == "bert_base"}
     assert ("vit_small_patch16_224", "timm set_grad_checkpointing") in rows
     assert all(r["peak_bytes"] > 0 and r["flop_ratio"] >= 1.0 for r in rows.values())
+
+
+def test_autocast(tmp_path: Path) -> None:
+    rows = bench(tmp_path / "a.json", "autocast", "--batch", 1)
+    got = {(r["gradients"], r["variant"]): r for r in rows}
+    assert set(got) == {(g, v) for g in ("fresh", "accumulating") for v in ("plain", "block")}
+    assert all(r["zoo_peak_bytes"] <= r["timm_peak_bytes"] for r in rows)
+    # held gradients put the peak at the forward's end, where timm's regions hold their casts
+    assert got["accumulating", "block"]["ratio"] < 0.9
 
 
 def test_outside(tmp_path: Path) -> None:

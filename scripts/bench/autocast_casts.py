@@ -1,0 +1,90 @@
+"""``autocast``: a checkpointed ViT's training step in bf16 autocast, zoo's beside timm's.
+
+Autocast keeps each parameter's bf16 copy in its cache until the autocast block exits. timm's
+checkpoint (``torch.utils.checkpoint``) runs each block under that cache, so the copies of every
+checkpointed block's weights, which the block saves for nothing (its recompute casts again), stay
+alive until the forward ends; a zoo model casts each parameter without the cache
+(``zoo.models._base.casts_once``), each copy alive while an op or a saved tensor needs it. The
+forward's end is the step's peak where gradients are already held: the second micro-batch of
+gradient accumulation.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import zoo
+from zoo.memory.step import peak_bytes
+
+from .peers import write_json
+
+__all__ = ["autocast"]
+
+MiB = 2**20
+
+
+def _step(model: nn.Module, x: torch.Tensor, accumulate: bool) -> Callable[[], None]:
+    """One training step in bf16 autocast (the forward and a mean-of-squares loss under it);
+    ``accumulate``: onto the gradients already held, else onto none."""
+    def step() -> None:
+        if not accumulate:
+            model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()
+        loss.backward()
+    return step
+
+
+def _peak(model: nn.Module, x: torch.Tensor, accumulate: bool) -> int:
+    """Peak bytes of the step after one like it (gradients made), the model counted."""
+    model.zero_grad(set_to_none=True)
+    step = _step(model, x, accumulate)
+    step()
+    try:
+        return peak_bytes(step, [model])
+    finally:
+        model.zero_grad(set_to_none=True)
+
+
+def autocast(batch: int = 8, json_out: str | None = None) -> list[dict]:
+    """ViT-S/16 in bf16 autocast: zoo's and timm's peaks, plain and checkpointed (module doc).
+
+    The same weights in both, real tensors on this CPU, exact bytes
+    (:func:`zoo.memory.step.peak_bytes`: without MemTracker's module hooks), each step measured
+    after one like it: with its gradients made fresh and accumulating onto the last step's.
+    """
+    import timm
+
+    torch.manual_seed(0)
+    ours = {"plain": zoo.create_model("vit_small_patch16_224")}
+    ours["block"] = zoo.create_model("vit_small_patch16_224", efficient="block")
+    ours["block"].load_state_dict(ours["plain"].state_dict())
+    peer = timm.create_model("vit_small_patch16_224", pretrained=False)
+    peer.load_state_dict(ours["plain"].state_dict())
+    x = torch.randn(batch, 3, 224, 224)
+    rows = []
+    for accumulate in (False, True):
+        grads = "accumulating" if accumulate else "fresh"
+        for checkpointed, variant in ((False, "plain"), (True, "block")):
+            peer.set_grad_checkpointing(checkpointed)
+            theirs = _peak(peer, x, accumulate)
+            zoos = _peak(ours[variant], x, accumulate)
+            rows.append({"workload": f"vit_small_patch16_224 batch {batch} 224px bf16",
+                         "gradients": grads, "variant": variant, "zoo_peak_bytes": zoos,
+                         "timm_peak_bytes": theirs, "ratio": zoos / theirs})
+    _print(rows)
+    write_json(json_out, rows)
+    return rows
+
+
+def _print(rows: list[dict]) -> None:
+    print(f"torch {torch.__version__}, CPU, real tensors; zoo's peak against timm's "
+          f"(timm's checkpointed variant: set_grad_checkpointing(True))\n")
+    print("| workload | gradients | variant | zoo peak MiB | timm peak MiB | zoo / timm |")
+    print("|---|---|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['workload']} | {r['gradients']} | {r['variant']} | "
+              f"{r['zoo_peak_bytes'] / MiB:.1f} | {r['timm_peak_bytes'] / MiB:.1f} | "
+              f"{r['ratio']:.3f} |")
