@@ -8,6 +8,8 @@ checkpointed region with the cache would hold its weights' copies until then.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -19,9 +21,9 @@ from zoo.memory import default_loss
 from zoo.memory.tracker import StepCounter
 
 
-def _bf16(model: nn.Module, cached: bool):
+def _bf16(model: nn.Module, cached: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     """``model``'s forward under bf16 autocast, with autocast's cache (the forward unwrapped)
-    or as the model runs it."""
+    or as the model runs it (without; a model whose forward is not wrapped fails here)."""
     forward = type(model).forward.__wrapped__ if cached else type(model).forward
 
     def run(x: torch.Tensor) -> torch.Tensor:

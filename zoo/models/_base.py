@@ -43,7 +43,8 @@ def casts_once(forward: Callable[..., Any]) -> Callable[..., Any]:
     in a stored block, the casts no op saved (biases). Without the cache each copy lives as long
     as an op or a saved tensor needs it, and the values are the same, bit for bit (one cast of
     each parameter either way). Under ``torch.compile`` it is the forward itself (a compiled
-    graph has no cache)."""
+    graph has no cache). The cache and its switch:
+    https://pytorch.org/docs/stable/amp.html#torch.autocast (``cache_enabled``)."""
     @functools.wraps(forward)
     def run(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling() or not _cache_on():
