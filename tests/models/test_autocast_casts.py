@@ -21,10 +21,15 @@ from zoo.memory import default_loss
 from zoo.memory.tracker import StepCounter
 
 
+def _forward(model: nn.Module, cached: bool) -> Callable[..., torch.Tensor]:
+    """``model``'s forward with autocast's cache (unwrapped) or as the model runs it (without;
+    a model whose forward is not wrapped fails here)."""
+    return type(model).forward.__wrapped__ if cached else type(model).forward
+
+
 def _bf16(model: nn.Module, cached: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``model``'s forward under bf16 autocast, with autocast's cache (the forward unwrapped)
-    or as the model runs it (without; a model whose forward is not wrapped fails here)."""
-    forward = type(model).forward.__wrapped__ if cached else type(model).forward
+    """``model``'s forward (:func:`_forward`) under bf16 autocast."""
+    forward = _forward(model, cached)
 
     def run(x: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -78,7 +83,7 @@ def test_the_autocast_block_exit_frees_nothing_a_zoo_model_cast(name):
 
 def _freed_at_exit(model: nn.Module, x: torch.Tensor, cached: bool) -> int:
     """Bytes the exit of the autocast block around a training step's forward frees."""
-    forward = type(model).forward.__wrapped__ if cached else type(model).forward
+    forward = _forward(model, cached)
     counter = StepCounter()
     counter.track(model)
     with counter:

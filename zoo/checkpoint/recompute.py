@@ -201,6 +201,13 @@ def _autocast_state() -> tuple[Any, ...] | None:
     return _autocast_settings()
 
 
+def autocast_cache_on() -> bool:
+    """Whether autocast is on for some device with its cache of parameter casts (a zoo model
+    then runs its forward without the cache: ``zoo.models._base.casts_once``)."""
+    state = _autocast_state()
+    return state is not None and state[-1] and any(on for _, on, _ in state[:-1])
+
+
 def _autocast_settings() -> tuple[Any, ...]:
     return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                  for d in _autocast_devices()) + (torch.is_autocast_cache_enabled(),)

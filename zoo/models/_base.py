@@ -10,8 +10,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .. import _torch
 from ..checkpoint import run_plan
+from ..checkpoint.recompute import autocast_cache_on
 from ..checkpoint.sequential import OFFLOAD
 
 # A checkpoint plan of a model's chain: (start, stop, checkpointed) segments covering it in order;
@@ -47,7 +47,7 @@ def casts_once(forward: Callable[..., Any]) -> Callable[..., Any]:
     https://pytorch.org/docs/stable/amp.html#torch.autocast (``cache_enabled``)."""
     @functools.wraps(forward)
     def run(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() or not _cache_on():
+        if torch.compiler.is_compiling() or not autocast_cache_on():
             return forward(self, *args, **kwargs)
         torch.set_autocast_cache_enabled(False)
         try:
@@ -55,14 +55,6 @@ def casts_once(forward: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             torch.set_autocast_cache_enabled(True)
     return run
-
-
-def _cache_on() -> bool:
-    """Whether autocast is on for some device, with its cache of parameter casts."""
-    on = _torch.is_any_autocast_enabled
-    enabled = on() if on is not None else (
-        torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
-    return enabled and torch.is_autocast_cache_enabled()
 
 
 def classifier(num_features: int, num_classes: int) -> nn.Module:
