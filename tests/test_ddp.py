@@ -2,7 +2,8 @@
 
 The gradients of the DDP run (each rank sees half the batch) must equal a single-process run on
 the whole batch, with and without find_unused_parameters and static_graph, also when one module is
-checkpointed twice in a forward (reentrant checkpoint fails there: "marked ready twice").
+checkpointed twice in a forward (reentrant checkpoint fails there: "marked ready twice"); and
+under bf16 autocast without its cache of parameter casts (``casts_once``), as with the cache.
 nn.DataParallel needs two GPUs: that test runs where they exist.
 """
 from __future__ import annotations
@@ -70,6 +71,49 @@ def test_ddp_two_processes_match_single_process():
         for rank in ranks:
             for step, (got, want) in enumerate(zip(rank[i], reference)):
                 torch.testing.assert_close(got, want, msg=lambda m: f"{cfg} step {step}: {m}")
+
+
+class Blocks(nn.Module):
+    """Two checkpointed blocks between a stored stem and head, each parameter used once."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem, self.head = nn.Linear(6, 16), nn.Linear(16, 3)
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.GELU())
+                                      for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)))
+
+
+class Bf16(nn.Module):
+    """``model``'s forward under bf16 autocast (backward and the optimizer's step outside it,
+    where its cache cannot hold a cast of weights the step has changed since)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.model(x).float()
+
+
+def _bf16_worker(rank: int, world: int) -> dict[bool, list[torch.Tensor]]:
+    x, y = data()
+    shard = slice(rank * 4, rank * 4 + 4)
+    results = {}
+    for casts_once in (False, True):
+        model = DDP(zoo.set_grad_checkpointing(Blocks(), casts_once=casts_once))
+        results[casts_once] = train(Bf16(model), x[shard], y[shard])
+    return results
+
+
+def test_ddp_casts_once_trains_like_autocasts_cache_bit_for_bit():
+    for rank in run_gloo(_bf16_worker):
+        for got, want in zip(rank[True], rank[False]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2,

@@ -26,6 +26,7 @@ from torch.utils import checkpoint as torch_checkpoint
 
 from .blocks import checkpoint_module, find_blocks, is_checkpointed
 from .checkpoint import checkpoint, run_blocks
+from .checkpoint.casts import set_casts_once
 from .models import ZooModel
 from .nn import convert_batchnorm, recompute_safe_class, restore_batchnorm
 
@@ -227,11 +228,12 @@ def _disable(model: nn.Module) -> None:
             checkpoint_module(m, enable=False)
     for name in state.get("batchnorm", ()):
         restore_batchnorm(model.get_submodule(name), recurse=False)
+    set_casts_once(model, enable=False)
 
 
 def set_grad_checkpointing(model: nn.Module, enable: bool | str = True,
-                           modules: Iterable[type | str] | type | str | None = None
-                           ) -> nn.Module:
+                           modules: Iterable[type | str] | type | str | None = None,
+                           casts_once: bool = False) -> nn.Module:
     """Checkpoint any model with ``zoo.checkpoint``, exactly (``enable=False``: turn it off).
 
     Args:
@@ -241,6 +243,11 @@ def set_grad_checkpointing(model: nn.Module, enable: bool | str = True,
             and outputs). A zoo model also takes one of its ``checkpoint_modes`` by name.
         modules: None for the family's own checkpointing (see the module docstring); otherwise
             module types, type names or dotted submodule names whose every call is checkpointed.
+        casts_once: run the forward without autocast's cache of parameter casts, so that no
+            checkpointed block holds its weights' low-precision copies to the forward's end
+            (:func:`zoo.checkpoint.casts.set_casts_once`: the first forward under autocast checks
+            that each parameter is cast once, where the cache changes nothing, and raises
+            ``ValueError`` if one is cast twice). A zoo model always runs so.
 
     Returns ``model``. Raises ValueError naming what was looked for when nothing matches.
     """
@@ -267,5 +274,7 @@ def set_grad_checkpointing(model: nn.Module, enable: bool | str = True,
             checkpoint_module(block)
     if state["via"] in ("timm", "hf"):
         state["batchnorm"] = _convert_batchnorm_names(model)
+    if casts_once and state["via"] != "zoo":
+        set_casts_once(model)
     model.__dict__[_STATE] = state
     return model

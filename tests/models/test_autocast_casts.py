@@ -1,7 +1,7 @@
 """A zoo model under autocast casts each parameter once and holds no cast past its use.
 
 Autocast caches each parameter's low-precision copy until its block exits; a zoo model runs
-without that cache (``zoo.models._base.casts_once``). These tests pin both halves of why that
+without that cache (``zoo.checkpoint.casts.casts_once``). These tests pin both halves of why that
 is safe and worth it: every model trains bit for bit as with the cache (each parameter is cast
 once per forward either way), and nothing is left for the autocast block's exit to free, where a
 checkpointed region with the cache would hold its weights' copies until then.

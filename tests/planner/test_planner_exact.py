@@ -102,7 +102,7 @@ def test_every_plan_and_random_schedules_are_predicted_to_the_byte(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_plans_and_random_schedules_are_predicted_to_the_byte(family):
     """In bf16 autocast too: a zoo model casts each parameter where it uses it, without
-    autocast's cache (``zoo.models._base.casts_once``), so a checkpointed unit holds no cast
+    autocast's cache (``zoo.checkpoint.casts.casts_once``), so a checkpointed unit holds no cast
     until the forward ends and a stored one none but what its ops save."""
     model, x = small(family)
     with torch.autocast("cpu", dtype=torch.bfloat16):

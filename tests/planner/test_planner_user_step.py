@@ -166,7 +166,7 @@ def test_autocasts_cached_parameter_casts_leave_every_block_open_to_checkpointin
 
 
 def test_a_zoo_model_leaves_no_parameter_cast_in_autocasts_cache():
-    """It casts each parameter once, without the cache (``zoo.models._base.casts_once``)."""
+    """It casts each parameter once, without the cache (``zoo.checkpoint.casts.casts_once``)."""
     model = small_bert()
     n = len(model.checkpoint_chain())
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -52,7 +52,8 @@ Files: this one names the public calls; :mod:`~zoo.checkpoint.primitive` holds
 :func:`checkpoint` itself; :mod:`~zoo.checkpoint.region` the saved-tensor region and its rules;
 :mod:`~zoo.checkpoint.backward_call` what the engine says about the backward call running now;
 :mod:`~zoo.checkpoint.recompute` the recompute flag, normalisation guard and RNG/autocast
-contexts; :mod:`~zoo.checkpoint.selective` what ``save_ops`` keeps and serves;
+contexts; :mod:`~zoo.checkpoint.casts` forwards without autocast's cache of parameter casts;
+:mod:`~zoo.checkpoint.selective` what ``save_ops`` keeps and serves;
 :mod:`~zoo.checkpoint.compiled` the region under ``torch.compile``;
 :mod:`~zoo.checkpoint.sequential` chains of blocks and the planner's plans;
 :mod:`~zoo.checkpoint.keywords` torch's keywords; :mod:`~zoo.checkpoint.offload` saved

@@ -203,7 +203,7 @@ def _autocast_state() -> tuple[Any, ...] | None:
 
 def autocast_cache_on() -> bool:
     """Whether autocast is on for some device with its cache of parameter casts (a zoo model
-    then runs its forward without the cache: ``zoo.models._base.casts_once``)."""
+    then runs its forward without the cache: :mod:`zoo.checkpoint.casts`)."""
     state = _autocast_state()
     return state is not None and state[-1] and any(on for _, on, _ in state[:-1])
 

@@ -1,7 +1,6 @@
 """The uniform interface every zoo model has (timm's, trimmed)."""
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
@@ -11,7 +10,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import run_plan
-from ..checkpoint.recompute import autocast_cache_on
+from ..checkpoint.casts import casts_once
 from ..checkpoint.sequential import OFFLOAD
 
 # A checkpoint plan of a model's chain: (start, stop, checkpointed) segments covering it in order;
@@ -19,7 +18,7 @@ from ..checkpoint.sequential import OFFLOAD
 # whose recompute runs them (the planner's ``Plan`` is the search's result that yields these)
 Segments = Sequence[tuple[int, int, Any]]
 
-__all__ = ["ZooModel", "chain_of", "classifier", "take_indices", "NO_RNG", "casts_once"]
+__all__ = ["ZooModel", "chain_of", "classifier", "take_indices", "NO_RNG"]
 
 # zoo.checkpoint's keyword for a region that draws no random number (BatchNorm, ReLU,
 # convolutions, pooling, a transformer block without active dropout): it then saves no RNG state
@@ -29,32 +28,6 @@ NO_RNG = {"preserve_rng_state": False}
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-
-
-def casts_once(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """A zoo model's ``forward``, run with autocast's cache of parameter casts off.
-
-    Autocast keeps the low-precision copy of each parameter it casts until its outermost block
-    exits (``torch.autocast(cache_enabled=True)``, the default), for a parameter used more than
-    once. A zoo model uses each parameter once per forward, so the cache spares no cast; what it
-    does is hold every copy until the forward ends: in a checkpointed region, the bf16 copies of
-    all its weights, which the region saves for nothing and recomputes anyway (half its
-    parameters' bytes, the forward's end often the step's peak under gradient accumulation);
-    in a stored block, the casts no op saved (biases). Without the cache each copy lives as long
-    as an op or a saved tensor needs it, and the values are the same, bit for bit (one cast of
-    each parameter either way). Under ``torch.compile`` it is the forward itself (a compiled
-    graph has no cache). The cache and its switch:
-    https://pytorch.org/docs/stable/amp.html#torch.autocast (``cache_enabled``)."""
-    @functools.wraps(forward)
-    def run(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() or not autocast_cache_on():
-            return forward(self, *args, **kwargs)
-        torch.set_autocast_cache_enabled(False)
-        try:
-            return forward(self, *args, **kwargs)
-        finally:
-            torch.set_autocast_cache_enabled(True)
-    return run
 
 
 def classifier(num_features: int, num_classes: int) -> nn.Module:

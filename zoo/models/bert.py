@@ -27,8 +27,9 @@ from functools import partial
 import torch
 from torch import nn
 
+from ..checkpoint.casts import casts_once
+from ._base import classifier
 from ._registry import register_model
-from ._base import casts_once, classifier
 from ._transformer import Block, TransformerModel, init_linear_and_embedding
 
 __all__ = ["BertEmbeddings", "Bert"]

@@ -1,0 +1,183 @@
+"""zoo.set_grad_checkpointing(..., casts_once=True): a model outside the zoo run without
+autocast's cache of parameter casts, exactly the plain model under bf16 autocast with the cache,
+lighter where its checkpointed blocks' weight copies were held to the forward's end, and refused
+in one line where a parameter is cast twice (there the cache changes the gradients)."""
+from __future__ import annotations
+
+import copy
+import types
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import zoo
+from helpers import assert_same_training
+from zoo._torch import get_current_dispatch_mode
+from zoo.checkpoint.casts import CastTwiceError, set_casts_once
+from zoo.memory.tracker import StepCounter
+
+transformers = pytest.importorskip("transformers")
+timm = pytest.importorskip("timm")
+
+
+def bf16(model: nn.Module, call: Callable) -> Callable[[torch.Tensor], torch.Tensor]:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return call(model, x).float()
+    return run
+
+
+def hf_bert() -> nn.Module:
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3,
+                                     num_attention_heads=2, intermediate_size=64,
+                                     max_position_embeddings=64)
+    return transformers.BertModel(config)
+
+
+def hf_gpt2_head() -> nn.Module:  # its head's weight is the token embedding's (tied)
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=2,
+                                     n_positions=64)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def timm_vit() -> nn.Module:
+    return timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=3)
+
+
+def token_ids() -> torch.Tensor:
+    return torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(3))
+
+
+CASES = {  # build, forward, input
+    "hf_bert": (hf_bert, lambda m, x: m(input_ids=x).last_hidden_state, token_ids),
+    "hf_gpt2_tied": (hf_gpt2_head, lambda m, x: m(input_ids=x, use_cache=False).logits,
+                     token_ids),
+    "timm_vit": (timm_vit, lambda m, x: m(x), lambda: torch.randn(2, 3, 32, 32)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_casts_once_trains_like_the_plain_model_with_the_cache_bit_for_bit(name):
+    build, call, make_input = CASES[name]
+    torch.manual_seed(0)
+    plain = build()
+    model = zoo.set_grad_checkpointing(copy.deepcopy(plain), casts_once=True)
+    assert_same_training(plain, bf16(plain, call), model, bf16(model, call), make_input(),
+                         steps=2, exact=True)
+    assert torch.is_autocast_cache_enabled()
+
+
+def _freed_at_exit(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes the exit of the autocast block around a training step's forward frees: the casts
+    the cache held and no saved tensor did."""
+    counter = StepCounter()
+    counter.track(model)
+    with counter:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()
+            before = counter.current
+        freed = before - counter.current
+        loss.backward()
+    return freed
+
+
+def test_casts_once_leaves_no_weight_copy_of_a_checkpointed_block_to_the_forwards_end():
+    torch.manual_seed(0)
+    cached = zoo.set_grad_checkpointing(timm_vit())
+    uncached = zoo.set_grad_checkpointing(copy.deepcopy(cached), casts_once=True)
+    x = torch.randn(4, 3, 32, 32)
+    uncached(x)  # the checking forward: each parameter cast once
+    block_weights = sum(2 * p.numel() for p in cached.blocks.parameters() if p.dim() > 1)
+    assert _freed_at_exit(cached, x) > block_weights  # and the stored parts' unsaved casts
+    assert _freed_at_exit(uncached, x) == 0
+
+
+class TwiceUsed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(torch.tanh(self.shared(x)))
+
+
+def albert() -> nn.Module:  # one layer's weights run by every layer
+    config = transformers.AlbertConfig(vocab_size=64, embedding_size=16, hidden_size=32,
+                                       num_hidden_layers=3, num_attention_heads=2,
+                                       intermediate_size=64, max_position_embeddings=64)
+    return transformers.AlbertModel(config)
+
+
+@pytest.mark.parametrize("build,modules,x,name", [
+    (TwiceUsed, ["shared"], torch.randn(4, 16), "shared.bias"),
+    (albert, None, token_ids(),
+     "encoder.albert_layer_groups.0.albert_layers.0.attention.query.bias")],
+    ids=["user_module", "hf_albert"])
+def test_a_parameter_cast_twice_is_refused_in_one_line_and_the_cache_is_on_again(build, modules,
+                                                                                 x, name):
+    torch.manual_seed(0)
+    model = zoo.set_grad_checkpointing(build(), modules=modules, casts_once=True)
+    for _ in range(2):  # not taken for checked after a refusal
+        with torch.autocast("cpu", dtype=torch.bfloat16), \
+                pytest.raises(CastTwiceError, match=f"casts {name} more than once") as err:
+            model(x)
+        assert isinstance(err.value, ValueError) and "\n" not in str(err.value)
+        assert torch.is_autocast_cache_enabled()
+    assert get_current_dispatch_mode() is None  # the count ended with the forward
+
+
+def test_casts_once_leaves_a_forward_without_autocast_or_gradients_untouched():
+    model = set_casts_once(TwiceUsed())
+    x = torch.randn(4, 16)
+    model(x).sum().backward()  # float32: nothing cast, nothing checked
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x)  # no gradients: the cache changes no value, so it stays
+        assert torch.is_autocast_cache_enabled()
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(CastTwiceError):
+        model(x)
+
+
+def test_casts_once_after_a_forward_that_raised_puts_the_cache_back_and_checks_again():
+    model = set_casts_once(nn.Linear(16, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError):
+            model(torch.randn(4, 3))
+        assert torch.is_autocast_cache_enabled()
+        assert get_current_dispatch_mode() is None
+        model(torch.randn(4, 16))
+
+
+def test_casts_once_is_undone_with_checkpointing_and_kept_by_deepcopy():
+    torch.manual_seed(0)
+    model = zoo.set_grad_checkpointing(TwiceUsed(), modules=["shared"], casts_once=True)
+    twin = copy.deepcopy(model)
+    zoo.set_grad_checkpointing(model, enable=False)
+    assert type(model) is TwiceUsed
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(4, 16))  # plain again: the cache shares the cast
+        with pytest.raises(CastTwiceError):
+            twin(torch.randn(4, 16))
+
+
+def test_casts_once_compiles_with_fullgraph_like_the_plain_model():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    model = zoo.set_grad_checkpointing(copy.deepcopy(plain), modules=[nn.Linear],
+                                       casts_once=True)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled_plain = torch.compile(plain, backend="aot_eager", fullgraph=True)
+    assert_same_training(plain, bf16(compiled_plain, lambda m, x: m(x)), model,
+                         bf16(compiled, lambda m, x: m(x)), torch.randn(4, 16), exact=True)
+
+
+def test_an_autocast_inside_the_forward_keeps_its_cache_and_the_plain_models_values():
+    # Accelerate's prepare() under mixed precision wraps model.forward in torch.autocast so
+    torch.manual_seed(0)
+    plain = TwiceUsed()  # would be refused, were its casts counted
+    model = zoo.set_grad_checkpointing(copy.deepcopy(plain), modules=["shared"], casts_once=True)
+    for m in (plain, model):
+        m.forward = types.MethodType(torch.autocast("cpu", dtype=torch.bfloat16)(
+            type(m).forward), m)
+    assert_same_training(plain, plain, model, model, torch.randn(4, 16), exact=True)
