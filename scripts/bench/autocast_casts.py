@@ -1,12 +1,14 @@
-"""``autocast``: a checkpointed ViT's training step in bf16 autocast, zoo's beside timm's.
+"""``autocast``: checkpointed training steps in bf16 autocast, zoo's beside timm's and HF's.
 
 Autocast keeps each parameter's bf16 copy in its cache until the autocast block exits. timm's
 checkpoint (``torch.utils.checkpoint``) runs each block under that cache, so the copies of every
 checkpointed block's weights, which the block saves for nothing (its recompute casts again), stay
 alive until the forward ends; a zoo model casts each parameter without the cache
-(``zoo.models._base.casts_once``), each copy alive while an op or a saved tensor needs it. The
+(``zoo.checkpoint.casts.casts_once``), each copy alive while an op or a saved tensor needs it. The
 forward's end is the step's peak where gradients are already held: the second micro-batch of
-gradient accumulation.
+gradient accumulation. A model outside the zoo gets the same with
+``zoo.set_grad_checkpointing(model, casts_once=True)`` (:mod:`zoo.checkpoint.casts`), measured here
+on timm's ViT-S and Hugging Face's BERT-base beside their own checkpointing.
 """
 from __future__ import annotations
 
@@ -26,15 +28,20 @@ MiB = 2**20
 
 
 def _step(model: nn.Module, x: torch.Tensor, accumulate: bool) -> Callable[[], None]:
-    """One training step in bf16 autocast (the forward and a mean-of-squares loss under it);
-    ``accumulate``: onto the gradients already held, else onto none."""
+    """One training step in bf16 autocast (the forward and a mean-of-squares loss under it;
+    token ids for a Hugging Face model, its last hidden state the output); ``accumulate``: onto
+    the gradients already held, else onto none."""
     def step() -> None:
         if not accumulate:
             model.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(x).float().square().mean()
+            loss = _output(model, x).float().square().mean()  # the output freed once cast
         loss.backward()
     return step
+
+
+def _output(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x) if x.is_floating_point() else model(input_ids=x).last_hidden_state
 
 
 def _peak(model: nn.Module, x: torch.Tensor, accumulate: bool) -> int:
@@ -48,8 +55,10 @@ def _peak(model: nn.Module, x: torch.Tensor, accumulate: bool) -> int:
         model.zero_grad(set_to_none=True)
 
 
-def autocast(batch: int = 8, json_out: str | None = None) -> list[dict]:
-    """ViT-S/16 in bf16 autocast: zoo's and timm's peaks, plain and checkpointed (module doc).
+def autocast(batch: int = 8, tokens: int = 128, json_out: str | None = None) -> list[dict]:
+    """ViT-S/16 in bf16 autocast: zoo's and timm's peaks, plain and checkpointed; then timm's
+    ViT-S and HF's BERT-base (``tokens`` per sequence) through their own checkpointing and
+    ``zoo.set_grad_checkpointing``, with and without ``casts_once`` (module doc).
 
     The same weights in both, real tensors on this CPU, exact bytes
     (:func:`zoo.memory.step.peak_bytes`: without MemTracker's module hooks), each step measured
@@ -75,7 +84,39 @@ def autocast(batch: int = 8, json_out: str | None = None) -> list[dict]:
                          "gradients": grads, "variant": variant, "zoo_peak_bytes": zoos,
                          "timm_peak_bytes": theirs, "ratio": zoos / theirs})
     _print(rows)
-    write_json(json_out, rows)
+    own = _own_models(peer, x, tokens)
+    write_json(json_out, rows + own)
+    return rows + own
+
+
+def _own_models(vit: nn.Module, images: torch.Tensor, tokens: int) -> list[dict]:
+    """timm's ViT-S and HF's BERT-base, each checkpointed three ways: its own switch (torch's
+    checkpoint), ``zoo.set_grad_checkpointing``, and that with ``casts_once=True``."""
+    import transformers
+
+    torch.manual_seed(0)
+    bert = transformers.BertModel(transformers.BertConfig())
+    ids = torch.randint(0, bert.config.vocab_size, (images.shape[0], tokens))
+    hf_switch = getattr(bert, "activation_checkpointing_enable", None) or \
+        bert.gradient_checkpointing_enable  # its name before transformers 5
+    own = {"timm": lambda: vit.set_grad_checkpointing(True),
+           "HF": lambda: hf_switch({"use_reentrant": False})}
+    rows = []
+    for family, model, x, workload in (
+            ("timm", vit, images, f"timm vit_small_patch16_224 batch {images.shape[0]} 224px"),
+            ("HF", bert, ids, f"HF BERT-base batch {ids.shape[0]} x {tokens} tokens")):
+        for accumulate in (False, True):
+            zoo.set_grad_checkpointing(model, enable=False)
+            own[family]()
+            peaks = [_peak(model, x, accumulate)]
+            for casts_once in (False, True):
+                zoo.set_grad_checkpointing(model, casts_once=casts_once)
+                peaks.append(_peak(model, x, accumulate))
+            rows.append({"workload": f"{workload} bf16", "variant": f"{family}'s own switch",
+                         "gradients": "accumulating" if accumulate else "fresh",
+                         "own_peak_bytes": peaks[0], "zoo_peak_bytes": peaks[1],
+                         "casts_once_peak_bytes": peaks[2], "ratio": peaks[2] / peaks[0]})
+    _print_own(rows)
     return rows
 
 
@@ -87,4 +128,16 @@ def _print(rows: list[dict]) -> None:
     for r in rows:
         print(f"| {r['workload']} | {r['gradients']} | {r['variant']} | "
               f"{r['zoo_peak_bytes'] / MiB:.1f} | {r['timm_peak_bytes'] / MiB:.1f} | "
+              f"{r['ratio']:.3f} |")
+
+
+def _print_own(rows: list[dict]) -> None:
+    print("\nmodels outside the zoo, checkpointed: their own switch (torch.utils.checkpoint), "
+          "zoo.set_grad_checkpointing, and that with casts_once=True\n")
+    print("| workload | gradients | own switch MiB | zoo MiB | zoo casts_once MiB | "
+          "casts_once / own |")
+    print("|---|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['workload']} | {r['gradients']} | {r['own_peak_bytes'] / MiB:.1f} | "
+              f"{r['zoo_peak_bytes'] / MiB:.1f} | {r['casts_once_peak_bytes'] / MiB:.1f} | "
               f"{r['ratio']:.3f} |")
