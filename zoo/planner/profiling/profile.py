@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -135,13 +136,9 @@ def _profile(model: nn.Module, example_input: torch.Tensor,
     sub.step_flops = step_flops - sub.inner_flops
     kept_stored_only = [bool(stored_only) and any(stored_only[order[j]] for j in range(a, b))
                         for a, b in sub.units]
-    runs = _pattern_runs(sub, kept_stored_only)
-    for shift in range(runs):
-        segments, roles = nested_pattern(sub.n_units, shift, held=runs == 4)
-        trace = traced_step(model, example_input, loss_fn, blocks_of(sub.units, segments),
-                            block_mode, order, fake, saves=False)[0]  # read_pattern: levels
-        read_pattern(sub, trace, segments, roles)
-    fill_gaps(sub)
+    _read_patterns(sub, _pattern_runs(sub, kept_stored_only),
+                   partial(traced_step, model, example_input, loss_fn, block_mode=block_mode,
+                           order=order, fake=fake, saves=False))
     if prof is None:  # everything from the kept units
         prof = expand(sub, like.repeats, like.units, names)
         prof.repeats, prof.joined = like.repeats, like.joined
@@ -152,6 +149,16 @@ def _profile(model: nn.Module, example_input: torch.Tensor,
         prof.step_flops = step_flops - prof.inner_flops
     prof.block_mode = block_mode
     return prof
+
+
+def _read_patterns(sub: ChainProfile, runs: int, step: Callable[..., tuple]) -> None:
+    """Fill ``sub``'s per-unit costs from ``runs`` nested-pattern steps (each unit seen stored,
+    checkpointed and recomputed in one of them), ``step(segments)`` a traced step of them."""
+    for shift in range(runs):
+        segments, roles = nested_pattern(sub.n_units, shift, held=runs == 4)
+        trace = step(blocks_of(sub.units, segments))[0]  # read_pattern: its levels
+        read_pattern(sub, trace, segments, roles)
+    fill_gaps(sub)
 
 
 def _pattern_runs(sub: ChainProfile, stored_only: Sequence[bool]) -> int:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..._torch import reparametrize_module
 from ...checkpoint import checkpoint, is_recomputing, region
 from ...memory.fake import FakeStep
 from ...memory.precision import step_precision
@@ -151,6 +152,69 @@ class Trace:
 Segments = Sequence[tuple[int, int, Any]]  # (start, stop, False | True | inner segments)
 
 
+class _TracedChain:
+    """The chain as a traced step runs it, set as the model's ``run_chain`` for that step: the
+    blocks ``order`` (default: all) by ``segments`` (positions in ``order``), each block in
+    ``block_mode``, every block called through ``trace``."""
+
+    def __init__(self, model: nn.Module, trace: Trace, segments: Segments,
+                 block_mode: str | None, order: Sequence[int] | None) -> None:
+        self.model, self.trace, self.segments = model, trace, segments
+        self.block_mode, self.order = block_mode, order
+
+    def __call__(self, blocks: Sequence[Callable], h: torch.Tensor) -> torch.Tensor:
+        blocks = list(blocks) if self.order is None else [blocks[j] for j in self.order]
+        self.trace.length = len(blocks)
+        return self.run(blocks, self.segments, h)
+
+    def run(self, blocks: Sequence[Callable], plan: Segments, h: torch.Tensor) -> torch.Tensor:
+        for a, b, ck in plan:
+            h = checkpoint(self.segment(blocks, a, b, ck), h) if ck is not False else \
+                self.run_blocks(blocks, a, b, h)
+        return h
+
+    def run_blocks(self, blocks: Sequence[Callable], a: int, b: int,
+                   h: torch.Tensor) -> torch.Tensor:
+        for i in range(a, b):
+            block = blocks[i] if self.block_mode is None else partial(
+                self.model.run_chain_block, blocks[i], mode=self.block_mode)
+            h = self.trace.call_block(i, block, h)
+        return h
+
+    def segment(self, blocks: Sequence[Callable], a: int, b: int, inner: Any) -> Callable:
+        """A checkpointed segment's body; its second call is the region's recompute (a region is
+        made afresh each time the code around it runs), after which its backward goes on."""
+        calls = [0]
+
+        def body(h: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            try:
+                return self.run(blocks, inner, h) if isinstance(inner, list) else \
+                    self.run_blocks(blocks, a, b, h)
+            finally:
+                if calls[0] == 2:
+                    self.trace.enter(("BR", b - 1), quiet=True)
+        return body
+
+
+def _enter_step(stack: contextlib.ExitStack, model: nn.Module, fake: FakeStep, trace: Trace,
+                kernels: Any, saves: bool) -> None:
+    """Enter what a traced step runs under: the fake state standing in for the model's (until
+    backward has recomputed too), the step's precision, the counter and its kernels, the hook
+    that records saved tensors (``saves``), and warnings of no use to the planner held back."""
+    stack.enter_context(fake.mode)
+    stack.enter_context(step_precision())
+    stack.enter_context(kernels)
+    stack.enter_context(trace.counter)
+    if saves:
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(trace.pack, _same))
+    stack.enter_context(warnings.catch_warnings())
+    warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
+    warnings.filterwarnings("ignore", message=".*saved_tensors_hooks.*selective",
+                            category=FutureWarning)
+    stack.enter_context(reparametrize_module(model, fake.state))
+
+
 def traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torch.Tensor],
                 segments: Segments, block_mode: str | None = None,
                 order: Sequence[int] | None = None, fake: FakeStep | None = None,
@@ -166,71 +230,23 @@ def traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torc
     block's own regions are still seen): autograd then passes each saved tensor as it is,
     where a hook makes it detach every one that is not an op's output first (a dispatched op,
     a tenth of a fake step's time), for a step whose marks, peaks and FLOPs are all it needs."""
-    from ..._torch import reparametrize_module as _reparametrize_module
-
     fake = fake or FakeStep(model, x)
-    tensors, fx = fake.tensors, fake.input
     fake.clear()
     counter, kernels = step_counter()  # the CPU's, or a card's under zoo.memory.on_card
     counter.track(held_from_start(fake))
-    trace = Trace(counter, {counter.key(t) for t in tensors})
+    trace = Trace(counter, {counter.key(t) for t in fake.tensors})
     counter.on_op, counter.on_copy = trace.op_done, trace.note_copy
-    handles = [p.register_hook(trace.note_grad) for p in tensors
+    handles = [p.register_hook(trace.note_grad) for p in fake.tensors
                if p.requires_grad and p.is_leaf]
-
-    def run_blocks(blocks: Sequence[Callable], a: int, b: int, h: torch.Tensor) -> torch.Tensor:
-        for i in range(a, b):
-            block = blocks[i] if block_mode is None else partial(
-                model.run_chain_block, blocks[i], mode=block_mode)
-            h = trace.call_block(i, block, h)
-        return h
-
-    def segment(blocks: Sequence[Callable], a: int, b: int, inner: Any) -> Callable:
-        """A checkpointed segment's body; its second call is the region's recompute (a region is
-        made afresh each time the code around it runs), after which its backward goes on."""
-        calls = [0]
-
-        def body(h: torch.Tensor) -> torch.Tensor:
-            calls[0] += 1
-            try:
-                return run(blocks, inner, h) if isinstance(inner, list) else \
-                    run_blocks(blocks, a, b, h)
-            finally:
-                if calls[0] == 2:
-                    trace.enter(("BR", b - 1), quiet=True)
-        return body
-
-    def run(blocks: Sequence[Callable], plan: Sequence, h: torch.Tensor) -> torch.Tensor:
-        for a, b, ck in plan:
-            h = checkpoint(segment(blocks, a, b, ck), h) if ck is not False else \
-                run_blocks(blocks, a, b, h)
-        return h
-
-    def run_chain(blocks: Sequence[Callable], h: torch.Tensor) -> torch.Tensor:
-        blocks = list(blocks) if order is None else [blocks[j] for j in order]
-        trace.length = len(blocks)
-        return run(blocks, segments, h)
-
     previous = model.checkpoint_plan
-    n = len(model.checkpoint_chain())
-    model.set_checkpoint_plan([(0, n, False)])
-    model.run_chain = run_chain  # instance attribute: shadows ZooModel.run_chain for this step
+    model.set_checkpoint_plan([(0, len(model.checkpoint_chain()), False)])
+    # an instance attribute: shadows ZooModel.run_chain for this step
+    model.run_chain = _TracedChain(model, trace, segments, block_mode, order)
     region.observers.append(trace.region_inputs)
     try:
         with contextlib.ExitStack() as stack:
-            stack.enter_context(fake.mode)
-            stack.enter_context(step_precision())
-            stack.enter_context(kernels)
-            stack.enter_context(counter)
-            if saves:
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(trace.pack, _same))
-            stack.enter_context(warnings.catch_warnings())
-            warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
-            warnings.filterwarnings("ignore", message=".*saved_tensors_hooks.*selective",
-                                    category=FutureWarning)
-            # the fake tensors stand in for the parameters until backward has recomputed too
-            stack.enter_context(_reparametrize_module(model, fake.state))
-            loss = forward_loss(model, fx, loss_fn)
+            _enter_step(stack, model, fake, trace, kernels, saves)
+            loss = forward_loss(model, fake.input, loss_fn)
             trace.stopped = stop is not None and stop(trace)
             if not trace.stopped:
                 loss.backward()

@@ -48,55 +48,71 @@ def predict_peak(p: ChainProfile, segments: Sequence[tuple[int, int, bool]]) -> 
     its input, a checkpointed segment starting at ``k``. It belongs to the first holder.
     """
     segs = _check(p, segments)
-    n = p.n_units
-    act = p.act
-    peak = max(p.pre_peak, p.tail_peak)
-    owner: dict[int, int] = {}
-    held = 0
-    seg_saved: list[int] = []
-    for i, (a, b, ck) in enumerate(segs):  # forward
-        kept = 0
-        if ck:
-            if a not in owner:
-                owner[a] = i
-                held += act[a]
-            for u in range(a, b):
-                peak = max(peak, p.base + held + (0 if u in owner else act[u])
-                           + p.fwd_rise_ckpt[u])
-        else:
-            for u in range(a, b):
-                peak = max(peak, p.base + held + (0 if u in owner else act[u]) + p.fwd_rise[u])
-                held += p.saved[u]
-                kept += p.saved[u]
-                for k, keep in ((u, p.keeps_input[u]), (u + 1, p.keeps_output[u])):
-                    if keep and k not in owner:
-                        owner[k] = i
-                        held += act[k]
-        seg_saved.append(kept)
-    peak = max(peak, p.base + held + (0 if n in owner else act[n]) + p.head_rise)
+    forward = _Forward(p, segs)
+    return max(forward.peak, _backward_peak(p, segs, forward))
 
-    grads = 0
-    for i in reversed(range(len(segs))):  # backward, last segment first
+
+class _Forward:
+    """The forward pass of :func:`predict_peak`: its peak (the head's rise included), the bytes
+    held at its end, the owner segment of each kept boundary, each segment's saved bytes."""
+
+    def __init__(self, p: ChainProfile, segs: list[tuple[int, int, bool]]) -> None:
+        act = p.act
+        self.peak = max(p.pre_peak, p.tail_peak)
+        self.owner: dict[int, int] = {}
+        self.held = 0
+        self.seg_saved: list[int] = []
+        for i, (a, b, ck) in enumerate(segs):
+            kept = 0
+            if ck and a not in self.owner:
+                self.owner[a] = i
+                self.held += act[a]
+            for u in range(a, b):
+                rise = p.fwd_rise_ckpt[u] if ck else p.fwd_rise[u]
+                self.peak = max(self.peak, p.base + self.held
+                                + (0 if u in self.owner else act[u]) + rise)
+                if not ck:
+                    self.held += p.saved[u]
+                    kept += p.saved[u]
+                    for k, keep in ((u, p.keeps_input[u]), (u + 1, p.keeps_output[u])):
+                        if keep and k not in self.owner:
+                            self.owner[k] = i
+                            self.held += act[k]
+            self.seg_saved.append(kept)
+        n = p.n_units
+        self.peak = max(self.peak, p.base + self.held + (0 if n in self.owner else act[n])
+                        + p.head_rise)
+
+
+def _recompute_held(p: ChainProfile, a: int, b: int, u: int, live: set[int]) -> int:
+    """Bytes a checkpointed segment ``[a, b)``'s recompute adds once unit ``u`` has run: what
+    ``u`` saves and the boundaries it keeps (``live`` gains them)."""
+    added = p.saved[u]
+    for k, keep in ((u, p.keeps_input[u]), (u + 1, p.keeps_output[u])):
+        if keep and k != a and k not in live:
+            live.add(k)
+            added += p.act[k]
+    return added
+
+
+def _backward_peak(p: ChainProfile, segs: list[tuple[int, int, bool]], fwd: _Forward) -> int:
+    """The backward pass of :func:`predict_peak`, last segment first: its peak."""
+    act, held, grads, peak = p.act, fwd.held, 0, 0
+    for i in reversed(range(len(segs))):
         a, b, ck = segs[i]
-        mine = {k for k, o in owner.items() if o == i}
-        prefix = held - seg_saved[i] - sum(act[k] for k in mine)
+        mine = {k for k, o in fwd.owner.items() if o == i}
+        prefix = held - fwd.seg_saved[i] - sum(act[k] for k in mine)
         level = p.base + prefix + p.bwd_misc
         if ck:  # the recompute: a stored forward of the segment, next to its kept input
-            own = sum(act[k] for k in mine)
-            live: set[int] = set()
-            seg = 0
+            own, live, seg = sum(act[k] for k in mine), set(), 0
             for u in range(a, b):
                 transient = 0 if u == a or u in live else act[u]
                 peak = max(peak, level + grads + p.dgrad[b] + own + seg + transient
                            + p.rise_in_recompute(u, u == b - 1))
-                seg += p.saved[u]
-                for k, keep in ((u, p.keeps_input[u]), (u + 1, p.keeps_output[u])):
-                    if keep and k != a and k not in live:
-                        live.add(k)
-                        seg += act[k]
+                seg += _recompute_held(p, a, b, u, live)
         else:
             own, live = 0, set(mine)
-            seg = seg_saved[i] + sum(act[k] for k in mine)
+            seg = fwd.seg_saved[i] + sum(act[k] for k in mine)
         before = i > 0 and not segs[i - 1][2] and p.keeps_output[a - 1]
         for u in range(b - 1, a - 1, -1):
             peak = max(peak, level + grads + p.dgrad[u + 1] + own + seg
