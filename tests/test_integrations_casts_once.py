@@ -5,8 +5,10 @@ in one line where a parameter is cast twice (there the cache changes the gradien
 from __future__ import annotations
 
 import copy
+import io
 import types
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
@@ -149,16 +151,20 @@ def test_casts_once_after_a_forward_that_raised_puts_the_cache_back_and_checks_a
         model(torch.randn(4, 16))
 
 
-def test_casts_once_is_undone_with_checkpointing_and_kept_by_deepcopy():
+def test_casts_once_is_undone_with_checkpointing_and_kept_by_deepcopy_and_torch_save():
     torch.manual_seed(0)
     model = zoo.set_grad_checkpointing(TwiceUsed(), modules=["shared"], casts_once=True)
-    twin = copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    twins = [copy.deepcopy(model), torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)]
     zoo.set_grad_checkpointing(model, enable=False)
     assert type(model) is TwiceUsed
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(torch.randn(4, 16))  # plain again: the cache shares the cast
-        with pytest.raises(CastTwiceError):
-            twin(torch.randn(4, 16))
+        for twin in twins:
+            assert type(twin).__name__ == "TwiceUsed" and isinstance(twin, TwiceUsed)
+            with pytest.raises(CastTwiceError):
+                twin(torch.randn(4, 16))
 
 
 def test_casts_once_compiles_with_fullgraph_like_the_plain_model():
@@ -172,12 +178,57 @@ def test_casts_once_compiles_with_fullgraph_like_the_plain_model():
                          bf16(compiled, lambda m, x: m(x)), torch.randn(4, 16), exact=True)
 
 
-def test_an_autocast_inside_the_forward_keeps_its_cache_and_the_plain_models_values():
-    # Accelerate's prepare() under mixed precision wraps model.forward in torch.autocast so
+def _autocast_wrapped(model: nn.Module) -> nn.Module:
+    """``model`` with its forward wrapped in bf16 autocast as Accelerate's ``prepare`` wraps it
+    under mixed precision: the class's forward, taken from the bound method, as an attribute."""
+    model.forward = types.MethodType(
+        torch.autocast("cpu", dtype=torch.bfloat16)(model.forward.__func__), model)
+    return model
+
+
+def test_casts_once_runs_inside_a_forward_wrapped_in_autocast_later():
     torch.manual_seed(0)
-    plain = TwiceUsed()  # would be refused, were its casts counted
-    model = zoo.set_grad_checkpointing(copy.deepcopy(plain), modules=["shared"], casts_once=True)
-    for m in (plain, model):
-        m.forward = types.MethodType(torch.autocast("cpu", dtype=torch.bfloat16)(
-            type(m).forward), m)
-    assert_same_training(plain, plain, model, model, torch.randn(4, 16), exact=True)
+    plain = hf_bert()
+    model = zoo.set_grad_checkpointing(copy.deepcopy(plain), casts_once=True)
+    call = lambda m, x: m(input_ids=x).last_hidden_state.float()  # noqa: E731
+    assert_same_training(_autocast_wrapped(plain), partial(call, plain),
+                         _autocast_wrapped(model), partial(call, model), token_ids(),
+                         exact=True)
+    twice = zoo.set_grad_checkpointing(TwiceUsed(), modules=["shared"], casts_once=True)
+    with pytest.raises(CastTwiceError):  # the count runs inside the wrapper's autocast
+        _autocast_wrapped(twice)(torch.randn(4, 16))
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": torch.tensor(i % 2)}
+
+
+def _trainer_steps(model: nn.Module, out: str) -> nn.Module:
+    """Two bf16 steps of the Hugging Face ``Trainer`` on the CPU (Accelerate wraps the model's
+    forward in autocast: the cache is entered inside the model's call)."""
+    args = transformers.TrainingArguments(out, per_device_train_batch_size=4, max_steps=2,
+                                          bf16=True, use_cpu=True, report_to=[], seed=0,
+                                          save_strategy="no", logging_strategy="no",
+                                          disable_tqdm=True)
+    transformers.Trainer(model=model, args=args, train_dataset=Tokens()).train()
+    return model
+
+
+def test_the_hugging_face_trainer_in_bf16_trains_casts_once_like_the_plain_model(tmp_path):
+    pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3,
+                                     num_attention_heads=2, intermediate_size=64,
+                                     max_position_embeddings=64)
+    plain = transformers.BertForSequenceClassification(config)
+    model = zoo.set_grad_checkpointing(copy.deepcopy(plain), casts_once=True)
+    _trainer_steps(plain, str(tmp_path / "plain"))
+    _trainer_steps(model, str(tmp_path / "casts_once"))
+    assert model.__dict__["_zoo_casts_once"]["checked"]  # it ran, under the Trainer's autocast
+    for (name, a), b in zip(model.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), name

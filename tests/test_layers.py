@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # sits on top and may import anything; nothing in the package imports it.
 LAYERS: dict[str, tuple[str, ...]] = {
     "zoo._torch": (),
-    "zoo.checkpoint": ("zoo._torch",),
+    "zoo._subclass": (),
+    "zoo.checkpoint": ("zoo._torch", "zoo._subclass"),
     "zoo.reversible": ("zoo.checkpoint",),
     "zoo.nn": ("zoo.checkpoint",),
     "zoo.blocks": ("zoo.checkpoint",),

@@ -20,13 +20,13 @@ another block. ``modules`` overrides the rule with types, type names or dotted s
 """
 from __future__ import annotations
 
-import copyreg
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
 from torch import nn
 
+from ._subclass import reduce_as_original
 from .checkpoint import checkpoint
 
 __all__ = ["find_blocks", "NoBlocksError", "checkpoint_module", "is_checkpointed"]
@@ -154,7 +154,8 @@ def _frozen(value: Any) -> Any:
 
 
 def _new_checkpointed(cls: type, *args: Any) -> Any:
-    """Unpickling a checkpointed module: built from its original class, which pickles by name."""
+    """Unpickling a checkpointed module saved before :mod:`zoo._subclass` (which now pickles
+    it): built from its original class, which pickles by name."""
     sub = _checkpointed_class(cls)
     return sub.__new__(sub, *args)
 
@@ -168,12 +169,7 @@ def _checkpointed_class(cls: type) -> type:
             return checkpoint(plain, *args, **self._zoo_checkpoint_options, **kwargs)
 
         def __reduce_ex__(self: nn.Module, protocol: int) -> Any:  # noqa: N807
-            # torch.save(model): the subclass shares its original's name, so pickle it as the
-            # original class plus the swap
-            reduced = super(sub, self).__reduce_ex__(protocol)
-            if not isinstance(reduced, tuple) or reduced[0] is not copyreg.__newobj__:
-                return reduced
-            return (_new_checkpointed, (cls, *reduced[1][1:]), *reduced[2:])
+            return reduce_as_original(self, protocol, _checkpointed_class, cls)
 
         sub = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
                                           "_zoo_checkpointed_from": cls,

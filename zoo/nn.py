@@ -20,7 +20,6 @@ way.
 """
 from __future__ import annotations
 
-import copyreg
 import functools
 import warnings
 from typing import Any
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 from . import _torch
+from ._subclass import reduce_as_original
 from .checkpoint import is_recomputing, state_bookkeeping
 
 __all__ = ["cp_BatchNorm1d", "cp_BatchNorm2d", "cp_BatchNorm3d", "cp_SyncBatchNorm",
@@ -157,17 +157,15 @@ _ORIGINALS: dict[type, type] = {twin: cls for cls, twin in _TWINS.items()}
 
 
 def _new_twin(cls: type, *args: Any) -> Any:
-    """Unpickling a generated twin: build it from its original class, which pickles by name."""
+    """Unpickling a generated twin saved before :mod:`zoo._subclass` (which now pickles it):
+    build it from its original class, which pickles by name."""
     twin = recompute_safe_class(cls)
     return twin.__new__(twin, *args)
 
 
 def _reduce_twin(self: nn.Module, protocol: int) -> Any:
     """Pickle (``torch.save(model)``) a generated twin as its original class plus the swap."""
-    reduced = super(type(self), self).__reduce_ex__(protocol)
-    if not isinstance(reduced, tuple) or reduced[0] is not copyreg.__newobj__:
-        return reduced
-    return (_new_twin, (_ORIGINALS[type(self)], *reduced[1][1:]), *reduced[2:])
+    return reduce_as_original(self, protocol, recompute_safe_class, _ORIGINALS[type(self)])
 
 
 def _forward_name(cls: type) -> str:

@@ -19,8 +19,8 @@ the cache's state, so its recompute casts as its forward did (:mod:`.recompute`)
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-import threading
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._subclass import reduce_as_original
 from .._torch import TorchDispatchMode, to_copy_op
 from .recompute import autocast_cache_on
 
@@ -42,12 +43,17 @@ def casts_once(forward: Callable[..., Any]) -> Callable[..., Any]:
     def run(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling() or not autocast_cache_on():
             return forward(self, *args, **kwargs)
-        torch.set_autocast_cache_enabled(False)
-        try:
-            return forward(self, *args, **kwargs)
-        finally:
-            torch.set_autocast_cache_enabled(True)
+        return _uncached(forward, self, args, kwargs)
     return run
+
+
+def _uncached(forward: Callable[..., Any], module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """``forward(module, *args, **kwargs)`` with autocast's cache off (on again after)."""
+    torch.set_autocast_cache_enabled(False)
+    try:
+        return forward(module, *args, **kwargs)
+    finally:
+        torch.set_autocast_cache_enabled(True)
 
 
 class CastTwiceError(ValueError):
@@ -82,48 +88,48 @@ class _CastCount(TorchDispatchMode):
         return names.get(key, f"a tensor of shape {tuple(self.tensors[key].shape)}")
 
 
-_HANDLES = "_zoo_casts_once"  # on the module: its hooks' handles
-_local = threading.local()  # per thread (nn.DataParallel runs a forward per replica thread)
+_STATE = "_zoo_casts_once"  # on the module: {"checked": bool}, shared with its replicas
+_SWAPPED: dict[type, type] = {}
 
 
-class _CastsOnceHooks:
-    """The hooks :func:`set_casts_once` puts around a module's forward: the cache off for the
-    forward, its casts counted until a forward has shown each parameter cast once."""
-
-    def __init__(self) -> None:
-        self.checked = False
-
-    def before(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():
-            return
-        stack = _local.__dict__.setdefault("stack", [])
-        if not (torch.is_grad_enabled() and autocast_cache_on()):
-            stack.append(None)  # nothing cached to drop (or an outer forward dropped it)
-            return
-        count = None if self.checked else _CastCount()
+def _checked(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` as :func:`set_casts_once` runs it: uncached under autocast with the cache on
+    and gradients enabled, its casts counted until a forward has shown each cast once."""
+    @functools.wraps(forward)
+    def run(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        state = self.__dict__.get(_STATE)
+        if state is None or torch.compiler.is_compiling() or not torch.is_grad_enabled() \
+                or not autocast_cache_on():  # no cast to keep, or an outer forward dropped it
+            return forward(self, *args, **kwargs)
+        count = None if state["checked"] else _CastCount()
+        with count if count is not None else contextlib.nullcontext():
+            out = _uncached(forward, self, args, kwargs)
         if count is not None:
-            count.__enter__()
-        torch.set_autocast_cache_enabled(False)
-        stack.append((count,))
+            twice = count.cast_twice(self)
+            if twice is not None:
+                raise CastTwiceError(
+                    f"{type(self).__name__} casts {twice} more than once per forward under "
+                    "autocast, so without autocast's cache its gradients would differ: leave "
+                    "casts_once off for this model")
+            state["checked"] = True
+        return out
+    return run
 
-    def after(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling():
-            return
-        entry = _local.stack.pop()
-        if entry is None:
-            return
-        torch.set_autocast_cache_enabled(True)
-        count = entry[0]
-        if count is None:
-            return
-        count.__exit__(None, None, None)
-        twice = count.cast_twice(module)
-        if twice is not None:
-            raise CastTwiceError(
-                f"{type(module).__name__} casts {twice} more than once per forward under "
-                "autocast, so without autocast's cache its gradients would differ: leave "
-                "casts_once off for this model")
-        self.checked = output is not None  # a forward that raised (output None) shows nothing
+
+def casts_once_class(cls: type) -> type:
+    """``cls`` with its ``forward`` run as :func:`set_casts_once` says (made once, named as
+    ``cls``, pickled as ``cls`` plus the swap: :mod:`zoo._subclass`)."""
+    if "_zoo_casts_once_from" in cls.__dict__:
+        return cls
+    if cls not in _SWAPPED:
+        def __reduce_ex__(self: nn.Module, protocol: int) -> Any:  # noqa: N807
+            return reduce_as_original(self, protocol, casts_once_class, cls)
+
+        _SWAPPED[cls] = type(cls.__name__, (cls,), {
+            "forward": _checked(cls.forward), "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__, "_zoo_casts_once_from": cls,
+            "__reduce_ex__": __reduce_ex__})
+    return _SWAPPED[cls]
 
 
 def set_casts_once(module: nn.Module, enable: bool = True) -> nn.Module:
@@ -133,15 +139,17 @@ def set_casts_once(module: nn.Module, enable: bool = True) -> nn.Module:
     (the module doc: each cast then lives only while an op or a saved tensor needs it, no longer
     to the forward's end). The first such forward counts every cast of a parameter; where one is
     cast twice it raises :class:`CastTwiceError` (a one-line ``ValueError``) before backward, as
-    the gradients would then differ from the cached forward's. Autocast entered inside
-    ``forward`` re-enables its cache there: enter it around the call. ``enable=False`` removes the
-    hooks. Parameters, buffers, state_dict and class stay as they were. Returns ``module``.
+    the gradients would then differ from the cached forward's. The module's class is swapped
+    for a subclass of the same name whose ``forward`` does this (:mod:`zoo._subclass`), so a
+    wrapper of ``forward`` made later, as Accelerate's autocast under mixed precision, runs it
+    inside; autocast entered inside the original forward itself re-enables the cache there.
+    ``enable=False`` gives back the class. Returns ``module``.
     """
-    for handle in module.__dict__.pop(_HANDLES, ()):
-        handle.remove()
+    original = type(module).__dict__.get("_zoo_casts_once_from")
+    if original is not None:
+        module.__class__ = original
+        module.__dict__.pop(_STATE, None)
     if enable:
-        hooks = _CastsOnceHooks()
-        module.__dict__[_HANDLES] = (
-            module.register_forward_pre_hook(hooks.before),
-            module.register_forward_hook(hooks.after, always_call=True))
+        module.__dict__[_STATE] = {"checked": False}
+        module.__class__ = casts_once_class(type(module))
     return module
