@@ -17,7 +17,7 @@ from torch import nn
 import zoo
 from helpers import assert_same_training
 from zoo._torch import get_current_dispatch_mode
-from zoo.checkpoint.casts import CastTwiceError, set_casts_once
+from zoo.checkpoint import CastTwiceError, set_casts_once
 from zoo.memory.tracker import StepCounter
 
 transformers = pytest.importorskip("transformers")

@@ -63,6 +63,7 @@ that pays; :mod:`~zoo.checkpoint.policies` finer
 """
 from __future__ import annotations
 
+from .casts import CastTwiceError, set_casts_once
 from .compiled import _keep_bases  # noqa: F401  (tests reach the compiled policy here)
 from .offload import host_copies, offload, offloaded_bytes, reset_offloaded_bytes
 from .primitive import checkpoint
@@ -71,4 +72,4 @@ from .sequential import checkpoint_sequential, run_blocks, run_plan, split_segme
 
 __all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing", "split_segments",
            "state_bookkeeping", "run_blocks", "run_plan", "offload", "offloaded_bytes",
-           "host_copies", "reset_offloaded_bytes"]
+           "host_copies", "reset_offloaded_bytes", "set_casts_once", "CastTwiceError"]
