@@ -199,6 +199,13 @@ def test_casts_once_runs_inside_a_forward_wrapped_in_autocast_later():
         _autocast_wrapped(twice)(torch.randn(4, 16))
 
 
+def test_casts_once_after_the_forward_was_wrapped_says_it_takes_no_effect():
+    model = _autocast_wrapped(TwiceUsed())  # wraps the class's forward before the swap
+    with pytest.warns(UserWarning, match="already wrapped .* before the wrapping"):
+        zoo.set_grad_checkpointing(model, modules=["shared"], casts_once=True)
+    model(torch.randn(4, 16))  # the old forward: cached, nothing counted, nothing refused
+
+
 class Tokens(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return 8

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -152,4 +153,9 @@ def set_casts_once(module: nn.Module, enable: bool = True) -> nn.Module:
     if enable:
         module.__dict__[_STATE] = {"checked": False}
         module.__class__ = casts_once_class(type(module))
+        if "forward" in module.__dict__:  # a wrapper made earlier calls the class's old forward
+            warnings.warn(f"{type(module).__name__}.forward is already wrapped (e.g. by "
+                          "Accelerate's prepare), so casts_once takes no effect through it: "
+                          "call zoo.set_grad_checkpointing(..., casts_once=True) before the "
+                          "wrapping", stacklevel=3)
     return module
