@@ -373,3 +373,27 @@ def test_predict_step_on_a_batch_of_the_wrong_shape_is_one_line(caplog):
         zoo.memory.predict_step(seq, torch.randn(4, 7), "h100")
     assert "\n" not in str(e.value)
     assert not [r for r in caplog.records if "meta" in r.getMessage()]
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "all_ones"])
+def test_a_mask_of_all_ones_is_dropped_at_run_time_so_its_plan_is_over_by_the_mask(padded):
+    # fake tensors carry no values: Hugging Face's SDPA path drops an all-ones mask when it runs,
+    # which a fake step cannot see, so the plan counts the (batch, 1, tokens, tokens) mask
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=4,
+                                     num_attention_heads=2, intermediate_size=128,
+                                     max_position_embeddings=64)
+    model = transformers.BertForSequenceClassification(config)
+    ids = torch.randint(0, 256, (32, 64), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[:, 60:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.zeros(32, dtype=torch.long)}
+    opt = torch.optim.AdamW(model.parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = zoo.plan(model, batch, "inf", optimizer=opt, apply=False).plain_peak
+        plan = zoo.plan(model, batch, plain * 4 // 5, optimizer=opt)
+        step = zoo.memory.train_step(model, batch, optimizer=opt)
+    step()
+    measured = zoo.memory.step.peak_bytes(step, [model, opt])
+    assert plan.predicted_peak - measured == (0 if padded else 32 * 64 * 64)
