@@ -1,6 +1,7 @@
 """FSDP2 (``fully_shard``) with zoo checkpointing: two real gloo processes on the CPU; zoo's
 ResNet in each checkpoint mode; a user's network, timm's ResNet and ViT under
-zoo.set_grad_checkpointing.
+zoo.set_grad_checkpointing; and a timm ViT under bf16 autocast with ``casts_once``, against the
+same sharded run with autocast's cache.
 
 Each rank trains its half of the batch on a model whose blocks and root are sharded with
 ``fully_shard``; FSDP2 averages the gradients over the ranks. The reference is the plain,
@@ -26,6 +27,7 @@ from torch import nn
 import zoo
 from zoo import _torch
 from zoo.memory import default_loss
+from zoo.memory.tracker import StepCounter
 
 try:  # torch >= 2.6 exports FSDP2 publicly; 2.4/2.5 keep it under _composable
     from torch.distributed.fsdp import fully_shard
@@ -167,3 +169,60 @@ def test_fsdp2_two_processes_match_plain_single_process():
                 torch.testing.assert_close(a, b, msg=lambda m: f"{where} param {i}: {m}")
             for i, (a, b) in enumerate(zip(got["buffers"], want["buffers"][rank])):
                 torch.testing.assert_close(a, b, msg=lambda m: f"{where} buffer {i}: {m}")
+
+
+def _bf16_sharded_vit(casts_once: bool, x: torch.Tensor) -> list[tuple[list, int]]:
+    """Two SGD steps of a sharded timm ViT, the forward under bf16 autocast: each step's
+    gathered gradients and the bytes the autocast block's exit freed (casts the cache held)."""
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=4, depth=2,
+                              embed_dim=32, num_heads=2, num_classes=5)
+    zoo.set_grad_checkpointing(model, casts_once=casts_once)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = []
+    for _ in range(STEPS):
+        counter = StepCounter()
+        counter.track(model)
+        with counter:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = default_loss(model(x).float())
+                held = counter.current
+            freed = held - counter.current
+            loss.backward()
+        steps.append(([full(p.grad).clone() for p in model.parameters()], freed))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return steps
+
+
+def _bf16_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        half = data()[rank * 2:rank * 2 + 2]
+        results = {once: _bf16_sharded_vit(once, half) for once in (False, True)}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(fully_shard is None, reason="this torch has no FSDP2 (fully_shard)")
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_fsdp2_casts_once_is_the_cached_step_without_unsharded_casts_held_to_the_end():
+    # autocast's cache keeps the bf16 copy of every parameter FSDP2 gathered for the forward
+    # (unsharded) until the forward ends, after FSDP2 has let the gathered weights go
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_bf16_worker, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2, join=True)
+        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=4, depth=2,
+                              embed_dim=32, num_heads=2, num_classes=5)
+    block_weights = sum(2 * p.numel() for p in model.blocks.parameters() if p.dim() > 1)
+    for rank in ranks:
+        for (cached, held), (once, freed) in zip(rank[False], rank[True]):
+            for a, b in zip(once, cached):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+            assert held > block_weights and freed == 0  # the whole blocks', not this rank's half
