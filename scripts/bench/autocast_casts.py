@@ -56,8 +56,10 @@ def _peak(model: nn.Module, x: torch.Tensor, accumulate: bool) -> int:
 
 
 def autocast(batch: int = 8, tokens: int = 128, json_out: str | None = None) -> list[dict]:
-    """ViT-S/16 in bf16 autocast: zoo's and timm's peaks, plain and checkpointed; then timm's
-    ViT-S and HF's BERT-base (``tokens`` per sequence) through their own checkpointing and
+    """Checkpointed steps in bf16 autocast: zoo's ViT-S beside timm's, then outside models.
+
+    ViT-S/16, zoo's and timm's peaks, plain and checkpointed; then timm's ViT-S and HF's
+    BERT-base (``tokens`` per sequence) through their own checkpointing and
     ``zoo.set_grad_checkpointing``, with and without ``casts_once`` (module doc).
 
     The same weights in both, real tensors on this CPU, exact bytes
