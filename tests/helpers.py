@@ -19,6 +19,7 @@ import zoo
 from zoo import _torch
 from zoo.train.config import TrainConfig
 from zoo.memory import cpu_peak_bytes, default_loss, train_step
+from zoo.memory.tracker import StepCounter
 
 #: A compiled step predicted on a card needs COMPILED_CARD_STEP_SINCE (older torch refuses it
 #: in one line, tests/test_torch_compat.py).
@@ -211,3 +212,19 @@ def _gloo_rank(rank: int, worker: Callable[[int, int], Any], world: int, tmp: st
         torch.save(worker(rank, world), os.path.join(tmp, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def freed_at_autocast_exit(model: nn.Module, forward: Callable[[], Any]) -> int:
+    """Bytes the exit of the bf16 autocast block around ``forward()`` (a training step's
+    forward, its backward after) frees: the casts autocast's cache held and no saved tensor
+    did. ``model``'s parameters and gradients are counted from the start."""
+    counter = StepCounter()
+    counter.track(model)
+    with counter:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = default_loss(forward())
+            before = counter.current
+        freed = before - counter.current
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return freed

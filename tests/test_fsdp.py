@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import zoo
+from helpers import run_gloo
 from zoo import _torch
 from zoo.memory import default_loss
 from zoo.memory.tracker import StepCounter
@@ -77,6 +78,9 @@ def timm_model(name: str, **kwargs) -> Callable[[bool], nn.Module]:
     return build_timm
 
 
+tiny_vit = timm_model("vit_tiny_patch16_224", img_size=16, patch_size=4, depth=2, embed_dim=32,
+                      num_heads=2)
+
 # (name, build(checkpointed), FSDP units besides the root): every block of a zoo ResNet is its
 # own unit in every mode (each block runs through its module call, so FSDP2's hooks unshard it).
 CASES = [
@@ -85,8 +89,7 @@ CASES = [
     ("user-net", user_net, lambda m: list(m.blocks)),
     ("timm-resnet10t", timm_model("resnet10t"),
      lambda m: [b for stage in (m.layer1, m.layer2, m.layer3, m.layer4) for b in stage]),
-    ("timm-vit", timm_model("vit_tiny_patch16_224", img_size=16, patch_size=4, depth=2,
-                            embed_dim=32, num_heads=2), lambda m: list(m.blocks)),
+    ("timm-vit", tiny_vit, lambda m: list(m.blocks)),
 ]
 
 
@@ -175,9 +178,7 @@ def _bf16_sharded_vit(casts_once: bool, x: torch.Tensor) -> list[tuple[list, int
     """Two SGD steps of a sharded timm ViT, the forward under bf16 autocast: each step's
     gathered gradients and the bytes the autocast block's exit freed (casts the cache held)."""
     torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=4, depth=2,
-                              embed_dim=32, num_heads=2, num_classes=5)
-    zoo.set_grad_checkpointing(model, casts_once=casts_once)
+    model = zoo.set_grad_checkpointing(tiny_vit(False), casts_once=casts_once)
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
@@ -198,15 +199,9 @@ def _bf16_sharded_vit(casts_once: bool, x: torch.Tensor) -> list[tuple[list, int
     return steps
 
 
-def _bf16_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
-        half = data()[rank * 2:rank * 2 + 2]
-        results = {once: _bf16_sharded_vit(once, half) for once in (False, True)}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _bf16_worker(rank: int, world: int) -> dict[bool, list[tuple[list, int]]]:
+    half = data()[rank * 2:rank * 2 + 2]
+    return {once: _bf16_sharded_vit(once, half) for once in (False, True)}
 
 
 @pytest.mark.skipif(fully_shard is None, reason="this torch has no FSDP2 (fully_shard)")
@@ -214,12 +209,8 @@ def _bf16_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 def test_fsdp2_casts_once_is_the_cached_step_without_unsharded_casts_held_to_the_end():
     # autocast's cache keeps the bf16 copy of every parameter FSDP2 gathered for the forward
     # (unsharded) until the forward ends, after FSDP2 has let the gathered weights go
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_bf16_worker, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2, join=True)
-        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
-    torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=4, depth=2,
-                              embed_dim=32, num_heads=2, num_classes=5)
+    ranks = run_gloo(_bf16_worker)
+    model = tiny_vit(False)
     block_weights = sum(2 * p.numel() for p in model.blocks.parameters() if p.dim() > 1)
     for rank in ranks:
         for (cached, held), (once, freed) in zip(rank[False], rank[True]):

@@ -15,10 +15,9 @@ import torch
 from torch import nn
 
 import zoo
-from helpers import assert_same_training
+from helpers import assert_same_training, freed_at_autocast_exit
 from zoo._torch import get_current_dispatch_mode
 from zoo.checkpoint import CastTwiceError, set_casts_once
-from zoo.memory.tracker import StepCounter
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
@@ -71,28 +70,16 @@ def test_casts_once_trains_like_the_plain_model_with_the_cache_bit_for_bit(name)
     assert torch.is_autocast_cache_enabled()
 
 
-def _freed_at_exit(model: nn.Module, x: torch.Tensor) -> int:
-    """Bytes the exit of the autocast block around a training step's forward frees: the casts
-    the cache held and no saved tensor did."""
-    counter = StepCounter()
-    counter.track(model)
-    with counter:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(x).float().square().mean()
-            before = counter.current
-        freed = before - counter.current
-        loss.backward()
-    return freed
-
-
 def test_casts_once_leaves_no_weight_copy_of_a_checkpointed_block_to_the_forwards_end():
     torch.manual_seed(0)
     cached = zoo.set_grad_checkpointing(timm_vit())
     uncached = zoo.set_grad_checkpointing(copy.deepcopy(cached), casts_once=True)
     x = torch.randn(4, 3, 32, 32)
     block_weights = sum(2 * p.numel() for p in cached.blocks.parameters() if p.dim() > 1)
-    assert _freed_at_exit(cached, x) > block_weights  # and the stored parts' unsaved casts
-    assert _freed_at_exit(uncached, x) == 0  # its first forward under autocast: counted too
+    # with the cache: the blocks' weight copies and the stored parts' unsaved casts
+    assert freed_at_autocast_exit(cached, partial(cached, x)) > block_weights
+    # its first forward under autocast, counted too, holds none
+    assert freed_at_autocast_exit(uncached, partial(uncached, x)) == 0
 
 
 class TwiceUsed(nn.Module):

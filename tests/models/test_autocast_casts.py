@@ -9,16 +9,15 @@ checkpointed region with the cache would hold its weights' copies until then.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
 from torch import nn
 
 import zoo
-from helpers import assert_same_training
+from helpers import assert_same_training, freed_at_autocast_exit
 from test_models import names
-from zoo.memory import default_loss
-from zoo.memory.tracker import StepCounter
 
 
 def _forward(model: nn.Module, cached: bool) -> Callable[..., torch.Tensor]:
@@ -76,21 +75,7 @@ def test_the_autocast_block_exit_frees_nothing_a_zoo_model_cast(name):
         model = zoo.create_model(name, efficient=efficient, **kwargs)
         x = model.example_input(2)
         for cached in (True, False):
-            freed[efficient, cached] = _freed_at_exit(model, x, cached)
+            freed[efficient, cached] = freed_at_autocast_exit(
+                model, partial(_forward(model, cached), model, x))
     assert freed[False, False] == freed[True, False] == 0
     assert freed[True, True] > freed[False, True] > 0
-
-
-def _freed_at_exit(model: nn.Module, x: torch.Tensor, cached: bool) -> int:
-    """Bytes the exit of the autocast block around a training step's forward frees."""
-    forward = _forward(model, cached)
-    counter = StepCounter()
-    counter.track(model)
-    with counter:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = default_loss(forward(model, x))
-            before = counter.current
-        freed = before - counter.current
-        loss.backward()
-    model.zero_grad(set_to_none=True)
-    return freed
