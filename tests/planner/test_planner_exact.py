@@ -94,7 +94,8 @@ def test_the_finer_save_sets_are_predicted_to_the_byte_stored_and_nested(family)
                                                    cost), (name, schedule)
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "bert with a 1/0 mask"])
+@pytest.mark.parametrize("family", [*FAMILIES, "bert with a 1/0 mask",
+                                    "bert with a float 1/0 mask"])
 def test_every_plan_and_random_schedules_are_predicted_to_the_byte(family):
     every_plan_is_exact(*small(family))
 

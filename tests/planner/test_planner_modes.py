@@ -44,8 +44,8 @@ def small(family: str) -> tuple[zoo.ZooModel, torch.Tensor]:
     if family.startswith("bert"):
         model = zoo.create_model("bert_base", vocab_size=200, max_positions=64, embed_dim=64,
                                  depth=3, num_heads=2)
-        if family == "bert with a 1/0 mask":  # Hugging Face's convention, padded after 20
-            mask = torch.ones(4, 32, dtype=torch.long)
+        if family.endswith("1/0 mask"):  # Hugging Face's convention, padded after 20
+            mask = torch.ones(4, 32, dtype=torch.float if "float" in family else torch.long)
             mask[:, 20:] = 0
             return model, {"x": model.example_input(4, 32), "attention_mask": mask}
         return model, model.example_input(4, 32)

@@ -96,9 +96,10 @@ def qkv_attention(qkv: torch.Tensor, heads: int, attn_mask: torch.Tensor | None 
     (B, heads, T, C / heads) output of ``F.scaled_dot_product_attention``. With
     ``grad_in_place``, where plain SDPA runs the CPU flash kernel, backward writes the qkv
     gradient over ``qkv`` head by head (bitwise the plain gradients; ``qkv`` must feed nothing
-    else). An integer ``attn_mask`` attends where it is nonzero (Hugging Face's 1/0 mask)."""
-    if attn_mask is not None and not attn_mask.is_floating_point() \
-            and attn_mask.dtype != torch.bool:
+    else). ``attn_mask`` attends where it is True or nonzero, whatever its dtype (Hugging Face's
+    1/0 mask, integer or float; never an additive mask): read here, inside the block, so that a
+    checkpointed block keeps the caller's tensor and no boolean copy of it."""
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
         attn_mask = attn_mask != 0
     q, k, v = _split(qkv, heads).unbind(0)
     if grad_in_place and qkv.is_contiguous() and _flash_on_cpu(q, attn_mask, dropout_p):

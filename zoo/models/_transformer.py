@@ -97,8 +97,8 @@ class Attention(nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``x``: (B, T, dim); ``attn_mask``: optional boolean mask broadcastable to
-        (B, heads, T, T), True where attention is allowed."""
+        """``x``: (B, T, dim); ``attn_mask``: optional mask broadcastable to (B, heads, T, T),
+        True or nonzero where attention is allowed (any dtype; never additive)."""
         batch, tokens, dim = x.shape
         x = qkv_attention(self.qkv(x), self.num_heads, attn_mask,
                           self.attn_drop if self.training else 0.0,

@@ -114,10 +114,8 @@ class Bert(TransformerModel):
             raise ValueError(f"attention_mask must have the token ids' shape {tuple(ids.shape)} "
                              f"(1 or True for real tokens, 0 or False for padding), got "
                              f"{tuple(attention_mask.shape)}")
-        if attention_mask.is_floating_point():
-            attention_mask = attention_mask.bool()
-        # (B, 1, 1, T): every query, every head. An integer mask stays the caller's tensor (a
-        # view): each attention reads it as boolean itself, so that no tensor made here is kept
+        # (B, 1, 1, T): every query, every head. The mask stays the caller's tensor (a view),
+        # integer, float or boolean: each attention reads it as boolean itself, so that no tensor made here is kept
         # alive by a checkpointed block that a plain step would have freed after the forward
         return attention_mask[:, None, None, :]
 
