@@ -27,6 +27,7 @@ from torch import nn
 import zoo
 from helpers import run_gloo
 from zoo import _torch
+from zoo.checkpoint import set_casts_once
 from zoo.memory import default_loss
 from zoo.memory.tracker import StepCounter
 
@@ -174,14 +175,17 @@ def test_fsdp2_two_processes_match_plain_single_process():
                 torch.testing.assert_close(a, b, msg=lambda m: f"{where} buffer {i}: {m}")
 
 
-def _bf16_sharded_vit(casts_once: bool, x: torch.Tensor) -> list[tuple[list, int]]:
+def _bf16_sharded_vit(casts_once: str, x: torch.Tensor) -> list[tuple[list, int]]:
     """Two SGD steps of a sharded timm ViT, the forward under bf16 autocast: each step's
-    gathered gradients and the bytes the autocast block's exit freed (casts the cache held)."""
+    gathered gradients and the bytes the autocast block's exit freed (casts the cache held).
+    ``casts_once``: "off", "on", or "on, then off" (turned off after sharding)."""
     torch.manual_seed(0)
-    model = zoo.set_grad_checkpointing(tiny_vit(False), casts_once=casts_once)
+    model = zoo.set_grad_checkpointing(tiny_vit(False), casts_once=casts_once != "off")
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
+    if casts_once == "on, then off":  # FSDP2's class is now a subclass of casts_once's
+        set_casts_once(model, enable=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     steps = []
     for _ in range(STEPS):
@@ -201,7 +205,7 @@ def _bf16_sharded_vit(casts_once: bool, x: torch.Tensor) -> list[tuple[list, int
 
 def _bf16_worker(rank: int, world: int) -> dict[bool, list[tuple[list, int]]]:
     half = data()[rank * 2:rank * 2 + 2]
-    return {once: _bf16_sharded_vit(once, half) for once in (False, True)}
+    return {once: _bf16_sharded_vit(once, half) for once in ("off", "on", "on, then off")}
 
 
 @pytest.mark.skipif(fully_shard is None, reason="this torch has no FSDP2 (fully_shard)")
@@ -213,7 +217,9 @@ def test_fsdp2_casts_once_is_the_cached_step_without_unsharded_casts_held_to_the
     model = tiny_vit(False)
     block_weights = sum(2 * p.numel() for p in model.blocks.parameters() if p.dim() > 1)
     for rank in ranks:
-        for (cached, held), (once, freed) in zip(rank[False], rank[True]):
-            for a, b in zip(once, cached):
+        for (cached, held), (once, freed), (off, held_again) in zip(*rank.values()):
+            for a, b, c in zip(once, cached, off):
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
+                torch.testing.assert_close(c, b, rtol=0, atol=0)
             assert held > block_weights and freed == 0  # the whole blocks', not this rank's half
+            assert held_again == held

@@ -144,15 +144,19 @@ def set_casts_once(module: nn.Module, enable: bool = True) -> nn.Module:
     for a subclass of the same name whose ``forward`` does this (:mod:`zoo._subclass`), so a
     wrapper of ``forward`` made later, as Accelerate's autocast under mixed precision, runs it
     inside; autocast entered inside the original forward itself re-enables the cache there.
-    ``enable=False`` gives back the class. Returns ``module``.
+    ``enable=False`` gives back the class, or where a later swap subclassed it (FSDP2's
+    ``fully_shard``) leaves it and turns it off. Returns ``module``.
     """
-    original = type(module).__dict__.get("_zoo_casts_once_from")
-    if original is not None:
-        module.__class__ = original
-        module.__dict__.pop(_STATE, None)
+    swapped = next((c for c in type(module).__mro__ if "_zoo_casts_once_from" in c.__dict__),
+                   None)
+    module.__dict__.pop(_STATE, None)  # without its state the swapped forward is the original
+    if swapped is type(module):
+        module.__class__ = swapped._zoo_casts_once_from  # type: ignore[attr-defined]
+        swapped = None
     if enable:
         module.__dict__[_STATE] = {"checked": False}
-        module.__class__ = casts_once_class(type(module))
+        if swapped is None:  # else a later swap (FSDP2's) made a subclass of the swapped class
+            module.__class__ = casts_once_class(type(module))
         if "forward" in module.__dict__:  # a wrapper made earlier calls the class's old forward
             warnings.warn(f"{type(module).__name__}.forward is already wrapped (e.g. by "
                           "Accelerate's prepare), so casts_once takes no effect through it: "
