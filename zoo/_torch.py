@@ -418,29 +418,29 @@ def quiet_context_fn_warning(own: Callable[[Any], bool]) -> None:
     """Hold back torch's "Detected that context_fn is passed to torch.utils.checkpoint under
     torch.compile ... in-place ops" log line for the regions whose ``context_fn`` ``own`` says
     is the zoo's (their exactness with in-place ops is tested); a user's own ``context_fn``
-    still gets it. The line is logged by ``torch/_higher_order_ops/wrap.py`` while AOTAutograd
-    traces a region (``tag_activation_checkpoint_impl``; ``TagActivationCheckpoint.__call__``
-    on torch 2.8), whose local ``gmod`` carries the region's ``context_fn`` in its meta."""
-    import logging
-    import os
+    still gets it, also after a zoo region compiled first. torch logs the line through
+    ``warning_once`` (once per process), called by ``torch/_higher_order_ops/wrap.py`` while
+    AOTAutograd traces a region (``tag_activation_checkpoint_impl``;
+    ``TagActivationCheckpoint.__call__`` on torch 2.8), whose local ``gmod`` carries the
+    region's ``context_fn`` in its meta. The module's ``warning_once`` is wrapped so that a zoo
+    region's call never reaches it: a filter on the log record would come after the once."""
     import sys
 
-    wrap = os.path.join("_higher_order_ops", "wrap.py")
+    from torch._higher_order_ops import wrap
 
-    class _OwnRegions(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            if "context_fn is passed" not in str(record.msg):
-                return True
-            frame = sys._getframe(1)
-            while frame is not None and not (frame.f_code.co_filename.endswith(wrap)
-                                             and "gmod" in frame.f_locals):
-                frame = frame.f_back
-            if frame is None:
-                return True
-            meta = getattr(frame.f_locals["gmod"], "meta", {})
-            return not own(meta.get("_checkpoint_context_fn"))
+    once = wrap.warning_once
+    if getattr(once, "zoo_quiet", False):
+        return
 
-    logging.getLogger("torch._higher_order_ops.wrap").addFilter(_OwnRegions())
+    def warning_once(logger: Any, *args: Any, **kwargs: Any) -> None:
+        gmod = sys._getframe(1).f_locals.get("gmod")
+        if gmod is not None and "context_fn is passed" in str(args[:1]) \
+                and own(getattr(gmod, "meta", {}).get("_checkpoint_context_fn")):
+            return None
+        return once(logger, *args, **kwargs)
+
+    warning_once.zoo_quiet = True  # type: ignore[attr-defined]
+    wrap.warning_once = warning_once
 
 
 def run_while_tracing(fn: Callable[[str], Any]) -> Callable[[str], Any]:

@@ -379,6 +379,7 @@ def _context_fn_warnings(caplog: pytest.LogCaptureFixture, step: Callable[[], ob
     a line another test logged earlier cannot hide this one's."""
     torch._dynamo.reset()
     torch._logging._internal.warning_once.cache_clear()
+    caplog.clear()
     with caplog.at_level(logging.WARNING):
         step()
     torch._dynamo.reset()
@@ -410,3 +411,10 @@ def test_a_users_own_context_fn_still_gets_torchs_warning(caplog):
                        backend="aot_eager")
     assert _context_fn_warnings(
         caplog, lambda: fn(torch.randn(4, 8, requires_grad=True)).backward())
+
+    def zoo_region_first() -> None:  # torch logs the line once a process: not for the zoo's
+        own = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True))
+        torch.compile(lambda x: zoo.checkpoint(own, x).sum(), backend="aot_eager")(
+            torch.randn(4, 8, requires_grad=True)).backward()
+        fn(torch.randn(4, 8, requires_grad=True)).backward()
+    assert len(_context_fn_warnings(caplog, zoo_region_first)) == 1
