@@ -70,6 +70,8 @@ NAMES: dict[str, Name] = {
     "torch._C._current_autograd_node": Name(OLDEST, "exact: inputs kept longer"),
     "torch._C._will_engine_execute_node": Name(OLDEST, "exact: inputs kept longer"),
     "torch._C._autograd._get_sequence_nr": Name(OLDEST, "exact: inputs kept longer"),
+    "torch._C._autograd._top_saved_tensors_default_hooks": Name(
+        OLDEST, "error: a zoo region inside torch's inside a zoo region fails in backward"),
     "torch.autograd.Variable._execution_engine": Name(OLDEST, "required"),
     "torch._C._is_any_autocast_enabled": Name(OLDEST, "exact: autocast read per device"),
     "torch._C._dispatch_tls_is_dispatch_key_excluded": Name(OLDEST, "required (op counter)"),
@@ -238,6 +240,16 @@ dispatch_get_all_op_names = _C._dispatch_get_all_op_names
 dispatch_has_kernel_for_dispatch_key = _C._dispatch_has_kernel_for_dispatch_key
 #: ``library._destroy()``: takes a ``torch.library.Library``'s registrations back out.
 library_destroy = operator.methodcaller("_destroy")
+
+
+_top_saved_tensors_hooks = getattr(_autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def in_torch_checkpoint() -> bool:
+    """Whether the innermost saved-tensor hooks are ``torch.utils.checkpoint``'s own (its
+    non-reentrant region's forward or recompute): a zoo region made there is nested in it."""
+    top = None if _top_saved_tensors_hooks is None else _top_saved_tensors_hooks(False)
+    return top is not None and getattr(top[0], "__module__", None) == "torch.utils.checkpoint"
 
 
 #: ``t._version``: a tensor's in-place version counter, which autograd checks saved tensors with

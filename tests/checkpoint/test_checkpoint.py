@@ -655,6 +655,55 @@ def test_nested_regions_inputs_are_kept_by_the_outer_region():
     assert zoo_peak < zoo.memory.cpu_peak_bytes(plain, track=(chain,))
 
 
+def _torch_region(fn, *args):
+    return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+
+@pytest.mark.parametrize("outer, middle, inner", [
+    ("zoo", "torch", "zoo"), ("torch", "zoo", "torch"), ("torch", "torch", "zoo"),
+    ("zoo", "zoo", "torch"), ("torch", "zoo", "zoo"), ("zoo", "torch", "plain")])
+def test_zoo_and_torch_regions_nest_in_each_other_exactly(outer, middle, inner):
+    """Three levels of zoo's and torch's non-reentrant checkpoints in any order: the plain
+    gradients, bit for bit. A zoo region inside torch's hands its inputs to it as it does to an
+    enclosing zoo region, in torch's forward and in its recompute alike (were it only in the
+    forward, torch's recompute would save one tensor fewer and fail)."""
+    wrap = {"zoo": zoo.checkpoint, "torch": _torch_region, "plain": lambda f, *a: f(*a)}
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+
+    def step(outer, middle, inner):
+        x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0),
+                        requires_grad=True)
+        body = lambda a: (a @ w).sin() * a  # noqa: E731
+        mid = lambda b: wrap[inner](body, b * 2).cos()  # noqa: E731
+        out = wrap[outer](lambda a: wrap[middle](mid, a), x)
+        return [out.detach(), *torch.autograd.grad(out.sum(), (x, w))]
+
+    for got, expected in zip(step(outer, middle, inner), step("plain", "plain", "plain")):
+        assert torch.equal(got, expected)
+
+
+def test_zoo_regions_inside_torchs_are_kept_by_it():
+    """Checkpointed zoo blocks inside a stage checkpointed by torch: the stage keeps their
+    inputs (recomputed when needed), so the peak is that of torch's blocks in torch's stage."""
+    torch.manual_seed(0)
+    chain = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(8)])
+    x = torch.randn(256, 128, requires_grad=True)
+
+    def step(block_wrap):
+        def run():
+            chain.zero_grad(set_to_none=True)
+
+            def stage(t):
+                for block in chain[:4]:
+                    t = block_wrap(block, t)
+                return t
+            chain[4:](_torch_region(stage, x)).sum().backward()
+        return run
+
+    mixed = zoo.memory.cpu_peak_bytes(step(zoo.checkpoint), track=(chain,))
+    assert mixed == zoo.memory.cpu_peak_bytes(step(_torch_region), track=(chain,))
+
+
 def test_selective_recompute_takes_torch_keywords():
     """save_ops regions take torch's keywords like any other region (the user's contexts wrap
     forward and recompute) and gradients stay the plain ones."""

@@ -41,7 +41,8 @@ from .recompute import ForwardState, _local, _RecomputeContext
 #   ask for a recompute; the region then lets go of its inputs (and ``fn``) at once instead of
 #   when its last node has run, as a compiled backward frees a saved input after its last use.
 # Rule 7. Nesting: a region nested in another hands its inputs to the outer one (``_SaveInputs``),
-#   which then recomputes them when the inner region needs them.
+#   which then recomputes them when the inner region needs them. The outer one may be
+#   torch's own checkpoint: its forward and its recompute must see the same saved tensors.
 # Rule 8. Determinism: the recompute must save as many tensors as the forward, of the same shapes
 #   (``determinism_check="none"`` skips the shapes), and no input may change in place between the
 #   forward and the recompute; otherwise backward raises, naming the cause.
@@ -55,6 +56,7 @@ _Parameter = torch.nn.Parameter
 _Tensor = torch.Tensor  # an activation's class: never a Parameter (saves the metaclass check)
 _next_node = _torch.get_sequence_nr or (lambda: 0)
 _version = _torch.tensor_version
+_in_torch_checkpoint = _torch.in_torch_checkpoint
 
 
 class _Slot:
@@ -128,7 +130,7 @@ class _Region:
         self.saver: torch.Tensor | None = None  # a nested region's: see save_through_outer
         self.saved_versions: list[int] = []
         self.first = _next_node()  # the sequence number of the region's first autograd node
-        if _inside_region():
+        if _inside_region() or _in_torch_checkpoint():
             self.save_through_outer()
         elif observers:
             for observe in observers:
