@@ -366,6 +366,30 @@ def test_checkpoint_sequential_segments_and_last_segment():
     assert sorted(recomputed) == [0, 1, 2, 3, 4]
 
 
+def in_place_net() -> nn.Sequential:
+    """conv_bn_net with in-place activations and dropout, as torchvision writes them."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+        nn.Conv2d(8, 8, 3, padding=1), nn.Dropout(0.3, inplace=True), nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True))
+
+
+@pytest.mark.parametrize("segments", [None, 2, 3, 7])
+def test_checkpoint_sequential_joins_an_in_place_block_to_the_one_before(images, segments):
+    # alone, nn.ReLU(inplace=True)'s region would overwrite its own input, which no recompute
+    # can undo (torch's checkpoint_sequential fails in backward with one segment per block)
+    plain, ckpt = in_place_net(), in_place_net()
+    assert_same_training(plain, plain, ckpt,
+                         lambda x: zoo.checkpoint_sequential(ckpt, x, segments), images)
+    seen = []
+    for i, block in enumerate(ckpt):
+        block.register_forward_pre_hook(
+            lambda *_, i=i: seen.append(i) if zoo.is_recomputing() else None)
+    zoo.checkpoint_sequential(ckpt, images, segments).sum().backward()
+    assert sorted(seen) == list(range(7))  # every block recomputed: nothing stored instead
+
+
 @pytest.mark.parametrize("segments", [0, 8, -1, 2.5, True])
 def test_checkpoint_sequential_rejects_bad_segments(segments):
     with pytest.raises(ValueError, match="from 1 to 7"):

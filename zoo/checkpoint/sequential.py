@@ -37,6 +37,22 @@ def split_segments(n: int, segments: int | None) -> list[range]:
     return bounds
 
 
+def _in_place_joined(blocks: Sequence[Any], segments: int | None) -> list[range]:
+    """The blocks' segments, balanced over units in which a block that acts in place on its
+    input (an ``inplace=True`` module: ``nn.ReLU(inplace=True)``, in-place dropout) joins the
+    block before it: alone, its region's input would be changed by the region itself, which no
+    recompute can undo (torch's ``checkpoint_sequential`` fails there in backward). ``segments``
+    is checked against the blocks, and gives at most one segment per unit."""
+    per_block = split_segments(len(blocks), segments)
+    starts = [i for i, b in enumerate(blocks) if i == 0 or getattr(b, "inplace", False) is not True]
+    if len(starts) == len(blocks):
+        return per_block
+    ends = [*starts[1:], len(blocks)]
+    wanted = len(per_block) if segments is not None else len(starts)
+    return [range(starts[r.start], ends[r.stop - 1])
+            for r in split_segments(len(starts), min(wanted, len(starts)))]
+
+
 def run_blocks(blocks: Sequence[Callable[[Any], Any]], x: Any) -> Any:
     """Apply ``blocks`` in order: the plain body of a checkpointed segment."""
     for block in blocks:
@@ -82,7 +98,10 @@ def checkpoint_sequential(blocks: Sequence[Callable[[Any], Any]] | nn.Sequential
         blocks: an ``nn.Sequential`` or any sequence of callables, applied in order.
         x: the input of the first block.
         segments: ``None`` checkpoints every block on its own; an int splits the blocks into that
-            many balanced contiguous segments, each checkpointed as one region.
+            many balanced contiguous segments, each checkpointed as one region. A block that
+            acts in place on its input (``nn.ReLU(inplace=True)``) always shares the segment of
+            the block before it, whose output it overwrites (so ``segments`` is at most the
+            number of blocks not in place).
         skip_last: run the last segment without checkpointing.
 
     torch's keywords (``use_reentrant``, ``preserve_rng_state``, ``context_fn``,
@@ -98,7 +117,7 @@ def checkpoint_sequential(blocks: Sequence[Callable[[Any], Any]] | nn.Sequential
         raise TypeError(f"checkpoint_sequential: skip_last must be True or False, got "
                         f"{type(skip_last).__name__} (blocks take one input; pass only one)")
     blocks = list(blocks)
-    ranges = split_segments(len(blocks), segments)
+    ranges = _in_place_joined(blocks, segments)
     if not torch.is_grad_enabled():
         return run_blocks(blocks, x)
     given = {"use_reentrant": use_reentrant, "preserve_rng_state": preserve_rng_state,
