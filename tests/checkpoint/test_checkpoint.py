@@ -485,6 +485,11 @@ def test_double_backward_gradient_penalty_matches_plain():
             torch.testing.assert_close(a, b)
 
 
+def test_a_function_that_is_not_callable_is_refused_in_one_line():
+    with pytest.raises(TypeError, match=r"^zoo.checkpoint: fn must be callable [^\n]*got Tensor"):
+        zoo.checkpoint(torch.randn(2, requires_grad=True), nn.Linear(2, 2))  # order swapped
+
+
 def test_input_changed_in_place_after_the_region_is_an_error():
     lin = nn.Linear(4, 4)
     x = torch.randn(2, 4)

@@ -146,3 +146,9 @@ def test_op_packet_is_refused():
     with pytest.raises(TypeError, match="op overloads"):
         zoo.checkpoint(nn.Linear(2, 2), torch.randn(1, 2, requires_grad=True),
                        save_ops={torch.ops.aten.mm})
+
+
+@pytest.mark.parametrize("save_ops", [3, "mm"])
+def test_save_ops_that_is_no_collection_of_ops_is_refused_in_one_line(save_ops):
+    with pytest.raises(TypeError, match=r"^zoo.checkpoint: save_ops must be a list or set [^\n]*$"):
+        zoo.checkpoint(nn.Linear(2, 2), torch.randn(1, 2, requires_grad=True), save_ops=save_ops)

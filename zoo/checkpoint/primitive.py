@@ -79,6 +79,9 @@ def checkpoint(fn: Callable[..., Any], *args: Any,
     lets go of its inputs as soon as the backward call that recomputes it can need them no more
     (not when its last node has run; kept for ``retain_graph=True`` and partial backward calls).
     """
+    if not callable(fn):
+        raise TypeError(f"zoo.checkpoint: fn must be callable (a module or a function), got "
+                        f"{type(fn).__name__}; pass the function first, then its inputs")
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     if offload:

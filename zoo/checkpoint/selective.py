@@ -36,6 +36,10 @@ def save_set(save_ops: Collection[Any] | Callable[..., bool]) -> Any:
     ``keep(op, *args, **kwargs) -> bool`` (e.g. :class:`~zoo.checkpoint.policies.AllBut`) as is."""
     if callable(save_ops):  # no collection of ops is callable
         return save_ops
+    if not isinstance(save_ops, Collection) or isinstance(save_ops, str):
+        raise TypeError(f"zoo.checkpoint: save_ops must be a list or set of ATen op overloads "
+                        f"(e.g. [torch.ops.aten.mm.default]) or a function keep(op, *args, "
+                        f"**kwargs) -> bool, got {type(save_ops).__name__}")
     ops = save_ops if isinstance(save_ops, frozenset) else frozenset(save_ops)
     for op in ops:
         if not isinstance(op, _OpOverload):
