@@ -181,6 +181,11 @@ def test_model_and_input_problems_are_config_errors(tmp_path):
         fit(tiny(tmp_path, model="resnet_20"), log=quiet)
     with pytest.raises(ConfigError, match="no checkpointing mode|mode"):
         fit(tiny(tmp_path, efficient="nonsense"), log=quiet)
+    missing = tmp_path / "no_cifar"  # told before the dataset is looked for or fetched
+    with pytest.raises(ConfigError, match="no checkpointing mode 'nonsense'"):
+        fit(tiny(tmp_path, efficient="nonsense", dataset="cifar10", data_dir=str(missing)),
+            log=quiet)
+    assert not missing.exists()
     with pytest.raises(ConfigError, match="not an image model"):
         fit(tiny(tmp_path, model="bert_base"), log=quiet)
     if not torch.cuda.is_available():

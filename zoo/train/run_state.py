@@ -113,6 +113,9 @@ def build_run(cfg: TrainConfig, env: Distributed, device: torch.device,
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    with torch.device("meta"):  # a bad mode or model keyword is told before any download
+        build_model(cfg, num_classes=10)
+    torch.manual_seed(cfg.seed)
     data = lambda: build_datasets(cfg.dataset, cfg.data_dir, cfg.train_size,  # noqa: E731
                                   cfg.test_size, image_size=cfg.image_size)
     if env.is_main:  # rank 0 downloads, the others wait and then read the files
