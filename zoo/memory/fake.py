@@ -24,12 +24,19 @@ __all__ = ["fake_state", "FakeStep", "collector_paused"]
 def fake_state(model: nn.Module, fake: Any, copies: dict[int, torch.Tensor] | None = None
                ) -> dict[str, torch.Tensor]:
     """Fake copies of ``model``'s parameters and buffers by name, for ``_reparametrize_module``;
-    tied tensors (GPT-2's head and embedding) get one shared copy under every name. ``copies``:
+    tied tensors (GPT-2's head and embedding) get one shared copy under every name, a module
+    reached by several names (one block called in a loop) is named once. ``copies``:
     filled with id of each real tensor -> its fake copy."""
     copies = {} if copies is None else copies
     state: dict[str, torch.Tensor] = {}
+    owners: set[tuple[int, str]] = set()
     for name, t in [*model.named_parameters(remove_duplicate=False),
                     *model.named_buffers(remove_duplicate=False)]:
+        prefix, _, attr = name.rpartition(".")
+        owner = (id(model.get_submodule(prefix)), attr)
+        if owner in owners:  # one module under two names (a block called in a loop): swapping
+            continue  # it in twice would put the fake back in for good on the way out
+        owners.add(owner)
         if id(t) not in copies:
             copy = fake.from_tensor(t.detach())
             copies[id(t)] = copy.requires_grad_(t.requires_grad) if t.is_leaf else copy
