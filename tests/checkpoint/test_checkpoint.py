@@ -499,6 +499,24 @@ def test_input_changed_in_place_after_the_region_is_an_error():
         y.sum().backward()
 
 
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_a_parameter_changed_before_backward_is_refused_as_in_the_plain_model(layer):
+    # a GAN's classic slip: the discriminator stepped before the generator's backward through
+    # it; the recompute would read the new weights and give other gradients, without a word.
+    # A Linear saves a view of its weight (its transpose), a convolution the weight itself
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh()) if layer == "linear" else \
+        nn.Sequential(nn.Conv2d(3, 3, 3), nn.Tanh())
+    x = torch.randn(2, 4) if layer == "linear" else torch.randn(1, 3, 5, 5)
+    x.requires_grad_()  # (the weight is saved for the input's gradient)
+    for run in (net, lambda t: zoo.checkpoint(net, t)):
+        y = run(x)
+        with torch.no_grad():
+            net[0].weight.mul_(0.5)
+        with pytest.raises(RuntimeError, match="modified by an inplace|modified in place"):
+            y.sum().backward()
+
+
 def test_nested_region_input_changed_in_place_is_an_error():
     """The same for a region nested in another, whose input the outer region keeps: the outer
     recompute replays the in-place change, and the inner recompute sees and refuses it."""

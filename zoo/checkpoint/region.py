@@ -19,8 +19,9 @@ from .recompute import ForwardState, _local, _RecomputeContext
 # as the contract allows; the code that enforces each rule cites it ("Rule 3").
 #
 # Rule 1. Packing: autograd hands every tensor the region's forward saves to ``pack``, which keeps
-#   a small empty slot instead (a module's parameter is kept as it is: it lives on anyway, and is
-#   never recomputed).
+#   a small empty slot instead (a module's parameter, or a view of one, is kept as it is, with its
+#   version: it lives on anyway, and is never recomputed; changed in place before backward, as by an optimizer
+#   step, it is refused as autograd refuses it in the plain model).
 # Rule 2. One recompute per backward call: the first ``unpack`` in a backward call (one autograd
 #   graph task, or one ``torch.utils.checkpoint.GraphExecGroup``) reruns the region once, filling
 #   the slots in the order the forward created them.
@@ -72,6 +73,26 @@ class _Slot:
         self.value: torch.Tensor | None = None
         self.shape = shape
         self.node = node
+
+
+class _Kept:
+    """A parameter (or a view of one) the region saved, kept as it is (Rule 1), with its
+    version when saved: a view shares its parameter's version counter."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.version = tensor, _version(tensor)
+
+    def unpack(self) -> torch.Tensor:
+        if _version(self.tensor) != self.version:
+            raise RuntimeError(
+                "zoo.checkpoint: a parameter saved for backward by a checkpointed region was "
+                f"modified in place before backward (version {self.version} -> "
+                f"{_version(self.tensor)}), as by an optimizer step or a weight update between "
+                "forward and backward; the plain model's backward refuses it too. Change "
+                "parameters only after backward.")
+        return self.tensor
 
 
 class _StopRecompute(Exception):
@@ -201,21 +222,23 @@ class _Region:
         self.last = None
         return out
 
-    def pack(self, tensor: torch.Tensor) -> _Slot | torch.Tensor:
-        if tensor.__class__ is not _Tensor and isinstance(tensor, _Parameter):
-            # Rule 1: a module's parameter lives on anyway: it is kept as it is, never
-            # recomputed, and its place in the recompute's order stays empty.
+    def pack(self, tensor: torch.Tensor) -> _Slot | _Kept:
+        if tensor.__class__ is not _Tensor and isinstance(tensor, _Parameter) or \
+                tensor._base.__class__ is _Parameter:
+            # Rule 1: a module's parameter (or a view of one: a Linear's transposed weight)
+            # lives on anyway: it is kept as it is, never recomputed, and its place in the
+            # recompute's order stays empty.
             self.slots.append(None)
             self.last = None
-            return tensor
+            return _Kept(tensor)
         slot = _Slot(tensor.shape, _next_node() - 1)
         self.slots.append(weakref.ref(slot))
         self.last = weakref.ref(tensor)
         return slot
 
-    def unpack(self, slot: _Slot | torch.Tensor) -> torch.Tensor:
+    def unpack(self, slot: _Slot | _Kept) -> torch.Tensor:
         if slot.__class__ is not _Slot:
-            return slot  # kept as it is (see pack)
+            return slot.unpack()  # kept as it is (see pack)
         call = _backward_call()
         if call != self.call or call == -1:  # Rule 2: once per backward call
             self.recompute(call)
