@@ -152,3 +152,18 @@ def test_a_block_called_in_a_loop_is_planned_exactly_and_left_real():
         step()  # the momentum buffers exist from the first step on, as the plan assumes
         assert peak_bytes(step, [model, opt]) == result.predicted_peak
     assert result.checkpointed == [] and info.value.smallest < info.value.plain
+
+
+def test_every_plan_of_a_plain_mlp_is_exact():
+    # a stored segment inside a region held its input through the whole segment, from the
+    # caller's frame, where the plain model frees it after its first layer (a ReLU's input):
+    # the least plan measured 9,002,072 B against 7,431,256 B predicted
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                          nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    x = torch.randn(2048, 64)
+    planner = zoo.planner.spine_planner(model, x)
+    assert len(planner.choices) == 3
+    for plan in planner.choices:
+        plan.apply(model)
+        assert measure_step(model, x)[0] == plan.predicted_peak
