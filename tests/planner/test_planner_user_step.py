@@ -20,6 +20,8 @@ from zoo.planner import BudgetTooSmallError, largest_batch
 from zoo.planner import plans
 from zoo.planner.modules.spine import Spine
 from zoo.memory.quiet import BatchError
+from zoo.memory.step import peak_bytes
+from zoo.memory.training import train_step
 from zoo.planner.profiling.profile import profile_chain
 from zoo.planner.profiling.trace import traced_step
 from zoo.planner.step_sweep import real_whole_peak, step_rows
@@ -119,6 +121,24 @@ def test_the_optimizers_state_and_step_are_in_the_predicted_peak(make_opt):
     params = sum(p.numel() * 4 for p in model.parameters())
     copies = {"AdamW": 2, "SGD": 1 if opt.defaults.get("momentum") else 0}[type(opt).__name__]
     assert plan.predicted_peak >= bare + copies * params
+
+
+def test_a_loss_closing_over_its_targets_and_a_tensor_lr_are_planned_exactly():
+    # the loss reads real targets and Adam a real lr tensor beside the fake step's tensors
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                          nn.Linear(256, 10))
+    x, y = torch.randn(512, 64), torch.randint(0, 10, (512,))
+    loss_fn = lambda out: nn.functional.cross_entropy(out, y)  # noqa: E731
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01))
+    with pytest.raises(BudgetTooSmallError) as info:
+        zoo.plan(model, x, 1, loss_fn=loss_fn, optimizer=opt, apply=False)
+    for budget in (info.value.smallest, info.value.plain):
+        plan = zoo.plan(model, x, budget, loss_fn=loss_fn, optimizer=opt)
+        step = train_step(model, x, loss_fn=loss_fn, optimizer=opt)
+        step()  # Adam's state exists from the first step on
+        model.zero_grad(set_to_none=True)
+        assert peak_bytes(step, [model, opt]) == plan.predicted_peak
 
 
 def test_a_bf16_autocast_plan_keeps_its_budget():

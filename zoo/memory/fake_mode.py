@@ -35,7 +35,13 @@ class PlannerFakeMode(FakeTensorMode):
     docstring), and whose BatchNorm on a bf16 or fp16 input with float32 parameters (autocast
     runs the convolution before it in bf16 and keeps BatchNorm's parameters float32) returns its
     saved mean and inverse deviation in float32, as the CPU and CUDA kernels do: torch's meta
-    function makes them the input's dtype (half the bytes). Everything else is torch's."""
+    function makes them the input's dtype (half the bytes). A real tensor the step reads
+    beside the model's and the batch's (a loss closing over its targets, a tensor learning
+    rate) is taken as a fake copy of itself, as it already exists (``allow_non_fake_inputs``).
+    Everything else is torch's."""
+
+    def __init__(self) -> None:
+        super().__init__(allow_non_fake_inputs=True)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .. import _torch
+
 __all__ = ["check_optimizer", "mirror", "fill_state", "state_tensors", "state_bytes"]
 
 
@@ -38,12 +40,23 @@ def check_optimizer(optimizer: Any, model: torch.nn.Module) -> None:
 def mirror(optimizer: torch.optim.Optimizer, fake_of: dict[int, torch.Tensor]
            ) -> torch.optim.Optimizer:
     """An optimizer of ``optimizer``'s class and hyperparameters over the fake parameters
-    ``fake_of`` (id of a real parameter -> its fake copy), with no state."""
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
+    ``fake_of`` (id of a real parameter -> its fake copy), with no state. A hyperparameter
+    given as a one-number tensor (``lr=torch.tensor(0.01)``) is read as its number: a fake
+    step has no values to read it from, and its bytes are the same."""
+    groups = [{**{k: _number(v) for k, v in g.items() if k != "params"},
                "params": [fake_of[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
     accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    defaults = {k: _number(v) for k, v in optimizer.defaults.items() if k in accepted}
     return type(optimizer)(groups, **defaults)
+
+
+def _number(value: Any) -> Any:
+    """``value``, or the number in it when it is a real one-number tensor (read outside any
+    fake mode the caller is in)."""
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        return value
+    with _torch.disable_current_modes():
+        return value.item()
 
 
 def fill_state(optimizer: torch.optim.Optimizer) -> None:
