@@ -227,6 +227,26 @@ def test_largest_batch_resizes_a_batch_and_leaves_room_for_the_optimizer():
     assert 0 < with_opt < bare
 
 
+@pytest.mark.slow
+def test_largest_batch_with_adams_foreach_step_is_one_its_whole_step_plan_fits():
+    # Adam's foreach step needs temporaries beside its state, which the chain's profiles
+    # leave out: the chain's answer is checked by the whole step's plan and lowered
+    torch.manual_seed(0)
+    model = zoo.create_model("resnet20", num_classes=10)
+    x = torch.randn(2, 3, 16, 16)
+    opt = torch.optim.Adam(model.parameters(), foreach=True)
+    with pytest.raises(BudgetTooSmallError) as info:
+        zoo.plan(model, x[:1], 1, optimizer=opt, apply=False)
+    assert largest_batch(model, x, info.value.smallest - 1, optimizer=opt)[0] == 0
+    budget = info.value.smallest + 600_000
+    best, profile = largest_batch(model, x, budget, optimizer=opt)
+    assert best > 1 and profile is not None
+    assert zoo.plan(model, torch.randn(best, 3, 16, 16), budget, optimizer=opt,
+                    apply=False).predicted_peak <= budget
+    with pytest.raises(BudgetTooSmallError):
+        zoo.plan(model, torch.randn(best + 1, 3, 16, 16), budget, optimizer=opt, apply=False)
+
+
 def test_largest_batch_of_a_hugging_face_model_is_the_largest_its_whole_step_plan_fits():
     # no zoo chain to extrapolate: every candidate is planned whole, so the answer is exact
     model = bert_classifier()

@@ -19,7 +19,9 @@ from torch import nn
 
 from .. import _torch
 from ..memory import parse_bytes
+from ..memory.cards.on_card import current_card
 from ..memory.inputs import Batch
+from ..memory.precision import current_precision
 from ..memory.optimizer import state_bytes
 from .errors import BudgetTooSmallError
 from .profiling.profile import ChainProfile, profile_chain
@@ -76,8 +78,10 @@ def largest_batch(model: nn.Module, make_input: Callable[[int], Any] | Any,
 
     ``make_input(b)`` builds an example batch of size ``b`` (a tensor, tuple or dict); or give
     one batch, which is resized along the batch dimension it is found to have
-    (``zoo.memory.inputs.Batch.resized``). ``optimizer``: its state is taken off the budget
-    (``zoo.plan(..., optimizer=...)`` at the answer then checks the whole step). ``compiled``:
+    (``zoo.memory.inputs.Batch.resized``). ``optimizer``: its state is taken off the budget,
+    and where the whole step counts more than the chain (an optimizer's step, autocast, a
+    card) the answer is checked by ``zoo.plan`` of that step and lowered until a plan of it fits
+    (Adam's foreach step needs temporaries beside its state). ``compiled``:
     the step will run under ``torch.compile``, so only the one-level schedules
     ``zoo.plan(..., compiled=True)`` chooses from count (their floor lies above a nested
     schedule's). Extrapolates from two profiles,
@@ -95,6 +99,28 @@ def largest_batch(model: nn.Module, make_input: Callable[[int], Any] | Any,
     if not callable(getattr(model, "checkpoint_chain", None)):
         return _planned_largest(model, make_input, memory_budget, loss_fn, limit, optimizer,
                                 compiled), None
+    best, profile = _chain_largest(model, make_input, memory_budget, loss_fn, limit, tries,
+                                   optimizer, compiled)
+    if best == 0 or (optimizer is None and current_precision().dtype is None
+                     and current_card() is None):  # the chain's model is the whole step
+        return best, profile
+
+    def fits(b: int) -> bool:
+        return _plan_fits(model, make_input(b), memory_budget, loss_fn, optimizer, compiled)
+
+    if fits(best):
+        return best, profile
+    best = largest_feasible(fits, best - 1)
+    return best, _profiles(model, make_input(max(best, 1)), loss_fn, compiled)[0]
+
+
+def _chain_largest(model: nn.Module, make_input: Callable[[int], Any],
+                   memory_budget: int | float | str,
+                   loss_fn: Callable[[Any], torch.Tensor] | None, limit: int, tries: int,
+                   optimizer: torch.optim.Optimizer | None,
+                   compiled: bool) -> tuple[int, ChainProfile]:
+    """:func:`largest_batch` by the chain's profiles (its docstring), the optimizer's state
+    off the budget."""
     budget = parse_bytes(memory_budget) - state_bytes(optimizer)  # the state is held all step
 
     def profiled(b: int) -> list[ChainProfile]:
@@ -164,12 +190,17 @@ def _planned_largest(model: nn.Module, make_input: Callable[[int], Any],
     """The largest batch ``zoo.plan`` fits ``memory_budget`` for a model without the zoo's
     chain: doubling, then bisection, on whether a plan of the whole step exists (its least
     peak grows with the batch); each candidate costs one planning of the model."""
-    def fits(b: int) -> bool:
-        try:
-            plan(model, make_input(b), memory_budget, loss_fn=loss_fn, apply=False,
-                 optimizer=optimizer, compiled=compiled)
-        except BudgetTooSmallError:
-            return False
-        return True
+    return largest_feasible(lambda b: _plan_fits(model, make_input(b), memory_budget, loss_fn,
+                                                 optimizer, compiled), limit)
 
-    return largest_feasible(fits, limit)
+
+def _plan_fits(model: nn.Module, batch: Any, memory_budget: int | float | str,
+               loss_fn: Callable[[Any], torch.Tensor] | None,
+               optimizer: torch.optim.Optimizer | None, compiled: bool) -> bool:
+    """Whether ``zoo.plan`` finds a plan of the whole step on ``batch`` within the budget."""
+    try:
+        plan(model, batch, memory_budget, loss_fn=loss_fn, apply=False, optimizer=optimizer,
+             compiled=compiled)
+    except BudgetTooSmallError:
+        return False
+    return True
