@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import zoo
 from zoo.memory import parse_budget, parse_bytes
@@ -36,6 +37,8 @@ def test_bad_budgets_are_one_line_value_errors(bad):
         parse_budget(bad)
     message = str(info.value)
     assert "\n" not in message and ("expected" in message or "give bytes" in message)
+    if bad in (-1, -2.5e9, "-2GB", 0, "0B"):
+        assert "must be positive" in message, message
 
 
 def test_a_memory_size_is_finite():
@@ -79,6 +82,16 @@ def test_plan_refuses_bad_budgets_before_profiling(bad):
         zoo.plan(model, model.example_input(2), bad)
     assert "\n" not in str(info.value)
     assert model.checkpoint_plan is None
+
+
+@pytest.mark.parametrize("bad, says", [("inf", "sets no limit"), (0.8, "fraction of a GPU"),
+                                       ("-2GB", "must be positive")])
+def test_largest_batch_reads_budgets_as_plan_does(bad, says):
+    from zoo.planner import largest_batch
+    model = zoo.create_model("cifar_cnn")
+    for candidate in (model, nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 10))):
+        with pytest.raises(ValueError, match=says):
+            largest_batch(candidate, model.example_input(2), bad)
 
 
 def _module_name(path: Path) -> str:

@@ -44,7 +44,7 @@ __all__ = ["parse_bytes", "parse_budget", "format_bytes", "mem_tracker", "cpu_pe
 
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9,
           "T": 1e12, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z%]*)\s*")
+_SIZE = re.compile(r"\s*(-?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z%]*)\s*")
 _EXPECTED = "expected bytes or a number with a unit, like 512MB, 10GB, 12GiB"
 
 

@@ -11,6 +11,7 @@ al. 2019) both present the budget -> batch question as the point of planning; th
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from .. import _torch
-from ..memory import parse_bytes
+from ..memory import parse_budget, parse_bytes
 from ..memory.cards.on_card import current_card
 from ..memory.inputs import Batch
 from ..memory.precision import current_precision
@@ -96,6 +97,7 @@ def largest_batch(model: nn.Module, make_input: Callable[[int], Any] | Any,
         _torch.require_compiled_plan()
     if not callable(make_input):
         make_input = Batch.of(make_input).resized
+    memory_budget = _bytes(memory_budget, make_input)
     if not callable(getattr(model, "checkpoint_chain", None)):
         return _planned_largest(model, make_input, memory_budget, loss_fn, limit, optimizer,
                                 compiled), None
@@ -112,6 +114,18 @@ def largest_batch(model: nn.Module, make_input: Callable[[int], Any] | Any,
         return best, profile
     best = largest_feasible(fits, best - 1)
     return best, _profiles(model, make_input(max(best, 1)), loss_fn, compiled)[0]
+
+
+def _bytes(memory_budget: int | float | str, make_input: Callable[[int], Any]) -> int:
+    """The budget in bytes as ``zoo.plan`` reads it (a fraction of the card's memory, of the
+    input's GPU's), refused in one line when it is no limit."""
+    card = current_card()
+    budget = parse_budget(memory_budget, Batch.of(make_input(1)).device,
+                          total=None if card is None else card.memory)
+    if math.isinf(budget):
+        raise ValueError(f"largest_batch: memory budget {memory_budget!r} sets no limit, so "
+                         "every batch fits; give a size such as 10GB")
+    return int(budget)
 
 
 def _chain_largest(model: nn.Module, make_input: Callable[[int], Any],
