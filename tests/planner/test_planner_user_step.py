@@ -300,6 +300,16 @@ def test_a_batch_of_the_wrong_shape_is_one_line_and_torchs_fake_log_is_silent(ca
     assert not [r for r in caplog.records if "meta" in r.getMessage()]
 
 
+def test_a_batch_of_another_dtype_than_a_linears_is_one_line():
+    # NumPy data comes as float64; torch's meta functions of mm and addmm do not check dtypes
+    seq = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with pytest.raises(RuntimeError):
+        seq(torch.randn(4, 8, dtype=torch.float64))
+    with pytest.raises(BatchError, match=r"\(4x8 float64\).*different dtypes") as e:
+        zoo.plan(seq, torch.randn(4, 8, dtype=torch.float64), "1GB")
+    assert "\n" not in str(e.value)
+
+
 def test_set_grad_checkpointing_modules_of_another_kind_is_one_line():
     with pytest.raises(TypeError, match="modules= takes module types") as e:
         zoo.set_grad_checkpointing(nn.Sequential(nn.Linear(2, 2)), modules=3)

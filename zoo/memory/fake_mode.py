@@ -28,6 +28,10 @@ class _Unusual(Exception):
 
 _BATCH_NORMS = {torch.ops.aten.native_batch_norm.default}
 _REDUCED = (torch.bfloat16, torch.float16)
+#: Matrix products whose meta functions let mixed dtypes through, where every real kernel
+#: (CPU, CUDA) refuses them: a float64 batch into a float32 Linear.
+_SAME_DTYPE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+               torch.ops.aten.mv.default, torch.ops.aten.addmv.default}
 
 
 class PlannerFakeMode(FakeTensorMode):
@@ -38,13 +42,18 @@ class PlannerFakeMode(FakeTensorMode):
     function makes them the input's dtype (half the bytes). A real tensor the step reads
     beside the model's and the batch's (a loss closing over its targets, a tensor learning
     rate) is taken as a fake copy of itself, as it already exists (``allow_non_fake_inputs``).
-    Everything else is torch's."""
+    A matrix product of tensors of two dtypes is refused, as the kernels refuse it (torch's
+    meta functions of ``mm`` and ``addmm`` do not check). Everything else is torch's."""
 
     def __init__(self) -> None:
         super().__init__(allow_non_fake_inputs=True)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
+        if func in _SAME_DTYPE and len({a.dtype for a in args if isinstance(a, torch.Tensor)}) > 1:
+            raise RuntimeError(f"{func} of tensors of different dtypes "
+                               f"({', '.join(str(a.dtype) for a in args[:3])}), which its "
+                               "kernels refuse")
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func in _BATCH_NORMS and args[0].dtype in _REDUCED and args[1] is not None \
                 and args[1].dtype == torch.float32 and out[1].dtype != torch.float32:
