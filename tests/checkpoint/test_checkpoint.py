@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -669,25 +670,36 @@ def test_torch_keywords_reach_every_segment_and_others_reach_fn():
     torch.testing.assert_close(out, x * 3.0)
 
 
+def _eight_blocks() -> tuple[nn.Sequential, torch.Tensor]:
+    torch.manual_seed(0)
+    chain = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(8)])
+    return chain, torch.randn(256, 128, requires_grad=True)
+
+
+def _staged_step(chain: nn.Sequential, x: torch.Tensor, stage_wrap: Callable,
+                 block_wrap: Callable) -> Callable[[], None]:
+    """A step of the first four blocks, each run by ``block_wrap``, as one stage run by
+    ``stage_wrap``, then the other four plainly."""
+    def run():
+        chain.zero_grad(set_to_none=True)
+        x.grad = None
+
+        def stage(t):
+            for block in chain[:4]:
+                t = block_wrap(block, t)
+            return t
+        chain[4:](stage_wrap(stage, x)).sum().backward()
+    return run
+
+
 def test_nested_regions_inputs_are_kept_by_the_outer_region():
     """A region nested in another hands its inputs to the outer region (torch's nestable
     checkpoint, rule 2): they are not held through the step, so the peak of a checkpointed stage
     of checkpointed blocks followed by plain layers is torch's nested peak, byte for byte."""
-    torch.manual_seed(0)
-    chain = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(8)])
-    x = torch.randn(256, 128, requires_grad=True)
+    chain, x = _eight_blocks()
 
     def step(wrap):
-        def run():
-            chain.zero_grad(set_to_none=True)
-            x.grad = None
-
-            def stage(t):
-                for block in chain[:4]:
-                    t = wrap(block, t)
-                return t
-            chain[4:](wrap(stage, x)).sum().backward()
-        return run
+        return _staged_step(chain, x, wrap, wrap)
 
     plain = step(lambda f, t: f(t))
     plain()
@@ -732,20 +744,10 @@ def test_zoo_and_torch_regions_nest_in_each_other_exactly(outer, middle, inner):
 def test_zoo_regions_inside_torchs_are_kept_by_it():
     """Checkpointed zoo blocks inside a stage checkpointed by torch: the stage keeps their
     inputs (recomputed when needed), so the peak is that of torch's blocks in torch's stage."""
-    torch.manual_seed(0)
-    chain = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(8)])
-    x = torch.randn(256, 128, requires_grad=True)
+    chain, x = _eight_blocks()
 
     def step(block_wrap):
-        def run():
-            chain.zero_grad(set_to_none=True)
-
-            def stage(t):
-                for block in chain[:4]:
-                    t = block_wrap(block, t)
-                return t
-            chain[4:](_torch_region(stage, x)).sum().backward()
-        return run
+        return _staged_step(chain, x, _torch_region, block_wrap)
 
     mixed = zoo.memory.cpu_peak_bytes(step(zoo.checkpoint), track=(chain,))
     assert mixed == zoo.memory.cpu_peak_bytes(step(_torch_region), track=(chain,))

@@ -68,8 +68,9 @@ from .compiled import _keep_bases  # noqa: F401  (tests reach the compiled polic
 from .offload import host_copies, offload, offloaded_bytes, reset_offloaded_bytes
 from .primitive import checkpoint
 from .recompute import is_recomputing, state_bookkeeping
-from .sequential import checkpoint_sequential, run_blocks, run_plan, split_segments
+from .sequential import (checkpoint_sequential, in_place_groups, run_blocks, run_plan,
+                         split_segments)
 
 __all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing", "split_segments",
-           "state_bookkeeping", "run_blocks", "run_plan", "offload", "offloaded_bytes",
+           "in_place_groups", "state_bookkeeping", "run_blocks", "run_plan", "offload", "offloaded_bytes",
            "host_copies", "reset_offloaded_bytes", "set_casts_once", "CastTwiceError"]

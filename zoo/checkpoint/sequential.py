@@ -10,7 +10,8 @@ from torch import nn
 
 from .primitive import checkpoint
 
-__all__ = ["checkpoint_sequential", "run_blocks", "run_plan", "split_segments", "OFFLOAD"]
+__all__ = ["checkpoint_sequential", "run_blocks", "run_plan", "split_segments", "in_place_groups",
+           "OFFLOAD"]
 
 #: A plan's flag for a segment whose saved tensors wait in host memory (``zoo.offload``).
 OFFLOAD = "offload"
@@ -37,20 +38,28 @@ def split_segments(n: int, segments: int | None) -> list[range]:
     return bounds
 
 
+def in_place_groups(blocks: Sequence[Any]) -> list[range]:
+    """``blocks`` in consecutive groups where a block that acts in place on its input (an
+    ``inplace=True`` module: ``nn.ReLU(inplace=True)``, in-place dropout) joins the block
+    before it. A checkpointed segment keeps its input for the recompute; one that began with
+    an in-place block would overwrite that input, which no recompute can undo (backward fails:
+    "modified by an inplace operation"), so no segment may start there."""
+    starts = [i for i, b in enumerate(blocks) if i == 0 or not getattr(b, "inplace", False)]
+    return [range(a, b) for a, b in zip(starts, [*starts[1:], len(blocks)])]
+
+
 def _in_place_joined(blocks: Sequence[Any], segments: int | None) -> list[range]:
-    """The blocks' segments, balanced over units in which a block that acts in place on its
-    input (an ``inplace=True`` module: ``nn.ReLU(inplace=True)``, in-place dropout) joins the
-    block before it: alone, its region's input would be changed by the region itself, which no
-    recompute can undo (torch's ``checkpoint_sequential`` fails there in backward). ``segments``
-    is checked against the blocks, and gives at most one segment per unit."""
+    """The blocks' segments, balanced over :func:`in_place_groups` (torch's
+    ``checkpoint_sequential`` fails in backward where a segment starts with an in-place
+    block). ``segments`` is checked against the blocks, and gives at most one segment per
+    group."""
     per_block = split_segments(len(blocks), segments)
-    starts = [i for i, b in enumerate(blocks) if i == 0 or getattr(b, "inplace", False) is not True]
-    if len(starts) == len(blocks):
+    groups = in_place_groups(blocks)
+    if len(groups) == len(blocks):
         return per_block
-    ends = [*starts[1:], len(blocks)]
-    wanted = len(per_block) if segments is not None else len(starts)
-    return [range(starts[r.start], ends[r.stop - 1])
-            for r in split_segments(len(starts), min(wanted, len(starts)))]
+    wanted = len(per_block) if segments is not None else len(groups)
+    return [range(groups[r.start].start, groups[r.stop - 1].stop)
+            for r in split_segments(len(groups), min(wanted, len(groups)))]
 
 
 def run_blocks(blocks: Sequence[Callable[[Any], Any]], x: Any) -> Any:

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..checkpoint import run_plan
+from ..checkpoint import in_place_groups, run_plan
 from ..checkpoint.casts import casts_once
 from ..checkpoint.sequential import OFFLOAD
 
@@ -54,20 +54,13 @@ def take_indices(n: int, indices: int | Sequence[int] | None) -> list[int]:
 
 def chain_of(modules: Iterable[nn.Module]) -> list[nn.Module]:
     """``modules`` as a chain the planner may cut anywhere: an in-place module (``inplace=True``,
-    e.g. the stem's ``nn.ReLU(inplace=True)``) is joined to the module before it.
-
-    A checkpointed segment keeps its input for the recompute; a segment that began with an
-    in-place op would overwrite that input and backward would fail ("modified by an inplace
-    operation"). The joined pair is a transient ``nn.Sequential`` of the same modules: no
-    parameter, buffer or state_dict key changes.
+    e.g. the stem's ``nn.ReLU(inplace=True)``) is joined to the module before it
+    (:func:`zoo.checkpoint.in_place_groups` says why). The joined pair is a transient
+    ``nn.Sequential`` of the same modules: no parameter, buffer or state_dict key changes.
     """
-    groups: list[list[nn.Module]] = []
-    for m in modules:
-        if getattr(m, "inplace", False) and groups:
-            groups[-1].append(m)
-        else:
-            groups.append([m])
-    return [g[0] if len(g) == 1 else nn.Sequential(*g) for g in groups]
+    modules = list(modules)
+    return [modules[g.start] if len(g) == 1 else nn.Sequential(*modules[g.start:g.stop])
+            for g in in_place_groups(modules)]
 
 
 class ZooModel(nn.Module):
