@@ -72,5 +72,6 @@ from .sequential import (checkpoint_sequential, in_place_groups, run_blocks, run
                          split_segments)
 
 __all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing", "split_segments",
-           "in_place_groups", "state_bookkeeping", "run_blocks", "run_plan", "offload", "offloaded_bytes",
-           "host_copies", "reset_offloaded_bytes", "set_casts_once", "CastTwiceError"]
+           "in_place_groups", "state_bookkeeping", "run_blocks", "run_plan", "offload",
+           "offloaded_bytes", "host_copies", "reset_offloaded_bytes", "set_casts_once",
+           "CastTwiceError"]

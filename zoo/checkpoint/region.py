@@ -20,8 +20,8 @@ from .recompute import ForwardState, _local, _RecomputeContext
 #
 # Rule 1. Packing: autograd hands every tensor the region's forward saves to ``pack``, which keeps
 #   a small empty slot instead (a module's parameter, or a view of one, is kept as it is, with its
-#   version: it lives on anyway, and is never recomputed; changed in place before backward, as by an optimizer
-#   step, it is refused as autograd refuses it in the plain model).
+#   version: it lives on anyway, and is never recomputed; changed in place before backward, as
+#   by an optimizer step, it is refused as autograd refuses it in the plain model).
 # Rule 2. One recompute per backward call: the first ``unpack`` in a backward call (one autograd
 #   graph task, or one ``torch.utils.checkpoint.GraphExecGroup``) reruns the region once, filling
 #   the slots in the order the forward created them.

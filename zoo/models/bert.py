@@ -115,8 +115,9 @@ class Bert(TransformerModel):
                              f"(1 or True for real tokens, 0 or False for padding), got "
                              f"{tuple(attention_mask.shape)}")
         # (B, 1, 1, T): every query, every head. The mask stays the caller's tensor (a view),
-        # integer, float or boolean: each attention reads it as boolean itself, so that no tensor made here is kept
-        # alive by a checkpointed block that a plain step would have freed after the forward
+        # integer, float or boolean: each attention reads it as boolean itself, so that no
+        # tensor made here is kept alive by a checkpointed block that a plain step would have
+        # freed after the forward
         return attention_mask[:, None, None, :]
 
     def forward_features(self, x: torch.Tensor, token_type_ids: torch.Tensor | None = None,
