@@ -107,6 +107,46 @@ def test_torchvision_densenet121_with_dropout():
     assert_exact_lighter_and_undone(model, torch.randn(2, 3, 64, 64), via="blocks")
 
 
+def test_torchvision_densenet_with_its_own_checkpoint_counts_batchnorm_once():
+    # memory_efficient=True runs each layer's BatchNorm under torch's own checkpoint, which
+    # counts every batch twice; the zoo's BatchNorms are exact under it
+    torch.manual_seed(0)
+    plain = torchvision.models.DenseNet(growth_rate=8, block_config=(2, 2),
+                                        num_init_features=16, num_classes=5)
+    efficient = copy.deepcopy(plain)
+    for m in efficient.modules():
+        if hasattr(m, "memory_efficient"):
+            m.memory_efficient = True
+    assert zoo.set_grad_checkpointing(efficient)._zoo_grad_checkpointing["via"] == "blocks"
+    assert_same_training(plain, plain, efficient, efficient, torch.randn(2, 3, 32, 32), steps=2)
+    assert efficient.features.denseblock1.denselayer1.norm1.num_batches_tracked.item() == 2
+    zoo.set_grad_checkpointing(efficient, enable=False)
+    assert classes(efficient) == classes(plain)
+
+
+def test_a_wrapper_is_given_back_and_its_model_checkpointed():
+    model = torchvision.models.resnet18(num_classes=5)
+    wrapped = nn.DataParallel(model)  # on a machine without GPUs it runs the model itself
+    assert zoo.set_grad_checkpointing(wrapped) is wrapped
+    assert sum(zoo.blocks.is_checkpointed(m) for m in model.modules()) == 8
+    assert zoo.set_grad_checkpointing(wrapped, enable=False) is wrapped
+    assert not any(zoo.blocks.is_checkpointed(m) for m in model.modules())
+
+
+@pytest.mark.parametrize("enable", [0, 1, torch.tensor(False), 0.0])
+def test_an_enable_that_is_no_bool_is_one_line(enable):
+    # a 0 from a config once switched checkpointing on
+    with pytest.raises(TypeError, match=r"^zoo.set_grad_checkpointing: enable must be True, "
+                                        r"False or a zoo model's mode name, got [^\n]*$"):
+        zoo.set_grad_checkpointing(torchvision.models.resnet18(), enable)
+
+
+@pytest.mark.parametrize("modules", [[], [int], 3])
+def test_modules_that_name_no_module_type_is_one_line(modules):
+    with pytest.raises(TypeError, match=r"^modules= takes module types[^\n]*$"):
+        zoo.set_grad_checkpointing(torchvision.models.resnet18(), modules=modules)
+
+
 # --------------------------------------------------------------------------------------------
 # timm: its own set_grad_checkpointing, recomputed by zoo.checkpoint, BatchNorm converted.
 # --------------------------------------------------------------------------------------------

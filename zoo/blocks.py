@@ -127,11 +127,13 @@ def _wanted(modules: Any) -> list[type | str]:
         wanted = list(wanted)
     except TypeError:
         wanted = [wanted]
-    bad = [w for w in wanted if not isinstance(w, (type, str))]
-    if bad:
+    bad = [w for w in wanted if not (isinstance(w, str) or isinstance(w, type)
+                                     and issubclass(w, nn.Module))]
+    if bad or not wanted:
+        got = f"{bad[0]!r} ({type(bad[0]).__name__})" if bad else "none"
         raise TypeError(f"modules= takes module types, type names or dotted submodule names "
                         f"(e.g. modules=[\"layer1.0\"] or modules=nn.TransformerEncoderLayer), "
-                        f"got {bad[0]!r} ({type(bad[0]).__name__})")
+                        f"got {got}")
     return wanted
 
 

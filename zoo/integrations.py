@@ -249,15 +249,19 @@ def set_grad_checkpointing(model: nn.Module, enable: bool | str = True,
             that each parameter is cast once, where the cache changes nothing, and raises
             ``ValueError`` if one is cast twice). A zoo model always runs so.
 
-    Returns ``model``. Raises ValueError naming what was looked for when nothing matches.
+    Returns ``model`` (a wrapper as given). Raises ValueError naming what was looked for when
+    nothing matches, TypeError for an ``enable`` that is no bool or mode name.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"zoo.set_grad_checkpointing expects an nn.Module, got "
                         f"{type(model).__name__}")
-    model = _unwrap(model)
+    if enable is not None and not isinstance(enable, (bool, str)):
+        raise TypeError(f"zoo.set_grad_checkpointing: enable must be True, False or a zoo "
+                        f"model's mode name, got {enable!r} ({type(enable).__name__})")
+    given, model = model, _unwrap(model)
     _disable(model)
     if enable is False or enable is None:
-        return model
+        return given
     if isinstance(enable, str) and (modules is not None or not isinstance(model, ZooModel)):
         raise ValueError(f"enable={enable!r}: a mode name is for zoo models without modules=; "
                          "pass enable=True")
@@ -272,9 +276,9 @@ def set_grad_checkpointing(model: nn.Module, enable: bool | str = True,
     else:
         for _, block in find_blocks(model, modules):
             checkpoint_module(block)
-    if state["via"] in ("timm", "hf"):
-        state["batchnorm"] = _convert_batchnorm_names(model)
+    if state["via"] != "zoo":  # exact also in a checkpoint of the model's own (torchvision's
+        state["batchnorm"] = _convert_batchnorm_names(model)  # memory_efficient DenseNet)
     if casts_once and state["via"] != "zoo":
         set_casts_once(model)
     model.__dict__[_STATE] = state
-    return model
+    return given
