@@ -127,6 +127,31 @@ def test_casts_once_leaves_a_forward_without_autocast_or_gradients_untouched():
         model(x)
 
 
+def test_an_input_that_wants_its_gradient_keeps_the_cache_as_the_plain_model():
+    # the input feeds two Linears: cast twice, its gradient would sum in float32 without the
+    # cache; the check (on a forward whose input wanted no gradient) spoke for parameters only
+    class TwoHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.q(x) + self.k(x)
+
+    torch.manual_seed(0)
+    plain = TwoHeads()
+    model = set_casts_once(copy.deepcopy(plain))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(4, 16))  # checked: every parameter cast once
+    grads = []
+    for m in (plain, model):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            m(x).float().sum().backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
 def test_casts_once_after_a_forward_that_raised_puts_the_cache_back_and_checks_again():
     model = set_casts_once(nn.Linear(16, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -95,13 +95,15 @@ _SWAPPED: dict[type, type] = {}
 
 def _checked(forward: Callable[..., Any]) -> Callable[..., Any]:
     """``forward`` as :func:`set_casts_once` runs it: uncached under autocast with the cache on
-    and gradients enabled, its casts counted until a forward has shown each cast once."""
+    and gradients enabled, its casts counted until a forward has shown each cast once. A
+    forward given a leaf tensor that requires grad (an input whose gradient is wanted) keeps
+    the cache: the check speaks for the parameters only, and such an input may be cast twice."""
     @functools.wraps(forward)
     def run(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         state = self.__dict__.get(_STATE)
         if state is None or torch.compiler.is_compiling() or not torch.is_grad_enabled() \
-                or not autocast_cache_on():  # no cast to keep, or an outer forward dropped it
-            return forward(self, *args, **kwargs)
+                or not autocast_cache_on() or _leaf_wanting_grad(args, kwargs):
+            return forward(self, *args, **kwargs)  # no cast to keep, or the cache is needed
         count = None if state["checked"] else _CastCount()
         with count if count is not None else contextlib.nullcontext():
             out = _uncached(forward, self, args, kwargs)
@@ -115,6 +117,13 @@ def _checked(forward: Callable[..., Any]) -> Callable[..., Any]:
             state["checked"] = True
         return out
     return run
+
+
+def _leaf_wanting_grad(args: tuple, kwargs: dict) -> bool:
+    """Whether an argument is a leaf tensor that requires grad (autocast's cache keeps its
+    casts as it keeps a parameter's)."""
+    return any(isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf
+               for a in (*args, *kwargs.values()))
 
 
 def casts_once_class(cls: type) -> type:
