@@ -79,7 +79,7 @@ def checkpoint(fn: Callable[..., Any], *args: Any,
     lets go of its inputs as soon as the backward call that recomputes it can need them no more
     (not when its last node has run; kept for ``retain_graph=True`` and partial backward calls).
     """
-    if not callable(fn):
+    if not torch.compiler.is_compiling() and not callable(fn):  # (2.8's Dynamo: no callable)
         raise TypeError(f"zoo.checkpoint: fn must be callable (a module or a function), got "
                         f"{type(fn).__name__}; pass the function first, then its inputs")
     if not torch.is_grad_enabled():
