@@ -203,7 +203,7 @@ def _bf16_sharded_vit(casts_once: str, x: torch.Tensor) -> list[tuple[list, int]
     return steps
 
 
-def _bf16_worker(rank: int, world: int) -> dict[bool, list[tuple[list, int]]]:
+def _bf16_worker(rank: int, world: int) -> dict[str, list[tuple[list, int]]]:
     half = data()[rank * 2:rank * 2 + 2]
     return {once: _bf16_sharded_vit(once, half) for once in ("off", "on", "on, then off")}
 
