@@ -31,7 +31,7 @@ def test_budgets_in_bytes_and_units(text, expected):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), "nan", -1, 0, -2.5e9, "-2GB", "0B", "ten gigs",
-                                 "12 parsecs", True, None, "80%", 0.5, "150%"])
+                                 "12 parsecs", True, None, "80%", 0.5, "150%", 1.5, "2.5B"])
 def test_bad_budgets_are_one_line_value_errors(bad):
     with pytest.raises(ValueError) as info:
         parse_budget(bad)
@@ -39,6 +39,8 @@ def test_bad_budgets_are_one_line_value_errors(bad):
     assert "\n" not in message and ("expected" in message or "give bytes" in message)
     if bad in (-1, -2.5e9, "-2GB", 0, "0B"):
         assert "must be positive" in message, message
+    if bad in (1.5, "2.5B"):
+        assert "not a whole number of bytes" in message, message
 
 
 def test_a_memory_size_is_finite():
@@ -85,7 +87,7 @@ def test_plan_refuses_bad_budgets_before_profiling(bad):
 
 
 @pytest.mark.parametrize("bad, says", [("inf", "sets no limit"), (0.8, "fraction of a GPU"),
-                                       ("-2GB", "must be positive")])
+                                       ("-2GB", "must be positive"), (1.5, "whole number")])
 def test_largest_batch_reads_budgets_as_plan_does(bad, says):
     from zoo.planner import largest_batch
     model = zoo.create_model("cifar_cnn")

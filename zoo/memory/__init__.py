@@ -51,8 +51,9 @@ _EXPECTED = "expected bytes or a number with a unit, like 512MB, 10GB, 12GiB"
 def parse_bytes(value: int | float | str) -> int:
     """``10GB`` -> 10_000_000_000, ``12GiB`` -> 12 * 2**30, ``1.5e9`` or 1500 -> bytes.
 
-    A size must be a finite positive number; anything else is a one-line ValueError saying what
-    was expected."""
+    A size must be a finite positive whole number of bytes (``1.5`` is neither 1 nor 2 bytes, and
+    ``1.5`` meant as gigabytes would plan for nothing); anything else is a one-line ValueError
+    saying what was expected."""
     size = _parse_size(value, allow_fraction=False)
     if math.isinf(size):
         raise ValueError(f"a memory size must be finite, got {value!r}; {_EXPECTED}")
@@ -111,6 +112,10 @@ def _parse_size(value: int | float | str, allow_fraction: bool) -> float:
             return _Fraction(number)
     if math.isnan(number) or number < 1:
         raise ValueError(f"a {what} must be positive, got {value!r}; {_EXPECTED}")
+    if not math.isinf(number) and number != int(number):
+        raise ValueError(f"a {what} of {value!r} is not a whole number of bytes; {_EXPECTED}"
+                         + (" (or a fraction of a GPU's memory below 1, like 0.8 or 80%)"
+                            if allow_fraction else ""))
     return number
 
 
