@@ -135,3 +135,26 @@ def test_hf_other_checkpoint_function_is_kept_with_a_warning():
         model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=custom)
     assert not recomputes_with_zoo(lambda t: gpt2_hidden(model, t), token_ids())
     assert len(calls) == model.config.n_layer
+
+
+def test_hf_blocks_checkpointed_by_name_leave_the_cache_unwritten_as_hf_does():
+    """Chosen blocks (``modules=``, a plan) run through zoo's region, not Hugging Face's flag:
+    GPT-2 builds its key/value cache by default and hands it to each block, which writes it, so
+    a recompute would write it twice (keys doubled, a padded mask then of the wrong length).
+    The block runs without it, as under Hugging Face's own checkpointing."""
+    ids = token_ids()
+    mask = torch.ones_like(ids)
+    mask[:, 40:] = 0
+    plain, ckpt = gpt2(), zoo.set_grad_checkpointing(gpt2(), modules="GPT2Block")
+    recomputed = []
+    for block in ckpt.h:
+        block.attn.register_forward_pre_hook(lambda m, a: recomputed.append(zoo.is_recomputing()))
+    grads = []
+    for model in (plain, ckpt):
+        torch.manual_seed(0)
+        out = model(input_ids=ids, attention_mask=mask)
+        out.last_hidden_state.square().mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert recomputed == [False] * 3 + [True] * 3
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert all(layer.keys is None for layer in out.past_key_values.layers)

@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
 from ._subclass import reduce_as_original
@@ -155,6 +156,30 @@ def _frozen(value: Any) -> Any:
     return value
 
 
+def _without_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]
+                   ) -> tuple[tuple, dict[str, Any]]:
+    """A Hugging Face layer's key/value cache kept out of its region in training: the layer
+    writes the cache, so the recompute would write it again (GPT-2's keys doubled after the
+    backward, the replay seeing other shapes). As Hugging Face's own checkpointing does
+    (``GradientCheckpointingLayer``, whose models also pass GPT-2's cache positionally):
+    ``use_cache=False``, and no cache unless the layer only reads it."""
+    read_only = getattr(module, "_can_checkpoint_with_cache", None)
+    if read_only is None or not (module.training and torch.is_grad_enabled()):
+        return args, kwargs
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    if not read_only:
+        args = tuple(None if _is_cache(a) else a for a in args)
+        kwargs = {k: None if _is_cache(v) else v for k, v in kwargs.items()}
+    return args, kwargs
+
+
+def _is_cache(value: Any) -> bool:
+    """Whether ``value`` is a ``transformers`` ``Cache`` (duck-typed: zoo does not import it)."""
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers")
+               for c in type(value).__mro__)
+
+
 def _new_checkpointed(cls: type, *args: Any) -> Any:
     """Unpickling a checkpointed module saved before :mod:`zoo._subclass` (which now pickles
     it): built from its original class, which pickles by name."""
@@ -168,6 +193,7 @@ def _checkpointed_class(cls: type) -> type:
             plain = super(sub, self).forward  # the original class's forward, bound
             args = tuple(_frozen(a) for a in args)
             kwargs = {k: _frozen(v) for k, v in kwargs.items()}
+            args, kwargs = _without_cache(self, args, kwargs)
             return checkpoint(plain, *args, **self._zoo_checkpoint_options, **kwargs)
 
         def __reduce_ex__(self: nn.Module, protocol: int) -> Any:  # noqa: N807
@@ -190,7 +216,9 @@ def checkpoint_module(module: nn.Module, enable: bool = True, **options: Any) ->
     """Run every call of ``module`` through ``zoo.checkpoint`` (``enable=False`` undoes it).
 
     ``options`` (e.g. ``save_ops``) are passed to ``zoo.checkpoint`` on each call. Parameters,
-    buffers, hooks, the state_dict and the object itself stay the same. Returns ``module``.
+    buffers, hooks, the state_dict and the object itself stay the same. A Hugging Face layer
+    trains without its key/value cache, as under Hugging Face's own checkpointing. Returns
+    ``module``.
     """
     if is_checkpointed(module):
         module.__class__ = type(module).__dict__["_zoo_checkpointed_from"]

@@ -68,6 +68,8 @@ SWEEP = {
     "BERT encoder, mask and labels": (bert_classifier, bert_batch),
     "GPT-2 decoder with labels": (gpt2_lm, lambda: {"input_ids": bert_batch()["input_ids"],
                                                     "labels": bert_batch()["input_ids"]}),
+    "GPT-2 decoder, its cache, a padded mask": (gpt2_lm, lambda: {
+        **bert_batch(), "labels": bert_batch()["input_ids"]}),
 }
 
 
