@@ -449,3 +449,21 @@ def test_a_mask_of_all_ones_is_dropped_at_run_time_so_its_plan_is_over_by_the_ma
     step()
     measured = zoo.memory.step.peak_bytes(step, [model, opt])
     assert plan.predicted_peak - measured == (0 if padded else 32 * 64 * 64)
+
+
+@pytest.mark.parametrize("use_cache", [None, False], ids=["its_cache", "no_cache"])
+def test_a_decoder_without_mask_or_cache_plans_the_mask_packed_sequences_would_need(use_cache):
+    # with neither an attention mask nor a cache, Hugging Face reads the position ids' values to
+    # see whether sequences are packed; a fake step cannot, so it plans the (batch, 1, tokens,
+    # tokens) bool mask packing needs, held by a checkpointed block until its backward
+    ids = bert_batch()["input_ids"]
+    batch = {"input_ids": ids, "labels": ids}
+    if use_cache is not None:
+        batch["use_cache"] = use_cache
+    model = gpt2_lm()
+    opt = torch.optim.AdamW(model.parameters())
+    plain = zoo.plan(model, batch, "inf", optimizer=opt, apply=False).plain_peak
+    plan = zoo.plan(model, batch, plain * 9 // 10, optimizer=opt)
+    assert len(plan.checkpointed) == 1
+    over = plan.predicted_peak - real_whole_peak(model, batch, opt, "fp32")
+    assert over == (0 if use_cache is None else ids.numel() * ids.shape[1])
