@@ -14,7 +14,11 @@ block holds several of, and a block class of its own to a generic container such
 ``nn.Sequential`` or a subclass of it: mobilenet_v2's ``InvertedResidual``, not the
 ``Conv2dNormActivation`` inside it; ties go to the type met first). Every module of that type
 that sits in a container holding at least two of them is a block, unless it is nested inside
-another block. ``modules`` overrides the rule with types, type names or dotted submodule names.
+another block. A Hugging Face model's blocks are its own checkpointing layers (every
+``GradientCheckpointingLayer``: each encoder and decoder layer, as its
+``gradient_checkpointing_enable`` takes them), where the rule would pick Whisper's two
+attentions per decoder layer and miss its encoder. ``modules`` overrides the rule with types,
+type names or dotted submodule names.
 
 :func:`checkpoint_module` turns one module's every call into a ``zoo.checkpoint`` region and back.
 """
@@ -105,6 +109,9 @@ def find_blocks(model: nn.Module, modules: Iterable[type | str] | type | str | N
                                 "pass module types, type names or dotted submodule names that "
                                 "exist (see model.named_modules())")
         return _outermost(found)
+    layers = _outermost([(n, m) for n, m in model.named_modules() if n and _is_hf_layer(m)])
+    if layers:
+        return layers
     kind = _block_type(model)
     if kind is None:
         raise NoBlocksError(f"{type(model).__name__} has no repeated blocks to checkpoint (looked "
@@ -119,6 +126,13 @@ def find_blocks(model: nn.Module, modules: Iterable[type | str] | type | str | N
     order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
     found.sort(key=lambda item: order[id(item[1])])
     return _outermost(found)
+
+
+def _is_hf_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is one of a Hugging Face model's own checkpointing layers
+    (``transformers``' ``GradientCheckpointingLayer``; duck-typed: zoo does not import it)."""
+    return any(c.__name__ == "GradientCheckpointingLayer" and c.__module__.startswith("transformers")
+               for c in type(module).__mro__)
 
 
 def _wanted(modules: Any) -> list[type | str]:

@@ -24,7 +24,7 @@ from zoo.memory.step import peak_bytes
 from zoo.memory.training import train_step
 from zoo.planner.profiling.profile import profile_chain
 from zoo.planner.profiling.trace import traced_step
-from zoo.planner.step_sweep import real_whole_peak, step_rows
+from zoo.planner.step_sweep import real_whole_peak, step_rows, trains_like_plain
 
 
 def bert_classifier() -> nn.Module:
@@ -467,3 +467,34 @@ def test_a_decoder_without_mask_or_cache_plans_the_mask_packed_sequences_would_n
     assert len(plan.checkpointed) == 1
     over = plan.predicted_peak - real_whole_peak(model, batch, opt, "fp32")
     assert over == (0 if use_cache is None else ids.numel() * ids.shape[1])
+
+
+def whisper() -> nn.Module:
+    config = transformers.WhisperConfig(vocab_size=64, num_mel_bins=8, encoder_layers=2,
+                                        decoder_layers=2, d_model=32, encoder_attention_heads=2,
+                                        decoder_attention_heads=2, encoder_ffn_dim=64,
+                                        decoder_ffn_dim=64, max_source_positions=16,
+                                        max_target_positions=32, decoder_start_token_id=1,
+                                        pad_token_id=0)
+    return transformers.WhisperForConditionalGeneration(config)
+
+
+def test_a_hugging_face_models_blocks_are_its_own_checkpointing_layers():
+    # counting would take Whisper's two attentions per decoder layer (the second reads the
+    # cross-attention cache, so its recompute saved other tensors) and miss its encoder
+    torch.manual_seed(0)
+    model = whisper()
+    assert [n for n, _ in zoo.blocks.find_blocks(model)] == [
+        f"model.{part}.layers.{i}" for part in ("encoder", "decoder") for i in (0, 1)]
+    g = torch.Generator().manual_seed(2)
+    batch = {"input_features": torch.randn(2, 8, 32, generator=g),
+             "labels": torch.randint(1, 64, (2, 12), generator=g)}
+    opt = torch.optim.AdamW(model.parameters())
+    plain = zoo.plan(model, batch, "inf", optimizer=opt, apply=False).plain_peak
+    plan = zoo.plan(model, batch, plain * 95 // 100, optimizer=opt)
+    assert plan.checkpointed and plan.predicted_peak == real_whole_peak(model, batch, opt, "fp32")
+    planned, reference = whisper(), whisper()
+    reference.load_state_dict(planned.state_dict())
+    plan.apply(planned)
+    assert trains_like_plain(reference, planned, batch,
+                             lambda m: torch.optim.AdamW(m.parameters()), "fp32")
