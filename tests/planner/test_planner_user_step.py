@@ -455,7 +455,7 @@ def test_a_mask_of_all_ones_is_dropped_at_run_time_so_its_plan_is_over_by_the_ma
 def test_a_decoder_without_mask_or_cache_plans_the_mask_packed_sequences_would_need(use_cache):
     # with neither an attention mask nor a cache, Hugging Face reads the position ids' values to
     # see whether sequences are packed; a fake step cannot, so it plans the (batch, 1, tokens,
-    # tokens) bool mask packing needs, held by a checkpointed block until its backward
+    # tokens) bool mask packing needs: here held by the checkpointed block until its backward
     ids = bert_batch()["input_ids"]
     batch = {"input_ids": ids, "labels": ids}
     if use_cache is not None:
