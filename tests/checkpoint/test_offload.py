@@ -345,3 +345,44 @@ def test_cuda_copy_is_not_raced_by_a_kernel_that_reuses_the_buffer():
         h.remove()
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _Wrapped(torch.Tensor):
+    """A wrapper subclass (as Float8 training's and DTensor's activations are): no storage of its
+    own; its data is the plain tensor ``inner``."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype,
+                                                   requires_grad=inner.requires_grad)
+
+    def __init__(self, inner: torch.Tensor):
+        self.inner = inner
+
+    def __tensor_flatten__(self):
+        return ["inner"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inners, meta, size, stride):
+        return _Wrapped(inners["inner"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda t: t.inner if isinstance(t, _Wrapped) else t  # noqa: E731
+        out = func(*torch.utils._pytree.tree_map(unwrap, args),
+                   **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+        wrap = lambda t: _Wrapped(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        return torch.utils._pytree.tree_map(wrap, out)
+
+
+def test_tensor_subclass_without_a_storage_stays_saved_as_it_is():
+    def fn(x):
+        return (x * 2).exp().sum()  # exp saves its output: a _Wrapped
+
+    x = torch.randn(4, 8, dtype=torch.float64)
+    want = _grads_of(fn, _Wrapped(x))
+    reset_offloaded_bytes()
+    got = _grads_of(lambda t: host(fn, t), _Wrapped(x))
+    torch.testing.assert_close(got[1].inner, want[1].inner, rtol=0, atol=0)
+    assert offloaded_bytes() == 0
+

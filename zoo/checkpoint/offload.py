@@ -13,7 +13,8 @@ statistics and random numbers are plain's, bit for bit.
 What it does with each tensor autograd saves inside the region:
 
 * keeps a module's parameters and buffers (and views of them) and tensors under ``min_bytes``
-  as they are: they live on the device anyway, or cost more to move than they free;
+  as they are: they live on the device anyway, or cost more to move than they free; and tensor
+  subclasses (DTensor, Float8 training's activations), whose storage need not hold their data;
 * copies the tensor's whole storage once to (pinned) host memory, so a tensor saved twice and a
   view saved beside its base cost one copy, and rebuilds each view on the storage brought back;
 * on CUDA, copies on a side stream that first waits for the compute stream, and marks the
@@ -231,6 +232,8 @@ class Offload:
             return False
         if tensor.layout is not torch.strided or tensor.is_nested:
             return False
+        if type(tensor) not in (torch.Tensor, _torch.FakeTensor):  # a subclass's storage (a
+            return False  # wrapper's has no bytes) need not hold its data: saved as it is
         on_host = self.to_host or _simulated() is not None  # CPU tensors move only then
         if tensor.device.type not in ("cpu", "cuda") or tensor.device.type == "cpu" and not on_host:
             return False
