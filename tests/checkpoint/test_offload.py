@@ -386,3 +386,15 @@ def test_tensor_subclass_without_a_storage_stays_saved_as_it_is():
     torch.testing.assert_close(got[1].inner, want[1].inner, rtol=0, atol=0)
     assert offloaded_bytes() == 0
 
+
+def test_a_storage_saved_through_temporary_views_is_copied_once():
+    def fn(x):
+        y = x * 2  # saves nothing of y
+        rows = [torch.sin(y[i]) for i in range(4)]  # each saves a view of y, dropped at once
+        return sum(r.sum() for r in rows) + torch.sin(y).sum()  # then y itself
+
+    x = torch.randn(4, 8, dtype=torch.float64)
+    want = _grads_of(fn, x)
+    reset_offloaded_bytes()
+    torch.testing.assert_close(_grads_of(lambda t: host(fn, t), x), want, rtol=0, atol=0)
+    assert offloaded_bytes() == 4 * 8 * 8  # y's storage, once, though no view outlives its line

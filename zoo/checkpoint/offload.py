@@ -245,12 +245,11 @@ class Offload:
             return tensor
         key = (_torch.storage_id(tensor), _version(tensor))
         hit = self.storages.get(key)
-        first = None if hit is None else hit[0]()
-        if first is not None and _torch.storage_id(first) == key[0]:
-            copy = hit[1]  # the same storage, unchanged since: one copy
-        else:
+        if hit is not None and hit[0]() is not None:
+            copy = hit[1]  # the same storage, still alive and unchanged since: one copy
+        else:  # (the storage's own object: a view saved and dropped at once leaves it alive)
             copy = _Storage(tensor, self.stream(tensor.device))
-            self.storages[key] = (weakref.ref(tensor), copy)
+            self.storages[key] = (weakref.ref(tensor.untyped_storage()), copy)
         copy.pending += 1
         saved = _Saved(copy, tensor)
         self.saved.append(weakref.ref(saved))
