@@ -398,3 +398,20 @@ def test_a_storage_saved_through_temporary_views_is_copied_once():
     reset_offloaded_bytes()
     torch.testing.assert_close(_grads_of(lambda t: host(fn, t), x), want, rtol=0, atol=0)
     assert offloaded_bytes() == 4 * 8 * 8  # y's storage, once, though no view outlives its line
+
+
+def test_a_plan_segment_keeps_its_blocks_buffers_on_the_device():
+    """A plan's offloaded segment runs its blocks through a function (``run_blocks``), not as
+    one module: their BatchNorm running statistics, which BN saves, stay all the same."""
+    from zoo.checkpoint.sequential import run_plan
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(512, 512), nn.BatchNorm1d(512), nn.ReLU())
+              for _ in range(2)]
+    x = torch.randn(4, 512)
+    reset_offloaded_bytes()
+    with host_copies():
+        run_plan(blocks, [(0, 2, "offload")], x).sum().backward()
+    # Per block: the linear's input, BN's input, ReLU's output (the next block's linear input,
+    # the same storage): 5 of 4 * 512 floats, and BN's batch mean and inverse std (2 KiB each).
+    assert offloaded_bytes() == 5 * 4 * 512 * 4 + 2 * 2 * 512 * 4

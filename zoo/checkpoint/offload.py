@@ -287,6 +287,17 @@ class Offload:
                 saved.storage.fetch(previous.stream(saved.storage.device))
 
 
+def _module_state(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+    """The parameters and buffers of the modules a region runs, which stay on the device
+    anyway: ``fn`` itself, the module ``fn`` is a method of, and modules among its arguments,
+    alone or in a list (a plan's offloaded segment is ``run_blocks(blocks, x)``)."""
+    found = [fn, getattr(fn, "__self__", None)]
+    for arg in args:
+        found.extend(arg if isinstance(arg, (list, tuple)) else (arg,))
+    modules = [m for m in found if isinstance(m, torch.nn.Module)]
+    return tuple(t for m in modules for t in (*m.parameters(), *m.buffers()))
+
+
 def offload(fn: Callable[..., Any], *args: Any, min_bytes: int = 1024, to_host: bool | None = None,
             **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)`` with its saved tensors moved to host memory until backward.
@@ -296,14 +307,14 @@ def offload(fn: Callable[..., Any], *args: Any, min_bytes: int = 1024, to_host: 
     region, while ``torch.compile`` traces (the compiled graph keeps what it saves), and for
     CPU tensors unless ``to_host=True`` or inside :func:`host_copies` (the bookkeeping, run
     through host copies: for tests). ``zoo.checkpoint(fn, ..., offload=True)`` calls it, so a
-    plan's unit says "offload" where it says "checkpoint". ``fn``'s parameters and buffers,
-    when it is a module, stay where they are, as do tensors under ``min_bytes``.
+    plan's unit says "offload" where it says "checkpoint". The parameters and buffers of
+    ``fn`` when it is a module (or a module's method), and of modules passed to it, stay where
+    they are, as do tensors under ``min_bytes``.
     :func:`offloaded_bytes` counts the bytes copied.
     """
     if not torch.is_grad_enabled() or _inside_region() or torch.compiler.is_compiling():
         return fn(*args, **kwargs)
     if to_host is None:
         to_host = getattr(_counter, "to_host", False)
-    keep = tuple(fn.parameters()) + tuple(fn.buffers()) if isinstance(fn, torch.nn.Module) else ()
-    with Offload(keep, min_bytes, to_host):
+    with Offload(_module_state(fn, args), min_bytes, to_host):
         return fn(*args, **kwargs)
