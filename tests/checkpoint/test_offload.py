@@ -415,3 +415,17 @@ def test_a_plan_segment_keeps_its_blocks_buffers_on_the_device():
     # Per block: the linear's input, BN's input, ReLU's output (the next block's linear input,
     # the same storage): 5 of 4 * 512 floats, and BN's batch mean and inverse std (2 KiB each).
     assert offloaded_bytes() == 5 * 4 * 512 * 4 + 2 * 2 * 512 * 4
+
+
+def test_views_of_one_storage_share_it_again_in_a_second_backward():
+    """Through a retained graph, every backward brings the storage back once for its views."""
+    def fn(x):
+        y = x.exp()
+        return _Pair.apply(y[1:], y[:-1]).sum()
+
+    x = torch.randn(6, 3, requires_grad=True)
+    out = host(fn, x)
+    for _ in range(2):
+        out.backward(retain_graph=True)
+        assert _Pair.storages[0] == _Pair.storages[1]
+    torch.testing.assert_close(x.grad, 2 * _grads_of(fn, x.detach())[1], rtol=0, atol=0)

@@ -106,12 +106,13 @@ def reset_offloaded_bytes() -> None:
 class _Storage:
     """One storage's host copy, the events that order it, and its device copy once back."""
 
-    __slots__ = ("host", "device", "nbytes", "copied", "back", "flat", "pending", "__weakref__")
+    __slots__ = ("host", "device", "nbytes", "copied", "back", "flat", "pending", "views",
+                 "__weakref__")
 
     def __init__(self, source: torch.Tensor, stream: Any):
         self.device, self.nbytes = source.device, source.untyped_storage().nbytes()
         self.flat: torch.Tensor | None = None  # the bytes brought back, while views wait
-        self.pending = 0  # views of this storage saved and not yet unpacked
+        self.pending = self.views = 0  # views of this storage saved; of them not yet unpacked
         self.back: Any = None
         note = _simulated()
         if note is not None:  # bytes only: no copy of a fake tensor (and no ``set_`` of its
@@ -158,10 +159,11 @@ class _Storage:
 
     def unpacked(self) -> None:
         """One saved view of the storage was unpacked; after the last, the storage is held only
-        by the views in use (a second backward through a retained graph brings it back again)."""
+        by the views in use, and the count starts again: a second backward through a retained
+        graph brings it back again, once for all its views."""
         self.pending -= 1
         if self.pending <= 0:
-            self.flat = None
+            self.flat, self.pending = None, self.views
 
 
 def _version_witness(tensor: torch.Tensor) -> Any:
@@ -250,7 +252,7 @@ class Offload:
         else:  # (the storage's own object: a view saved and dropped at once leaves it alive)
             copy = _Storage(tensor, self.stream(tensor.device))
             self.storages[key] = (weakref.ref(tensor.untyped_storage()), copy)
-        copy.pending += 1
+        copy.pending, copy.views = copy.pending + 1, copy.views + 1
         saved = _Saved(copy, tensor)
         self.saved.append(weakref.ref(saved))
         return saved
