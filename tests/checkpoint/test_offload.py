@@ -429,3 +429,13 @@ def test_views_of_one_storage_share_it_again_in_a_second_backward():
         out.backward(retain_graph=True)
         assert _Pair.storages[0] == _Pair.storages[1]
     torch.testing.assert_close(x.grad, 2 * _grads_of(fn, x.detach())[1], rtol=0, atol=0)
+
+
+def test_a_wrong_argument_is_one_clear_line():
+    lin, x = nn.Linear(3, 3), torch.randn(2, 3)
+    with pytest.raises(TypeError, match=r"zoo.offload: fn must be callable .* got Tensor; pass"):
+        zoo.offload(x, lin)
+    with pytest.raises(ValueError, match=r"zoo.offload: min_bytes must be .* got '1KB'"):
+        zoo.offload(lin, x, min_bytes="1KB")
+    with pytest.raises(ValueError, match=r"zoo.offload: min_bytes must be .* got -3"):
+        zoo.offload(lin, x, min_bytes=-3)

@@ -289,6 +289,17 @@ class Offload:
                 saved.storage.fetch(previous.stream(saved.storage.device))
 
 
+def _check_arguments(fn: Any, min_bytes: Any) -> None:
+    """One line for a call written wrong: ``fn`` not callable (inputs first), or ``min_bytes``
+    not a whole number of bytes."""
+    if not callable(fn):
+        raise TypeError(f"zoo.offload: fn must be callable (a module or a function), got "
+                        f"{type(fn).__name__}; pass the function first, then its inputs")
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+        raise ValueError(f"zoo.offload: min_bytes must be a whole number of bytes >= 0 (the "
+                         f"smallest storage worth moving), got {min_bytes!r}")
+
+
 def _module_state(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
     """The parameters and buffers of the modules a region runs, which stay on the device
     anyway: ``fn`` itself, the module ``fn`` is a method of, and modules among its arguments,
@@ -314,6 +325,8 @@ def offload(fn: Callable[..., Any], *args: Any, min_bytes: int = 1024, to_host: 
     they are, as do tensors under ``min_bytes``.
     :func:`offloaded_bytes` counts the bytes copied.
     """
+    if not torch.compiler.is_compiling():  # out of the trace, as zoo.checkpoint does
+        _check_arguments(fn, min_bytes)
     if not torch.is_grad_enabled() or _inside_region() or torch.compiler.is_compiling():
         return fn(*args, **kwargs)
     if to_host is None:
