@@ -439,3 +439,30 @@ def test_a_wrong_argument_is_one_clear_line():
         zoo.offload(lin, x, min_bytes="1KB")
     with pytest.raises(ValueError, match=r"zoo.offload: min_bytes must be .* got -3"):
         zoo.offload(lin, x, min_bytes=-3)
+
+
+@pytest.mark.parametrize("kept", ["small", "parameter", "cpu_default"])
+def test_in_place_after_save_raises_also_for_what_stays(kept):
+    """Saved tensors the region leaves where they are (under min_bytes, a module's parameter,
+    any CPU tensor by default) go through the hooks too, where autograd checks no version."""
+    lin = nn.Linear(4, 4)
+
+    def fn(x):
+        y = lin(x).exp()  # exp saves its output y (16 floats); the linear, the weight's view
+        return y, (y * 2).sum()
+
+    x = torch.randn(4, 4, requires_grad=True)
+    run = dict(small=lambda t: host_big(fn, t), parameter=lambda t: host(fn, t),
+               cpu_default=lambda t: zoo.offload(fn, t))[kept]
+    y, loss = run(x)
+    if kept == "parameter":
+        with torch.no_grad():
+            lin.weight.add_(1)  # an optimizer step before the backward
+    else:
+        y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def host_big(fn, *args):
+    return zoo.offload(fn, *args, to_host=True, min_bytes=1 << 20)

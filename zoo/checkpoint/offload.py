@@ -22,8 +22,8 @@ What it does with each tensor autograd saves inside the region:
   kernel before the copy has read it; brings a region's tensors back on the side stream when the
   backward first reaches the region *after* it (prefetch) and makes the compute stream wait for
   that copy's event before the first read;
-* raises, as plain autograd does, when a saved tensor still alive was modified in place after
-  it was saved (with hooks, autograd no longer checks the version counter itself);
+* raises, as plain autograd does, when a saved tensor (moved or kept) was modified in place
+  after it was saved (with hooks, autograd no longer checks the version counter itself);
 * frees the host copy with the graph (as plain frees saved tensors), the device copy once its
   node has used it.
 
@@ -192,6 +192,25 @@ class _Saved:
         self.source = _version_witness(tensor)
 
 
+class _Kept:
+    """A saved tensor the region leaves where it is, with its version when saved: autograd
+    checks no version of what passes through hooks, so :meth:`Offload.unpack` does."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.version = tensor, _version(tensor)
+
+
+def _check_version(source: torch.Tensor | None, version: int) -> None:
+    """Raise, as plain autograd does, if ``source`` changed in place since it was saved."""
+    if source is not None and _version(source) != version:
+        raise RuntimeError(
+            "zoo.offload: one of the variables needed for gradient computation has been "
+            f"modified by an inplace operation (version {version} -> {_version(source)}); "
+            "clone it before changing it in place.")
+
+
 class Offload:
     """Saved-tensor hooks that move a region's saved tensors to host memory (see the module).
 
@@ -244,7 +263,7 @@ class Offload:
 
     def pack(self, tensor: torch.Tensor) -> Any:
         if not self.moves(tensor):
-            return tensor
+            return tensor if tensor.is_inference() else _Kept(tensor)
         key = (_torch.storage_id(tensor), _version(tensor))
         hit = self.storages.get(key)
         if hit is not None and hit[0]() is not None:
@@ -258,14 +277,13 @@ class Offload:
         return saved
 
     def unpack(self, saved: Any) -> torch.Tensor:
+        if saved.__class__ is _Kept:
+            _check_version(saved.tensor, saved.version)
+            return saved.tensor
         if saved.__class__ is not _Saved:
             return saved
         source = saved.source if isinstance(saved.source, torch.Tensor) else saved.source()
-        if source is not None and _version(source) != saved.version:
-            raise RuntimeError(
-                "zoo.offload: one of the variables needed for gradient computation has been "
-                f"modified by an inplace operation (version {saved.version} -> "
-                f"{_version(source)}); clone it before changing it in place.")
+        _check_version(source, saved.version)
         if not self.fetched:
             self.prefetch_previous()
         stream = self.stream(saved.storage.device)
