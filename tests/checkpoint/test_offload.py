@@ -466,3 +466,14 @@ def test_in_place_after_save_raises_also_for_what_stays(kept):
 
 def host_big(fn, *args):
     return zoo.offload(fn, *args, to_host=True, min_bytes=1 << 20)
+
+
+@pytest.mark.skipif(torch.cuda.is_initialized(), reason="a region on a CUDA machine moves")
+def test_cpu_default_installs_no_hooks_so_torch_func_works():
+    """Off CUDA the default region is plain code: torch.func refuses saved-tensor hooks."""
+    def f(t):
+        return (t.exp() * t.sin()).sum()
+
+    x = torch.randn(8, 8)
+    got = torch.func.grad(lambda t: zoo.offload(f, t))(x)
+    torch.testing.assert_close(got, torch.func.grad(f)(x), rtol=0, atol=0)

@@ -349,5 +349,7 @@ def offload(fn: Callable[..., Any], *args: Any, min_bytes: int = 1024, to_host: 
         return fn(*args, **kwargs)
     if to_host is None:
         to_host = getattr(_counter, "to_host", False)
+    if not to_host and _simulated() is None and not torch.cuda.is_initialized():
+        return fn(*args, **kwargs)  # nothing can move: plain code, no hooks (torch.func runs)
     with Offload(_module_state(fn, args), min_bytes, to_host):
         return fn(*args, **kwargs)
