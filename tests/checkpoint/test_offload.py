@@ -477,3 +477,16 @@ def test_cpu_default_installs_no_hooks_so_torch_func_works():
     x = torch.randn(8, 8)
     got = torch.func.grad(lambda t: zoo.offload(f, t))(x)
     torch.testing.assert_close(got, torch.func.grad(f)(x), rtol=0, atol=0)
+
+
+def test_views_of_a_swapped_in_parameter_stay():
+    """A parameter swapped in by ``torch.func.functional_call`` (as a card's predicted step
+    swaps in fake ones) is a plain leaf that requires grad: it stays, and so do its views, such
+    as the ``weight.t()`` a linear layer saves."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    params = {k: v.detach().clone().requires_grad_() for k, v in net.named_parameters()}
+    x = torch.randn(8, 64, requires_grad=True)
+    reset_offloaded_bytes()
+    host(lambda t: torch.func.functional_call(net, params, (t,)), x).sum().backward()
+    assert offloaded_bytes() == 8 * 64 * 4  # tanh's output; x and the weights are leaves

@@ -216,3 +216,16 @@ def test_a_hugging_face_batch_dict_with_labels_adamw_and_bf16_plans_with_offload
     assert offloaded_bytes() > 0
     for a, b in zip(plain.parameters(), moved.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_predicted_offloaded_bytes_are_what_the_planned_model_moves():
+    """The card's step swaps fake parameters in; what it moves must be what the model moves
+    with its own parameters (a linear layer's saved ``weight.t()`` stays in both)."""
+    model, x = _flat(), torch.randn(256, 64)
+    p = zoo.plan(model, x, float("inf"), device=CARD, apply=False)
+    dataclasses.replace(p, segments=[(0, len(p.spine), "offload")]).apply(model)
+    predicted = predict_step(model, x, CARD).offloaded_bytes
+    reset_offloaded_bytes()
+    with host_copies():
+        model(x).square().mean().backward()
+    assert predicted == offloaded_bytes() > 0

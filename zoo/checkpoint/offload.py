@@ -248,9 +248,9 @@ class Offload:
         return _streams[device]
 
     def moves(self, tensor: torch.Tensor) -> bool:
-        if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter) \
-                or tensor.requires_grad and tensor.is_leaf:  # a parameter swapped in by a call
-            return False
+        base = tensor if tensor._base is None else tensor._base  # a view: what it views
+        if isinstance(base, torch.nn.Parameter) or base.requires_grad and base.is_leaf:
+            return False  # a parameter, or one swapped in by a call (functional_call), or views
         if tensor.layout is not torch.strided or tensor.is_nested:
             return False
         if type(tensor) not in (torch.Tensor, _torch.FakeTensor):  # a subclass's storage (a
