@@ -258,6 +258,19 @@ def test_errors_are_one_line():
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("rebuild", [False, True])
+def test_a_function_changing_the_shape_is_refused_in_one_line(rebuild):
+    """``f`` and ``g`` return their input's shape (a residual branch): a broadcast output, which
+    the stored network would add and the rebuild could not take off in backward, is refused in
+    the forward alike with and without the rebuild."""
+    x = torch.randn(4, 8, requires_grad=True)
+    for f in (nn.Linear(8, 1), nn.Linear(8, 16)):
+        blocks = [Coupling(f, nn.Linear(8, 8))]
+        with pytest.raises(ValueError, match=r"shape \(4, (1|16)\) for .* \(4, 8\)") as err:
+            reversible_sequence(blocks, x, x * 2, rebuild=rebuild)
+        assert "\n" not in str(err.value)
+
+
 # -- torch.compile --------------------------------------------------------------------------------
 def test_compiled_rebuild_breaks_the_graph_once_and_trains_like_eager_stored():
     """The rebuilding Function runs eagerly (a graph break: its backward recomputes the forward

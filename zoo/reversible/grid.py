@@ -75,7 +75,12 @@ def _add(k: torch.Tensor, out: torch.Tensor, grid: Grid, checks: list[torch.Tens
          inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Stream ``k`` plus ``out`` on the grid (into ``k`` itself if ``inplace``): (stream, float
     view); the magnitudes of ``out`` and of the new view join ``checks`` (every addition then
-    has both terms below the limit)."""
+    has both terms below the limit). ``out`` must have the stream's shape: a broadcast one would
+    be added by the stored network but could not be taken off by the rebuild's backward."""
+    if out.shape != k.shape:
+        raise ValueError(f"reversible_sequence: a block's f or g returned shape "
+                         f"{tuple(out.shape)} for streams of shape {tuple(k.shape)}; f and g "
+                         f"must return their input's shape (residual branches)")
     checks.append(_magnitude(out))
     fixed = to_fixed(out, grid)
     k = k.add_(fixed) if inplace else k + fixed
