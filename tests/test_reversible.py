@@ -232,6 +232,35 @@ def test_out_of_range_values_make_the_outputs_nan():
         assert out.isnan().all(), rebuild
 
 
+class Tied(nn.Module):
+    """Weight tying: one module as the first block's ``f`` and ``g`` and the second's ``g``."""
+
+    def __init__(self, rebuild: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        shared = branch(4)
+        self.blocks = nn.ModuleList([Coupling(shared, shared), Coupling(branch(4), shared)])
+        self.rebuild = rebuild
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x[:, :2].repeat(1, 2, 1, 1)  # 4 channels: the streams' width
+        return torch.cat(reversible_sequence(self.blocks, x, x * 2, rebuild=self.rebuild), 1)
+
+
+def test_a_module_shared_by_f_and_g_and_by_blocks_trains_alike():
+    """The rebuild's recompute runs on aliases of a block's parameters and puts the real ones
+    back, also where two names of the block reach one module: the module keeps its parameters
+    (the optimizer's), and both settings train alike, bit for bit."""
+    results = []
+    for rebuild in (False, True):
+        net = Tied(rebuild)
+        params = list(net.parameters())
+        results.append(train(net, images()))
+        assert all(a is b for a, b in zip(net.parameters(), params))
+        assert all(isinstance(p, nn.Parameter) for p in net.parameters())
+    assert_bitwise(*results)
+
+
 def test_a_parameter_hook_fires_once_per_backward():
     for rebuild in (False, True):
         stored, rebuilt = twins()

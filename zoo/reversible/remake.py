@@ -25,7 +25,9 @@ _EDGE_OUTPUTS = _torch.VERSION >= (2, 5)
 def _aliased(module: nn.Module, names: dict[int, list[str]],
              aliases: dict[int, torch.Tensor]) -> Iterator[None]:
     """Run ``module`` with its parameters replaced by ``aliases`` (detached, same storage), so
-    that gradients computed for a recompute never touch the real parameters or their hooks."""
+    that gradients computed for a recompute never touch the real parameters or their hooks.
+    Put back in reverse order: a module reached by two names (shared by ``f`` and ``g``) is
+    swapped twice, and must end with its own parameter, not the first swap's alias."""
     swapped = []
     for j, alias in aliases.items():
         for name in names[j]:
@@ -36,7 +38,7 @@ def _aliased(module: nn.Module, names: dict[int, list[str]],
     try:
         yield
     finally:
-        for owner, attr, param in swapped:
+        for owner, attr, param in reversed(swapped):
             _torch.module_parameters(owner)[attr] = param
 
 
