@@ -300,6 +300,27 @@ def test_a_function_changing_the_shape_is_refused_in_one_line(rebuild):
         assert "\n" not in str(err.value)
 
 
+
+def test_a_second_derivative_through_the_rebuild_is_refused_in_one_line():
+    """The rebuild gives first-order gradients, the same under ``create_graph=True`` as the
+    stored network's; differentiating them again (a gradient penalty) is refused in one line
+    that says what to use instead, where the stored network computes it."""
+    stored, rebuilt = twins()
+    got = []
+    for net in (stored, rebuilt):
+        x = images().requires_grad_()
+        torch.manual_seed(3)
+        grad, = torch.autograd.grad(default_loss(net(x)), x, create_graph=True)
+        got.append(grad.detach())
+        if net is stored:
+            grad.square().sum().backward()
+            continue
+        with pytest.raises(RuntimeError, match="first-order gradients only") as err:
+            grad.square().sum().backward()
+        assert "\n" not in str(err.value) and "rebuild=False" in str(err.value)
+    assert torch.equal(*got)
+
+
 # -- torch.compile --------------------------------------------------------------------------------
 def test_compiled_rebuild_breaks_the_graph_once_and_trains_like_eager_stored():
     """The rebuilding Function runs eagerly (a graph break: its backward recomputes the forward

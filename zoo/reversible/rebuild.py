@@ -3,7 +3,7 @@ block's inputs from its outputs, recomputing ``G`` then ``F`` once each."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -15,6 +15,41 @@ from .lead import _lead_forward, _undo_lead
 from .remake import _accumulate, _aliased, _parts, _recorded, _root
 from .run import _Run
 from .sources import Source, remember
+
+
+class _NoSecondOrder(torch.autograd.Function):
+    """The rebuild's gradients when backward records a graph (``create_graph=True``): the
+    identity, whose own backward refuses in one line (a second derivative through the rebuild
+    would need a graph of the rebuild itself, which runs outside autograd)."""
+
+    @staticmethod
+    def forward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return tuple(None if g is None else g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx: Any, *_: Any) -> tuple[None, ...]:
+        raise RuntimeError("reversible_sequence: a sequence with rebuild=True gives first-order "
+                           "gradients only, and this backward differentiates them again "
+                           "(create_graph=True); use rebuild=False (a model's efficient=False) "
+                           "for higher-order gradients")
+
+
+def _first_order(backward: Callable[..., tuple]) -> Callable[..., tuple]:
+    """``backward`` run without recording a graph (as ``once_differentiable``); under
+    ``create_graph=True`` its gradients come out of :class:`_NoSecondOrder`, so that
+    differentiating them again is refused in one line, not with torch's generic message, nor
+    silently without the rebuild's second-order terms."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx: Any, *seeds: torch.Tensor) -> tuple[Any, ...]:
+        with torch.no_grad():
+            grads = backward(ctx, *seeds)
+        if not torch.is_grad_enabled():
+            return grads
+        return _NoSecondOrder.apply(*(None if g is None else g.detach().requires_grad_()
+                                      for g in grads))
+
+    return wrapper
 
 
 class _Rebuild(torch.autograd.Function):
@@ -48,7 +83,7 @@ class _Rebuild(torch.autograd.Function):
         return y1, y2
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_first_order
     def backward(ctx: Any, a1: torch.Tensor, a2: torch.Tensor) -> tuple[Any, ...]:
         run, grid = ctx.run, ctx.run.grid
         for source in run.out or ():
