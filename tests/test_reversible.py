@@ -321,6 +321,36 @@ def test_a_second_derivative_through_the_rebuild_is_refused_in_one_line():
     assert torch.equal(*got)
 
 
+class Scaled(nn.Module):
+    """A residual function that multiplies by ``scale``: a tensor it does not own (another
+    module's parameter), against the contract of a block."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.lin, self.__dict__["scale"] = nn.Linear(8, 8), scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def test_a_function_using_a_tensor_not_of_its_block_is_refused_in_one_line():
+    """The rebuild gives gradients to the blocks' parameters and the streams only: a tensor
+    requiring grad that ``f`` or ``g`` takes from elsewhere would get none, silently, where
+    the stored network gives it one; the rebuild's backward refuses it in one line."""
+    torch.manual_seed(0)
+    outside = nn.Parameter(torch.ones(8))
+    x = torch.randn(4, 8, requires_grad=True)
+    for blocks in ([Coupling(Scaled(outside), nn.Linear(8, 8))],
+                   [Coupling(nn.Linear(8, 8), Scaled(outside * 2))]):
+        y1, y2 = reversible_sequence(blocks, x, x * 2, rebuild=False)
+        (y1 * y2).sum().backward()
+        assert outside.grad is not None  # the stored network's gradient
+        y1, y2 = reversible_sequence(blocks, x, x * 2, rebuild=True)
+        with pytest.raises(RuntimeError, match="not one of the block's parameters") as err:
+            (y1 * y2).sum().backward()
+        assert "\n" not in str(err.value)
+
+
 # -- torch.compile --------------------------------------------------------------------------------
 def test_compiled_rebuild_breaks_the_graph_once_and_trains_like_eager_stored():
     """The rebuilding Function runs eagerly (a graph break: its backward recomputes the forward

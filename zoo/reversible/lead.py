@@ -11,7 +11,7 @@ import torch
 
 from .._torch import tensor_version as _version
 from ..checkpoint.recompute import ForwardState, _RecomputeContext
-from .remake import (_accumulate, _aliased, _anchor, _parts, _recorded,
+from .remake import (_accumulate, _aliased, _anchor, _check_own, _parts, _recorded,
                      _RemakeView, _root, _StreamView)
 from .run import _Run
 from .sources import source_of
@@ -85,18 +85,18 @@ def _undo_lead(run: _Run, a1: torch.Tensor, a2: torch.Tensor,
         with _aliased(lead, run.lead_params, aliases):
             return _undo_lead_whole(run, make1, make2, a1, a2, grads, aliases)
     with _aliased(lead, run.lead_params, aliases):
-        got_y1 = _grad_of(_parts(lead, "g"), functools.partial(torch.Tensor.detach, y1), a2,
+        got_y1 = _grad_of((lead, "g"), functools.partial(torch.Tensor.detach, y1), a2,
                           grads, aliases, at_g)
         del y1
         if got_y1 is not None:
             a1.add_(got_y1)
         del got_y1
-        got_x2 = _grad_of(_parts(lead, "f"), make2, a1, grads, aliases, at_f)
-        more = _grad_of((None, lead.shortcut2), make2, a2, grads, aliases, at_d2)
+        got_x2 = _grad_of((lead, "f"), make2, a1, grads, aliases, at_f)
+        more = _grad_of((lead, "shortcut2"), make2, a2, grads, aliases, at_d2)
         if more is not None:
             got_x2 = more if got_x2 is None else got_x2 + more
         del more
-        got_x1 = _grad_of((None, lead.shortcut1), make1, a1, grads, aliases, at_d1)
+        got_x1 = _grad_of((lead, "shortcut1"), make1, a1, grads, aliases, at_d1)
     return got_x1, got_x2
 
 
@@ -130,13 +130,18 @@ def _undo_lead_whole(run: _Run, make1: Callable[[], torch.Tensor],
     return got[0], got[1]
 
 
-def _grad_of(fn: tuple[Any, Any], make: Callable[[], torch.Tensor], seed: torch.Tensor,
+def _grad_of(fn: tuple[Any, str], make: Callable[[], torch.Tensor], seed: torch.Tensor,
              grads: list[torch.Tensor | None], aliases: dict[int, torch.Tensor],
              at: ForwardState) -> torch.Tensor | None:
-    """``fn`` (head and tail, :func:`~.remake._parts`) recomputed on the tensor ``make`` makes
-    (made again when its backward needs it, not kept), then its gradients for ``seed``: the
-    parameters' are added to ``grads``, the input's is returned."""
-    out, edge, _ = _recorded(fn, make, at, (), seed.device)
+    """The lead's function ``fn`` (the lead and a name; ``f`` and ``g`` as head and tail,
+    :func:`~.remake._parts`) recomputed on the tensor ``make`` makes (made again when its
+    backward needs it, not kept), then its gradients for ``seed``: the parameters' are added
+    to ``grads``, the input's is returned."""
+    lead, name = fn
+    parts = _parts(lead, name) if name in ("f", "g") else (None, getattr(lead, name))
+    out, edge, _ = _recorded(parts, make, at, (), seed.device)
+    if out.requires_grad:
+        _check_own(out, lead, name, aliases)
     target = _root(out)
     if seed.dtype != out.dtype:
         seed = seed.to(out.dtype)

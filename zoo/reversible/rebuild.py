@@ -12,7 +12,7 @@ from ..checkpoint.recompute import _cuda_devices, ForwardState
 from .coupling import LeadBlock, ReversibleBlock
 from .grid import Grid, _add, _checked, _enter, from_fixed
 from .lead import _lead_forward, _undo_lead
-from .remake import _accumulate, _aliased, _parts, _recorded, _root
+from .remake import _accumulate, _aliased, _check_own, _parts, _recorded, _root
 from .run import _Run
 from .sources import Source, remember
 
@@ -101,35 +101,36 @@ class _Rebuild(torch.autograd.Function):
             aliases = {j: run.params[j].detach().requires_grad_() for j in named}
             with _aliased(block, named, aliases):
                 # G on y1 (k1): x2 = y2 - G(y1), then G's gradients; a1 is ours (_Fresh)
-                _undo(_parts(block, "g"), k1, k2, a2, a1, grads, aliases, grid, at_g, run.args)
+                _undo((block, "g"), k1, k2, a2, a1, grads, aliases, grid, at_g, run.args)
                 # F on x2 (k2): x1 = y1 - F(x2), then F's gradients
                 if i == 0:  # x1 = y1 - F(x2) is needed no more: the gradients do not read it
                     k1 = None
-                _undo(_parts(block, "f"), k2, k1, a1, a2, grads, aliases, grid, at_f,
-                      run.args)
+                _undo((block, "f"), k2, k1, a1, a2, grads, aliases, grid, at_f, run.args)
         if run.lead is not None:
             a1, a2 = _undo_lead(run, a1, a2, grads)
         return (None, a1, a2, *grads)
 
 
-def _undo(fn: Any, k_in: torch.Tensor, k_out: torch.Tensor | None, seed: torch.Tensor,
-          into: torch.Tensor, grads: list[torch.Tensor | None], aliases: dict[int, torch.Tensor],
-          grid: Grid, at: ForwardState, args: tuple) -> None:
-    """One half of a block backwards: recompute ``fn`` on stream ``k_in``, take its output off
-    ``k_out`` (in place: the streams are the rebuild's own; not when ``None``), then its
-    gradients for ``seed`` (the output's gradient): the input's is added to ``into`` in place,
-    the parameters' to ``grads``.
+def _undo(fn: tuple[Any, str], k_in: torch.Tensor, k_out: torch.Tensor | None,
+          seed: torch.Tensor, into: torch.Tensor, grads: list[torch.Tensor | None],
+          aliases: dict[int, torch.Tensor], grid: Grid, at: ForwardState, args: tuple) -> None:
+    """One half of a block backwards: recompute ``fn`` (a block and ``"f"`` or ``"g"``, which
+    may use no tensor requiring grad but the block's parameters: :func:`_check_own`) on stream
+    ``k_in``, take its output off ``k_out`` (in place: the streams are the rebuild's own; not
+    when ``None``), then its gradients for ``seed`` (the output's gradient): the input's is
+    added to ``into`` in place, the parameters' to ``grads``.
 
     What stays alive is what the gradients need and no more: ``fn``'s output is put on the grid
     (in its own memory when its graph did not save it) and let go before its backward (its
     graph is reached by its gradient edge), and ``fn``'s input, a float view of ``k_in``, is
     not kept in its graph but made again from ``k_in`` when the backward needs it (``k_in`` does
     not change meanwhile)."""
-    out, edge, owned = _recompute(fn, k_in, grid, at, args)
+    out, edge, owned = _recompute(_parts(*fn), k_in, grid, at, args)
     if k_out is not None:
         _take_off(k_out, out, grid, owned)
     if not out.requires_grad:
         return
+    _check_own(out, *fn, aliases)
     target = _root(out)
     if seed.dtype != out.dtype:  # autograd casts a gradient to its output's dtype
         seed = seed.to(out.dtype)

@@ -127,6 +127,37 @@ class _RemakeView(torch.autograd.graph.saved_tensors_hooks):
                    for h in (ref() for ref in self._lists[3]))
 
 
+# block -> the names of its functions whose recompute reached no tensor but its own parameters
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _check_own(out: torch.Tensor, block: Any, name: str,
+               aliases: dict[int, torch.Tensor]) -> None:
+    """Refuse, in one line, a function ``name`` of ``block`` whose recompute reaches a tensor
+    requiring grad that is not one of the block's parameters (another module's parameter, a
+    tensor captured from outside): the rebuild gives gradients to the block's parameters and
+    streams only, so that tensor would get none, silently, where the stored network gives it
+    one. Walks the recompute's graph (down to the input's :class:`_StreamView`) once per
+    block and function."""
+    done = _CHECKED.setdefault(block, set())
+    if name in done:
+        return
+    own = {id(a) for a in aliases.values()}
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen or node.name() == "_StreamViewBackward":
+            continue
+        seen.add(node)
+        if getattr(node, "variable", None) is not None and id(node.variable) not in own:
+            raise RuntimeError(f"reversible_sequence: {name} of a {type(block).__name__} uses "
+                               f"a tensor that requires grad but is not one of the block's "
+                               f"parameters, and the rebuild would give it no gradient; make "
+                               f"it a parameter of the block, detach it, or use rebuild=False")
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    done.add(name)
+
+
 def _anchor(device: torch.device) -> torch.Tensor:
     """An empty tensor requiring grad: what makes :class:`_StreamView`'s output part of a graph."""
     return torch.empty(0, device=device, requires_grad=True)
