@@ -44,7 +44,8 @@ class LeadBlock(Protocol):
 
 class Coupling(nn.Module):
     """A reversible block made of two modules: ``f`` and ``g`` are its submodules (so the
-    state_dict names are ``f.*`` and ``g.*``); extra arguments are not passed on."""
+    state_dict names are ``f.*`` and ``g.*``); a sequence's extra arguments are passed on to
+    both, as to any block's ``f`` and ``g`` (modules that take none need a sequence without)."""
 
     def __init__(self, f: nn.Module, g: nn.Module) -> None:
         super().__init__()
