@@ -351,6 +351,22 @@ def test_a_function_using_a_tensor_not_of_its_block_is_refused_in_one_line():
         assert "\n" not in str(err.value)
 
 
+
+def test_a_parameter_changed_between_forward_and_backward_is_refused_in_one_line():
+    """The rebuild recomputes the blocks with their parameters as they are at backward: one
+    changed in place since the forward (an optimizer step between them) would rebuild other
+    inputs than the forward's and give wrong gradients silently; it is refused in one line, as
+    the stored network's backward refuses it."""
+    stored, rebuilt = twins()
+    for net in (stored, rebuilt):
+        out = net(images())
+        with torch.no_grad():
+            net.blocks[1].g[2].weight.mul_(1.5)
+        with pytest.raises(RuntimeError, match="modified by an inplace|modified in place") as err:
+            default_loss(out).backward()
+    assert "\n" not in str(err.value) and "only after backward" in str(err.value)
+
+
 # -- torch.compile --------------------------------------------------------------------------------
 def test_compiled_rebuild_breaks_the_graph_once_and_trains_like_eager_stored():
     """The rebuilding Function runs eagerly (a graph break: its backward recomputes the forward

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .._torch import tensor_version as _version
 from ..checkpoint.recompute import _cuda_devices, ForwardState
 from .coupling import LeadBlock, ReversibleBlock
 from .grid import Grid, _add, _checked, _enter, from_fixed
@@ -92,6 +93,7 @@ class _Rebuild(torch.autograd.Function):
             raise RuntimeError("reversible_sequence: backward ran twice through a sequence with "
                                "rebuild=True (retain_graph=True); its streams are rebuilt in "
                                "place, so run the forward again, or use rebuild=False")
+        _check_unchanged(run)
         k1, k2 = run.streams
         run.streams = None
         grads: list[torch.Tensor | None] = [None] * len(run.params)
@@ -109,6 +111,18 @@ class _Rebuild(torch.autograd.Function):
         if run.lead is not None:
             a1, a2 = _undo_lead(run, a1, a2, grads)
         return (None, a1, a2, *grads)
+
+
+def _check_unchanged(run: _Run) -> None:
+    """Refuse, in one line, a backward after a parameter of the blocks or a tensor argument was
+    changed in place since the forward (an optimizer step between them): the recompute would
+    run with the new values and rebuild other inputs than the forward's, silently (the stored
+    network's backward refuses it too, where autograd saved the tensor)."""
+    if any(_version(t) != v for t, v in zip(run.used, run.versions)):
+        raise RuntimeError("reversible_sequence: a parameter of a block or an extra argument "
+                           "was modified in place between the forward and this backward (an "
+                           "optimizer step, a weight update), and the rebuild recomputes the "
+                           "blocks with it; change them only after backward")
 
 
 def _undo(fn: tuple[Any, str], k_in: torch.Tensor, k_out: torch.Tensor | None,
