@@ -10,8 +10,11 @@ recompute are measured exactly (MemTracker, FlopCounterMode).
 from __future__ import annotations
 
 import copy
+import re
+import subprocess
 import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -386,6 +389,29 @@ def test_compiled_rebuild_breaks_the_graph_once_and_trains_like_eager_stored():
     for (name, a), b in zip(stored.state_dict().items(), rebuilt.state_dict().values()):
         torch.testing.assert_close(b, a, msg=name)
     assert rebuilt.blocks[2].g[4].num_batches_tracked.item() == 3
+
+
+_FULLGRAPH = """
+import torch
+from torch import nn
+from zoo.reversible import Coupling, reversible_sequence
+blocks = nn.ModuleList(Coupling(nn.Linear(4, 4), nn.Linear(4, 4)) for _ in range(2))
+try:
+    torch.compile(lambda x: reversible_sequence(blocks, x, x)[0], backend="eager",
+                  fullgraph=True)(torch.randn(2, 4, requires_grad=True))
+except Exception as err:
+    print(err)
+"""
+
+
+def test_compiled_rebuild_with_fullgraph_says_why_it_breaks():
+    """``fullgraph=True`` refuses the rebuild's graph break; Dynamo's message carries the
+    reason: what breaks, and what to do instead. In a process of its own: after Dynamo refuses
+    a call, the process's Python calls keep their arguments alive longer (torch 2.14), which
+    test_a_recomputed_function_alone_holds_its_input would see."""
+    res = subprocess.run([sys.executable, "-c", _FULLGRAPH], capture_output=True, text=True,
+                         cwd=Path(__file__).parents[1], timeout=600)
+    assert re.search(r"rebuild=True .* without fullgraph=True", res.stdout), res.stderr[-2000:]
 
 
 def test_compiled_stored_network_is_one_graph():

@@ -201,7 +201,18 @@ class _Fresh(torch.autograd.Function):
         return a1.clone(), a2.clone()
 
 
-@torch.compiler.disable
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` left to eager mode under torch.compile (a graph break), with the reason Dynamo
+    shows when ``fullgraph=True`` refuses the break (torch >= 2.8 takes one)."""
+    reason = ("zoo.reversible: a sequence with rebuild=True (a model's efficient=True) runs "
+              "eagerly, a graph break; compile it without fullgraph=True, or use rebuild=False")
+    try:
+        return torch.compiler.disable(fn, reason=reason)
+    except TypeError:  # a torch without the keyword
+        return torch.compiler.disable(fn)
+
+
+@_eager
 def _rebuilt(blocks: Sequence[ReversibleBlock], x1: torch.Tensor, x2: torch.Tensor, args: tuple,
              grid: Grid, preserve_rng: bool, lead: LeadBlock | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
