@@ -113,6 +113,7 @@ def test_published_recipes():
     ({"model": "cnn", "config": "/nonexistent/recipe.yaml"}, "cannot read config file"),
     ({"model": "cnn", "resume": "/nonexistent/run"}, "nothing to resume"),
     ({"model": "cnn", "optimiser": "sgd"}, "unknown key 'optimiser'"),
+    ({"model": "cnn", "config": True}, "--config names a recipe file"),  # `--config` alone
 ])
 def test_bad_input_exits_2_with_a_message(capsys, tmp_path, flags, message):
     code, _out, err = run_main(capsys, out_dir=str(tmp_path / "run"), **flags)

@@ -309,7 +309,7 @@ def resolve_config(flags: dict[str, Any], recipes_dir: str | Path | None = None,
     ``saved``: the config of the run being resumed (it already includes its recipe).
     """
     flags = {k.replace("-", "_"): v for k, v in flags.items()}
-    config_path = flags.pop("config", None)
+    config_path = _config_path(flags.pop("config", None))
     cfg, sources = TrainConfig(), ["defaults"]
     if saved is not None:
         saved = {k: v for k, v in saved.items() if k not in RUN_PLACE_KEYS}
@@ -328,6 +328,17 @@ def resolve_config(flags: dict[str, Any], recipes_dir: str | Path | None = None,
         sources.append("command line")
     cfg.validate()
     return cfg, sources
+
+
+def _config_path(value: Any) -> str | Path | None:
+    """``--config``'s value as a path: Fire gives ``True`` for a bare ``--config`` and a number
+    for ``--config 7``; a flag without its file is bad input, not a crash in ``Path``."""
+    if value is None or isinstance(value, (str, Path)):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"--config names a recipe file (--config configs/densenet_bc_100.yaml), "
+                      f"got {value!r}")
 
 
 def config_drift(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, tuple[Any, Any]]:
