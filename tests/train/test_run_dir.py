@@ -171,6 +171,19 @@ def test_resume_refuses_changed_keys_by_name_and_allows_the_safe_ones(tmp_path, 
     assert summary["final"]["epoch"] == 2  # (nothing left to train; accepted)
 
 
+def test_the_same_batch_size_auto_command_resumes_with_the_batch_auto_chose(tmp_path):
+    """A requeued job repeats its command with --resume: ``--batch_size auto`` then means the
+    batch auto chose for this run (saved in its config), not a drift and not a new search."""
+    run = tmp_path / "run"
+    cfg = tiny(run, batch_size="auto", memory_budget="60MB")
+    fit(cfg, log=quiet)
+    chosen = load_checkpoint(run)["config"]["batch_size"]
+    assert isinstance(chosen, int)
+    resumed = dataclasses.replace(cfg, out_dir=None, resume=str(run), epochs=2)
+    assert fit(resumed, log=quiet)["final"]["epoch"] == 2
+    assert load_checkpoint(run)["config"]["batch_size"] == chosen
+
+
 # ---- divergence ----
 
 def test_a_non_finite_loss_stops_the_run_keeps_the_last_good_checkpoint(tmp_path):

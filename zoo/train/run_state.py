@@ -88,6 +88,7 @@ def locate_run(cfg: TrainConfig, env: Distributed) -> tuple[TrainConfig, dict | 
         if ckpt["model_name"] != cfg.model:
             raise ConfigError(f"{cfg.resume!r} is a run of {ckpt['model_name']}, not {cfg.model}; "
                               f"resume it with --model {ckpt['model_name']} (or leave --model out)")
+        cfg = _auto_batch_as_saved(cfg, ckpt["config"])
         drift = config_drift(ckpt["config"], cfg)
         if drift:
             changes = ", ".join(f"{k} ({old!r} -> {new!r})" for k, (old, new) in drift.items())
@@ -103,6 +104,15 @@ def locate_run(cfg: TrainConfig, env: Distributed) -> tuple[TrainConfig, dict | 
     if env.is_main:
         check_run_dir(out_dir, here, cfg.overwrite)
     return dataclasses.replace(cfg, out_dir=str(out_dir)), ckpt, here
+
+
+def _auto_batch_as_saved(cfg: TrainConfig, saved: dict[str, Any]) -> TrainConfig:
+    """``--batch_size auto`` on resume is the batch auto chose for this run (its config keeps
+    the number): the same command with ``--resume`` appended continues the run, where a fresh
+    search (another machine, another torch) could pick another batch and change the run."""
+    if cfg.batch_size == "auto" and isinstance(saved.get("batch_size"), int):
+        return dataclasses.replace(cfg, batch_size=saved["batch_size"])
+    return cfg
 
 
 # ---- step 2: what it trains ----
