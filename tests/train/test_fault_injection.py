@@ -167,3 +167,28 @@ def test_sigterm_before_any_step_says_nothing_was_saved(tmp_path):
     assert proc.returncode == 143, err
     assert "before the first step: nothing was saved" in err.strip().splitlines()[-1]
     assert not (run / "last.pt").exists()
+
+
+def test_sigterm_to_the_process_group_with_loader_workers_saves_and_resumes(tmp_path, straight):
+    """Ctrl-C, Slurm's scancel and systemd signal the whole process group, DataLoader workers
+    too: they must leave the stop to the main process, which saves at the next step."""
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", (
+        "import os, subprocess, sys, time, zoo.train.loop as t\n"
+        "def fault(point, at):\n"
+        "    if point == 'step' and at == 2:\n"
+        "        group = f'-{os.getpgid(0)}'  # signalled by another process, as a shell does\n"
+        "        subprocess.run(['kill', '-s', 'TERM', '--', group])\n"
+        "        time.sleep(1)  # the rest of a step: the workers have the signal by now\n"
+        "t.fault_point = fault\n"
+        f"sys.argv = ['train.py', *{TINY!r}, '--workers', '2', '--out_dir', {str(run)!r}]\n"
+        "import runpy; runpy.run_path('train.py', run_name='__main__')\n")],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)  # its own process group: the signal stays inside it
+    _out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err
+    assert "stopped by SIGTERM in epoch 1 after step 2: saved" in err.strip().splitlines()[-1]
+    resumed = train("--resume", str(run))
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same_run(run, straight("cnn"))

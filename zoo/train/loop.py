@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -55,8 +56,17 @@ def _loader(ds: Dataset, batches: list[list[int]], cfg: TrainConfig, epoch: int,
     if workers is None:  # on CPU the model needs the cores; on GPU, feed it in parallel
         workers = 0 if device.type == "cpu" else min(8, (os.cpu_count() or 1) // 2)
     return DataLoader(ds, batch_sampler=batches, num_workers=workers,
-                      pin_memory=device.type == "cuda",
+                      pin_memory=device.type == "cuda", worker_init_fn=_leave_stops_to_main,
                       generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
+
+
+def _leave_stops_to_main(_worker_id: int) -> None:
+    """A DataLoader worker ignores SIGINT and SIGTERM: Ctrl-C, ``kill -- -PGID``, Slurm and
+    systemd signal every process of the job, and a worker killed by one made the main process
+    fail (``DataLoader worker ... is killed by signal``) before it could save the step. The main
+    process stops at the step boundary and shuts its workers down itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _batches(indices: list[int], size: int) -> list[list[int]]:
