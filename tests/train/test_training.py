@@ -49,6 +49,14 @@ def test_lr_schedules():
     assert lr_factor(dataclasses.replace(cfg, schedule="constant"), 10)(9) == 1.0
 
 
+def test_an_epochs_lr_is_the_one_its_steps_trained_with(tmp_path):
+    """2 steps an epoch, lr x0.1 after step 2: epoch 1 trained at 0.05 and says so (not the 0.005
+    the scheduler holds for the next step); epoch 2 at 0.005."""
+    fit(tiny(tmp_path, epochs=2, schedule="step", milestones=[0.5], gamma=0.1), log=quiet)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["lr"] for x in lines] == pytest.approx([0.05, 0.005])
+
+
 def test_run_directory_holds_config_metrics_and_checkpoints(tmp_path):
     cfg = tiny(tmp_path, epochs=2, efficient=True)
     summary = fit(cfg, log=quiet)

@@ -103,7 +103,7 @@ def train_epoch(run: Run, stop: StopSignal) -> EpochStats:
     correct = torch.tensor(int(pos.get("correct", 0)) if first else 0, device=device)
     seen = int(pos.get("seen", 0)) if first else 0
     t0 = time.perf_counter() - pos.get("elapsed", 0.0)
-    shown = time.perf_counter()
+    shown, lr = time.perf_counter(), run.optimizer.param_groups[0]["lr"]
     bar = tqdm(loader, desc=f"epoch {run.epoch + 1}/{cfg.epochs}", disable=not env.is_main,
                dynamic_ncols=True, file=sys.stderr, initial=done, total=len(batches))
     for batch, (x, y) in enumerate(bar, start=done):
@@ -116,6 +116,7 @@ def train_epoch(run: Run, stop: StopSignal) -> EpochStats:
         run.scaler.scale(loss).backward()
         run.scaler.step(run.optimizer)
         run.scaler.update()
+        lr = run.optimizer.param_groups[0]["lr"]  # this step's, before the schedule moves on
         run.scheduler.step()
         run.step += 1
         fault_point("step", run.step)
@@ -140,7 +141,8 @@ def train_epoch(run: Run, stop: StopSignal) -> EpochStats:
                             time.perf_counter() - t0)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return EpochStats(loss_sum.item(), float(correct.item()), float(seen), time.perf_counter() - t0)
+    return EpochStats(loss_sum.item(), float(correct.item()), float(seen),
+                      time.perf_counter() - t0, lr)
 
 
 def _save_mid_epoch(run: Run, stop: StopSignal, batches_done: int, sums: list[float],
@@ -209,7 +211,7 @@ def finish_epoch(run: Run, stats: EpochStats) -> dict[str, Any]:
     test_loss, test_acc = evaluate(run.model, run.test_ds, run.cfg, env, device, run.autocast)
     return {"epoch": run.epoch + 1, "step": run.step, "train_loss": mean,
             "train_acc": train_correct / max(train_seen, 1), "test_loss": test_loss,
-            "test_acc": test_acc, "lr": run.optimizer.param_groups[0]["lr"],
+            "test_acc": test_acc, "lr": stats.lr,
             "images_per_s": train_seen / stats.elapsed, "epoch_time_s": stats.elapsed,
             "peak_memory_bytes": mem, "peak_memory_kind": mem_kind}
 

@@ -69,10 +69,14 @@ class Run:
 
 @dataclass
 class EpochStats:
+    """An epoch's training totals; ``lr`` is the rate its last step trained with (the
+    optimizer already holds the next step's when the epoch ends)."""
+
     loss_sum: float
     correct: float
     seen: float
     elapsed: float
+    lr: float
 
 
 # ---- step 1: where the run lives ----
