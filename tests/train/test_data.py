@@ -160,3 +160,34 @@ def test_cifar_corrupted_files_are_reported(tmp_path, offline):
     write_cifar(tmp_path)  # random contents: the real md5 check rejects them
     with pytest.raises(DatasetNotFoundError, match="incomplete"):
         build_datasets("cifar10", str(tmp_path))
+
+
+def test_cifar_augmentation_resumes_mid_epoch_with_loader_workers(tmp_path, skip_md5, offline,
+                                                                 monkeypatch):
+    """Each training image's crop and flip are drawn from (seed, epoch, index), not from a
+    worker's stream: a run stopped inside an epoch with --workers 2 and resumed ends bit for
+    bit where a straight run with --workers 0 ends."""
+    import dataclasses
+    import signal
+
+    import zoo.train.loop as loop
+    from zoo.train.config import TrainConfig
+    from zoo.train.run_dir import load_checkpoint
+
+    write_cifar(tmp_path / "data", per_file=8)  # 40 training images: 5 steps an epoch
+    base = TrainConfig(model="cifar_cnn", dataset="cifar10", data_dir=str(tmp_path / "data"),
+                       batch_size=8, epochs=2, lr=0.05, seed=3, schedule="constant")
+    loop.fit(dataclasses.replace(base, workers=0, out_dir=str(tmp_path / "straight")),
+             log=lambda _m: None)
+    stopped = dataclasses.replace(base, workers=2, out_dir=str(tmp_path / "stopped"))
+    real = loop.fault_point
+    monkeypatch.setattr(loop, "fault_point", lambda point, at: os.kill(
+        os.getpid(), signal.SIGTERM) if (point, at) == ("step", 7) else None)
+    with pytest.raises(loop.RunStopped, match="after step 7"):
+        loop.fit(stopped, log=lambda _m: None)
+    monkeypatch.setattr(loop, "fault_point", real)
+    loop.fit(dataclasses.replace(stopped, out_dir=None, resume=str(tmp_path / "stopped")),
+             log=lambda _m: None)
+    a, b = load_checkpoint(tmp_path / "straight"), load_checkpoint(tmp_path / "stopped")
+    assert a["step"] == b["step"] == 10
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])

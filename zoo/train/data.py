@@ -19,8 +19,8 @@ from torch.utils.data import Dataset, Subset
 
 from .config import ConfigError
 
-__all__ = ["DATASETS", "DatasetNotFoundError", "ShapesDataset", "SyntheticDataset",
-           "build_datasets", "num_classes_of"]
+__all__ = ["DATASETS", "DatasetNotFoundError", "SeededDraws", "ShapesDataset",
+           "SyntheticDataset", "build_datasets", "num_classes_of"]
 
 SHAPE_CLASSES = ("disk", "ring", "square", "frame", "triangle", "diamond", "line", "plus",
                  "cross", "dots")
@@ -136,6 +136,31 @@ class SyntheticDataset(Dataset):
         rng = np.random.default_rng([self.seed, self.split, index])
         img = rng.standard_normal((3, self.size, self.size), dtype=np.float32)
         return torch.from_numpy(img), int(rng.integers(self.num_classes))
+
+
+class SeededDraws(Dataset):
+    """``ds`` indexed by ``(epoch, index)``: item ``index`` is made with torch's RNG seeded from
+    (seed, epoch, index), then the caller's RNG is put back. A training image's augmentation
+    (CIFAR's crop and flip) is then a pure function of where it is in the run, whichever
+    DataLoader worker makes it: a run resumed inside an epoch, or with another ``--workers``,
+    draws what the straight run drew, and data loading never moves the dropout stream."""
+
+    def __init__(self, ds: Dataset, seed: int) -> None:
+        self.ds, self.seed = ds, seed
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        epoch, index = key
+        # the CPU generator alone (torch.manual_seed also seeds every device: 0.5 ms an image)
+        rng = torch.default_generator
+        kept = rng.get_state()
+        rng.manual_seed(((self.seed * 1_000_003 + epoch) * 2_147_483_647 + index) % 2**64)
+        try:
+            return self.ds[index]
+        finally:
+            rng.set_state(kept)
 
 
 def _cifar(name: str, root: str, train: bool, image_size: int | None, download: bool) -> Dataset:

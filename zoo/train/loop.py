@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from .config import ConfigError, TrainConfig, to_yaml
+from .data import SeededDraws
 from .run_dir import fault_point
 from .run_state import (EpochStats, Run, build_run, checkpoint_state, locate_run,
                         run_directory)
@@ -51,7 +52,7 @@ DDP_STOP_CHECK_EVERY = 10  # steps between the ranks' agreement on a stop reques
 
 def _loader(ds: Dataset, batches: list[list[int]], cfg: TrainConfig, epoch: int,
             device: torch.device) -> DataLoader:
-    # The generator seeds the workers' RNGs (augmentation) per epoch, so a resumed run repeats them.
+    # (The generator seeds the workers per epoch; augmentation draws come from SeededDraws.)
     workers = cfg.workers
     if workers is None:  # on CPU the model needs the cores; on GPU, feed it in parallel
         workers = 0 if device.type == "cpu" else min(8, (os.cpu_count() or 1) // 2)
@@ -93,7 +94,8 @@ def train_epoch(run: Run, stop: StopSignal) -> EpochStats:
     done = pos.get("batches_done", 0)
     run.sampler.set_epoch(run.epoch)
     batches = _batches(list(run.sampler), run.per_rank)
-    loader = _loader(run.train_ds, batches[done:], cfg, run.epoch, device)
+    keyed = [[(run.epoch, i) for i in b] for b in batches[done:]]  # (see SeededDraws)
+    loader = _loader(SeededDraws(run.train_ds, cfg.seed), keyed, cfg, run.epoch, device)
     model.train()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
