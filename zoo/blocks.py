@@ -131,8 +131,8 @@ def find_blocks(model: nn.Module, modules: Iterable[type | str] | type | str | N
 def _is_hf_layer(module: nn.Module) -> bool:
     """Whether ``module`` is one of a Hugging Face model's own checkpointing layers
     (``transformers``' ``GradientCheckpointingLayer``; duck-typed: zoo does not import it)."""
-    return any(c.__name__ == "GradientCheckpointingLayer" and c.__module__.startswith("transformers")
-               for c in type(module).__mro__)
+    return any(c.__name__ == "GradientCheckpointingLayer"
+               and c.__module__.startswith("transformers") for c in type(module).__mro__)
 
 
 def _wanted(modules: Any) -> list[type | str]:
