@@ -149,21 +149,28 @@ def test_a_signal_saves_at_the_next_step_and_resume_is_bitwise(tmp_path, straigh
     assert_same_run(run, straight(model))
 
 
+def _patched_train(patch: str, args: list[str], **popen) -> tuple[subprocess.Popen, str]:
+    """train.py run in a subprocess after the Python ``patch`` (which imports ``sys``), one
+    torch thread; its process, once ended, and its stderr."""
+    code = (f"{patch}sys.argv = ['train.py', *{args!r}]\n"
+            "import runpy; runpy.run_path('train.py', run_name='__main__')\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+    _out, err = proc.communicate(timeout=300)
+    return proc, err
+
+
 def test_sigterm_before_any_step_says_nothing_was_saved(tmp_path):
     """A signal while the run is being built: exit 143, and the message does not claim a save."""
     run = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", (
+    proc, err = _patched_train(
         "import os, signal, sys, zoo.train.loop as t\n"
         "real = t.build_run\n"
         "def build(*a, **k):\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    return real(*a, **k)\n"
-        "t.build_run = build\n"
-        f"sys.argv = ['train.py', *{TINY!r}, '--out_dir', {str(run)!r}]\n"
-        "import runpy; runpy.run_path('train.py', run_name='__main__')\n")],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _out, err = proc.communicate(timeout=300)
+        "t.build_run = build\n", [*TINY, "--out_dir", str(run)])
     assert proc.returncode == 143, err
     assert "before the first step: nothing was saved" in err.strip().splitlines()[-1]
     assert not (run / "last.pt").exists()
@@ -173,20 +180,15 @@ def test_sigterm_to_the_process_group_with_loader_workers_saves_and_resumes(tmp_
     """Ctrl-C, Slurm's scancel and systemd signal the whole process group, DataLoader workers
     too: they must leave the stop to the main process, which saves at the next step."""
     run = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", (
+    proc, err = _patched_train(
         "import os, subprocess, sys, time, zoo.train.loop as t\n"
         "def fault(point, at):\n"
         "    if point == 'step' and at == 2:\n"
         "        group = f'-{os.getpgid(0)}'  # signalled by another process, as a shell does\n"
         "        subprocess.run(['kill', '-s', 'TERM', '--', group])\n"
         "        time.sleep(1)  # the rest of a step: the workers have the signal by now\n"
-        "t.fault_point = fault\n"
-        f"sys.argv = ['train.py', *{TINY!r}, '--workers', '2', '--out_dir', {str(run)!r}]\n"
-        "import runpy; runpy.run_path('train.py', run_name='__main__')\n")],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        "t.fault_point = fault\n", [*TINY, "--workers", "2", "--out_dir", str(run)],
         start_new_session=True)  # its own process group: the signal stays inside it
-    _out, err = proc.communicate(timeout=300)
     assert proc.returncode == 143, err
     assert "stopped by SIGTERM in epoch 1 after step 2: saved" in err.strip().splitlines()[-1]
     resumed = train("--resume", str(run))
