@@ -128,11 +128,16 @@ def find_blocks(model: nn.Module, modules: Iterable[type | str] | type | str | N
     return _outermost(found)
 
 
+def _is_transformers(value: Any, class_name: str) -> bool:
+    """Whether ``value`` is an instance of the ``transformers`` class ``class_name``
+    (duck-typed: zoo does not import transformers)."""
+    return any(c.__name__ == class_name and c.__module__.startswith("transformers")
+               for c in type(value).__mro__)
+
+
 def _is_hf_layer(module: nn.Module) -> bool:
-    """Whether ``module`` is one of a Hugging Face model's own checkpointing layers
-    (``transformers``' ``GradientCheckpointingLayer``; duck-typed: zoo does not import it)."""
-    return any(c.__name__ == "GradientCheckpointingLayer"
-               and c.__module__.startswith("transformers") for c in type(module).__mro__)
+    """Whether ``module`` is one of a Hugging Face model's own checkpointing layers."""
+    return _is_transformers(module, "GradientCheckpointingLayer")
 
 
 def _wanted(modules: Any) -> list[type | str]:
@@ -183,15 +188,9 @@ def _without_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
     if not read_only:
-        args = tuple(None if _is_cache(a) else a for a in args)
-        kwargs = {k: None if _is_cache(v) else v for k, v in kwargs.items()}
+        args = tuple(None if _is_transformers(a, "Cache") else a for a in args)
+        kwargs = {k: None if _is_transformers(v, "Cache") else v for k, v in kwargs.items()}
     return args, kwargs
-
-
-def _is_cache(value: Any) -> bool:
-    """Whether ``value`` is a ``transformers`` ``Cache`` (duck-typed: zoo does not import it)."""
-    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers")
-               for c in type(value).__mro__)
 
 
 def _new_checkpointed(cls: type, *args: Any) -> Any:
