@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import warnings
 
 import pytest
@@ -310,6 +311,20 @@ def test_a_batch_of_another_dtype_than_a_linears_is_one_line():
     with pytest.raises(BatchError, match=r"\(4x8 float64\).*different dtypes") as e:
         zoo.plan(seq, torch.randn(4, 8, dtype=torch.float64), "1GB")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("loss_fn, got", [(lambda out: out, "a tensor of shape (4, 4)"),
+                                           (lambda out: (out.sum(), out.mean()), "tuple")])
+def test_a_loss_fn_returning_more_than_one_number_is_its_own_fault_in_one_line(loss_fn, got):
+    # torch's own error, "grad can be implicitly created only for scalar outputs", would be
+    # said as the batch's fault
+    seq = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    for route in (lambda: zoo.plan(seq, torch.randn(4, 8), "1GB", loss_fn=loss_fn),
+                  train_step(seq, torch.randn(4, 8), loss_fn=loss_fn)):
+        expected = rf"given loss_fn \(<lambda>\) returned {re.escape(got)}, not"
+        with pytest.raises(ValueError, match=expected) as e:
+            route()
+        assert "\n" not in str(e.value) and not isinstance(e.value, BatchError)
 
 
 def test_set_grad_checkpointing_modules_of_another_kind_is_one_line():

@@ -60,8 +60,22 @@ def forward_loss(model: Callable[..., Any], batch: Any,
     with forward_precision():
         output = Batch.of(batch).call(model)
         loss = (loss_fn or default_loss)(output)
-    _LOSS_USED.set(loss_source(output, loss_fn))
+    source = loss_source(output, loss_fn)
+    _check_scalar(loss, source)
+    _LOSS_USED.set(source)
     return scale_loss(loss)
+
+
+def _check_scalar(loss: Any, source: str) -> None:
+    """A step's backward starts from one number: a ``loss_fn`` returning anything else is said
+    as the loss's fault in one line (torch would blame the batch: "grad can be implicitly
+    created only for scalar outputs")."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return
+    got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+           else type(loss).__name__)
+    raise ValueError(f"{source} returned {got}, not a loss of one number; "
+                     "reduce it to a scalar, e.g. loss_fn=lambda out: F.cross_entropy(out, y)")
 
 
 def loss_used() -> str:
