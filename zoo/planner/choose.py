@@ -333,9 +333,12 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
     check_optimizer(optimizer, model)
     if cost not in ("flops", "time"):
         raise ValueError(f"cost must be 'flops' or 'time', got {cost!r}")
-    if offload and (compiled or device is None):
+    if offload and device is None:
         raise ValueError("zoo.plan: offload=True needs device= (a card whose host link prices "
-                         "the copies) and an eager step (torch.compile keeps what it saves)")
+                         "the copies), e.g. device='h100'")
+    if offload and compiled:
+        raise ValueError("zoo.plan: offload=True plans an eager step (torch.compile keeps what "
+                         "it saves in its own graph); pass compiled=False or offload=False")
     if compiled:
         _torch.require_compiled_plan()
     ambient = Precision.ambient()
