@@ -328,9 +328,9 @@ class Scaled(nn.Module):
     """A residual function that multiplies by ``scale``: a tensor it does not own (another
     module's parameter), against the contract of a block."""
 
-    def __init__(self, scale: torch.Tensor) -> None:
+    def __init__(self, scale: torch.Tensor, width: int = 8) -> None:
         super().__init__()
-        self.lin, self.__dict__["scale"] = nn.Linear(8, 8), scale
+        self.lin, self.__dict__["scale"] = nn.Linear(width, 8), scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x) * self.scale
@@ -588,6 +588,56 @@ def test_a_kept_lead_input_changed_in_place_after_the_unit_ran_is_an_error():
         h.mul_(2)
     with pytest.raises(RuntimeError, match="changed in place") as err:
         (y1.sum() + y2.sum()).backward()
+    assert "\n" not in str(err.value)
+
+
+class Widen(nn.Module):
+    """A lead unit whose first output is larger than its inputs (4 -> 8 features, shortcuts pad
+    with zeros), so the rebuild recomputes it whole; ``f`` scales by ``scale``, a tensor it
+    does not own."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.f, self.g = Scaled(scale, width=4), nn.Linear(8, 8)
+
+    def shortcut1(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.pad(x, (2, 2))
+
+    shortcut2 = shortcut1
+
+
+class ScaledMap(nn.Module):
+    """Multiplies a map's channels by ``scale``, a tensor it does not own."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.__dict__["scale"] = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale[:, None, None]
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["recomputed-whole", "undone-by-parts"])
+def test_a_lead_unit_using_a_tensor_not_of_its_own_is_refused_in_one_line(whole):
+    """A lead unit's backward gives gradients to its own parameters and its inputs only, on
+    both of its paths (recomputed whole when its first output is larger than its inputs, else
+    one function at a time): a tensor requiring grad that its ``f`` takes from elsewhere would
+    get none, silently, where the stored network gives it one; it is refused in one line."""
+    torch.manual_seed(0)
+    outside = nn.Parameter(torch.ones(8))
+    if whole:
+        lead, x = Widen(outside), torch.randn(4, 4, requires_grad=True)
+        blocks = [Coupling(nn.Linear(8, 8), nn.Linear(8, 8))]
+    else:
+        lead, x = Down(4), torch.randn(2, 4, 8, 8, requires_grad=True)
+        lead.f = nn.Sequential(Branch(4, stride=2), ScaledMap(outside[:4]))
+        blocks = [Coupling(Branch(4), Branch(4))]
+    y1, y2 = reversible_sequence(blocks, x, x * 2, rebuild=False, lead=lead)
+    (y1 * y2).sum().backward()
+    assert outside.grad is not None  # the stored network's gradient
+    y1, y2 = reversible_sequence(blocks, x, x * 2, rebuild=True, lead=lead)
+    with pytest.raises(RuntimeError, match="not one of the block's parameters") as err:
+        (y1 * y2).sum().backward()
     assert "\n" not in str(err.value)
 
 

@@ -114,20 +114,30 @@ def _undo_lead_whole(run: _Run, make1: Callable[[], torch.Tensor],
         edges = [torch.autograd.graph.get_gradient_edge(v) for v in (v1, v2)]
         with _RemakeView([(v1, make1), (v2, make2)]):
             with _RecomputeContext(at_f):
-                f = lead.f(v2)
+                f = _owned(lead.f(v2), lead, "f", aliases)
             with _RecomputeContext(at_d2):
-                roots = [_root(lead.shortcut2(v2))]
+                roots = [_root(_owned(lead.shortcut2(v2), lead, "shortcut2", aliases))]
             with _RecomputeContext(at_d1):
-                y1 = f + lead.shortcut1(v1)
+                y1 = f + _owned(lead.shortcut1(v1), lead, "shortcut1", aliases)
             del f, v1, v2
             with _RecomputeContext(at_g):
-                roots = [_root(y1), _root(lead.g(y1)), *roots]
+                roots = [_root(y1), _root(_owned(lead.g(y1), lead, "g", aliases)), *roots]
     seeds = [a.to(y1.dtype) if a.dtype != y1.dtype else a for a in (a1, a2, a2)]
     del y1
     got = torch.autograd.grad(roots, [*edges, *aliases.values()], seeds, allow_unused=True)
     del roots, seeds
     _accumulate(grads, aliases, got[2:])
     return got[0], got[1]
+
+
+def _owned(out: torch.Tensor, lead: Any, name: str, aliases: dict[int, torch.Tensor]
+           ) -> torch.Tensor:
+    """``out``, the recomputed output of the lead's function ``name``, once its graph is known
+    to reach no tensor requiring grad but the lead's parameters (:func:`~.remake._check_own`:
+    the one recompute takes gradients for those and the inputs only, so another would get none,
+    silently). ``g``'s walk also passes ``f``'s and ``shortcut1``'s graphs, checked before."""
+    _check_own(out, lead, name, aliases)
+    return out
 
 
 def _grad_of(fn: tuple[Any, str], make: Callable[[], torch.Tensor], seed: torch.Tensor,
