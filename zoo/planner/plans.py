@@ -26,12 +26,18 @@ __all__ = ["Plan", "plan_set_aside", "plan_applied", "clear_plan", "cheapest"]
 @contextlib.contextmanager
 def plan_set_aside(model: nn.Module) -> Iterator[None]:
     """A zoo model without the plan applied to it before (its segments, block modes and save
-    sets) for the duration, put back afterwards: planning profiles the model's plain step, which
-    a plan left in place would change (a model planned at one budget, then at another)."""
+    sets) and without its own checkpoint mode for the duration, put back afterwards: planning
+    profiles the model's plain step, which a plan left in place would change (a model planned
+    at one budget, then at another), and so would the mode a reversible model was built in
+    (its chain's reversible part runs in the model's mode: built with ``efficient=True`` it
+    would be profiled rebuilding, its recompute counted as none)."""
     plan, modes = model.checkpoint_plan, getattr(model, "checkpoint_block_modes", None)
+    own = getattr(model, "grad_checkpointing", None)
     model.checkpoint_plan = None
     if modes is not None:
         model.checkpoint_block_modes = None
+    if own is not None:
+        model.set_grad_checkpointing(False)
     try:
         with save_sets_removed(model, model.checkpoint_chain()):
             yield
@@ -39,6 +45,8 @@ def plan_set_aside(model: nn.Module) -> Iterator[None]:
         model.checkpoint_plan = plan
         if modes is not None:
             model.checkpoint_block_modes = modes
+        if own is not None:
+            model.set_grad_checkpointing(own)
 
 
 @contextlib.contextmanager
@@ -104,7 +112,10 @@ class Plan:
 
     def apply(self, model: nn.Module) -> None:
         """Make ``model`` run this plan (its chain's segments with their block modes, or its
-        hand mode; a module planned over its spine runs the segments there)."""
+        hand mode; a module planned over its spine runs the segments there). Segments replace
+        the model's own checkpoint mode, which is turned off: the chain runs as it was profiled
+        (a reversible model's blocks then store their activations, unless the plan is its hand
+        mode ``"reversible"``)."""
         _watch_compile(model, None if self.compile_safe else self._compile_warning())
         if self.spine is not None:
             apply_spine(model, self.spine, self.segments, self.spine_out_of_place)
@@ -114,6 +125,8 @@ class Plan:
         with_modes = hasattr(model, "set_checkpoint_block_modes")
         chain = model.checkpoint_chain()
         if self.mode is None:
+            if getattr(model, "grad_checkpointing", None) is not None:
+                model.set_grad_checkpointing(False)
             model.set_checkpoint_plan(self.segments)
             modes = apply_save_sets(model, chain, self.block_modes)
             if with_modes:
