@@ -264,6 +264,36 @@ def test_a_module_shared_by_f_and_g_and_by_blocks_trains_alike():
     assert_bitwise(*results)
 
 
+def test_a_weight_shared_with_the_head_differs_only_in_its_gradient_sums_order():
+    """A module used by two functions of the sequence and by the head after it: each use's
+    gradient is bit for bit the stored network's, and so is the parameter's gradient when the
+    sequence uses it once; used twice, the rebuild hands autograd the sum of its two uses,
+    which autograd adds to the head's, ``h + (g1 + f0)``, where the stored network's autograd
+    adds each use as it comes, ``(h + g1) + f0``: float addition of three numbers depends on
+    their grouping, so the two differ in the last bits (docs/api/reversible.md)."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+
+    def grads(f0: nn.Module, g1: nn.Module, head: nn.Module, rebuild: bool) -> list:
+        torch.manual_seed(1)  # the same unshared weights each time
+        blocks = [Coupling(f0, nn.Linear(8, 8)), Coupling(nn.Linear(8, 8), g1)]
+        y1, y2 = reversible_sequence(blocks, x, x * 2, rebuild=rebuild)
+        (head(y1 + y2) ** 2).mean().backward()
+        return [m.weight.grad for m in (f0, g1, head)]
+
+    shared = nn.Linear(8, 8)
+    apart = [copy.deepcopy(shared) for _ in range(3)]  # one copy per use
+    f0, g1, h = grads(*apart, rebuild=False)
+    once = copy.deepcopy(shared)
+    for rebuild in (False, True):
+        for p in (*shared.parameters(), *once.parameters()):
+            p.grad = None
+        got = grads(shared, shared, shared, rebuild)[0]
+        assert torch.equal(got, h + (g1 + f0) if rebuild else (h + g1) + f0)
+        assert torch.equal(grads(once, copy.deepcopy(shared), once, rebuild)[0], h + f0)
+    assert not torch.equal(h + (g1 + f0), (h + g1) + f0)  # the case this test is about
+
+
 def test_a_parameter_hook_fires_once_per_backward():
     for rebuild in (False, True):
         stored, rebuilt = twins()

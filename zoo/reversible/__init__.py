@@ -32,11 +32,13 @@ def reversible_sequence(blocks: Sequence[ReversibleBlock], x1: torch.Tensor, x2:
     Each block computes ``y1 = x1 + F(x2), y2 = x2 + G(y1)`` on fixed-point streams
     (docs/api/reversible.md). ``rebuild=True`` keeps only the last block's integer outputs and
     rebuilds every block's inputs in backward (activation memory independent of the number of
-    blocks);
-    ``rebuild=False`` is the same network storing its activations. Both give the same results
-    bit for bit. ``args`` are passed to every ``f`` and ``g`` (an attention mask); they must not
-    require grad. ``preserve_rng_state=False`` skips saving the RNG state before each ``f`` and
-    ``g`` (only for blocks that draw no random numbers).
+    blocks); ``rebuild=False`` is the same network storing its activations. Both give the same
+    results bit for bit, but for a weight used by two or more of the blocks' functions and by a
+    module after the sequence (tied with the head): its gradient sums the same contributions
+    grouped otherwise, so its last bits may differ (docs/api/reversible.md). ``args`` are
+    passed to every ``f`` and ``g`` (an attention mask); they must not require grad.
+    ``preserve_rng_state=False`` skips saving the RNG state before each ``f`` and ``g`` (only
+    for blocks that draw no random numbers).
 
     ``lead``: a non-invertible unit run first, on floats (:class:`LeadBlock`: RevNet's
     downsampling unit). With ``rebuild=True`` its backward recomputes it from its inputs, one
