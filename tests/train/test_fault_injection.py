@@ -194,3 +194,19 @@ def test_sigterm_to_the_process_group_with_loader_workers_saves_and_resumes(tmp_
     resumed = train("--resume", str(run))
     assert resumed.returncode == 0, resumed.stderr
     assert_same_run(run, straight("cnn"))
+
+
+def test_memory_flags_may_change_on_resume_and_the_run_stays_bitwise(tmp_path, straight):
+    """A requeued job given a memory budget (and a card to size it for, offload allowed, the
+    batch left to auto) after a stop inside epoch 2: the plan checkpoints part of the model,
+    the batch is the saved 16, and the run ends bit for bit where the plain straight run ends."""
+    run = tmp_path / "run"
+    stopped = train("--out_dir", str(run), fault="step:4:SIGTERM")
+    assert stopped.returncode == 143, stopped.stderr
+    resumed = train("--resume", str(run), "--batch_size", "auto", "--memory_budget", "106MiB",
+                    "--card", "h100", "--offload", "True")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "| halves |" in resumed.stdout  # the plan recomputes part of the first block
+    assert load_checkpoint(run)["config"]["batch_size"] == 16
+    assert_same_run(run, straight("cnn"))
+

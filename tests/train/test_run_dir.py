@@ -163,8 +163,8 @@ def test_resume_refuses_changed_keys_by_name_and_allows_the_safe_ones(tmp_path, 
     base = dataclasses.replace(tiny(None, epochs=2), resume=str(run))
     with pytest.raises(ConfigError, match=r"changed lr \(0.05 -> 0.1\), momentum \(0.9 -> 0.5\)"):
         fit(dataclasses.replace(base, lr=0.1, momentum=0.5), log=quiet)
-    assert set(SAFE_ON_RESUME) == {"epochs", "device", "workers", "efficient", "compile",
-                                   "data_dir"}
+    assert set(SAFE_ON_RESUME) == {"epochs", "device", "workers", "efficient", "memory_budget",
+                                   "card", "offload", "compile", "data_dir"}
     safe = dataclasses.replace(base, epochs=2, device="cpu", workers=0, efficient=True,
                                compile=False, data_dir=str(tmp_path / "elsewhere"))
     summary = fit(safe, log=quiet)

@@ -29,8 +29,11 @@ __all__ = ["ConfigError", "TrainConfig", "MODEL_ALIASES", "SAFE_ON_RESUME", "res
 MODEL_ALIASES = {"densenet": "densenet_bc_100", "resnet": "resnet110", "vit": "vit_cifar",
                  "cnn": "cifar_cnn"}
 # Keys a resumed run may change: they change where and how fast it runs, not what it computes
-# (efficient: checkpointing gives the same gradients; epochs: how far it goes).
-SAFE_ON_RESUME = ("epochs", "device", "workers", "efficient", "compile", "data_dir")
+# (efficient, memory_budget, card, offload: how activations are kept, recomputed or offloaded,
+# which gives the same gradients; the batch stays the saved one, --batch_size auto included;
+# epochs: how far it goes, where the lr schedule keeps the past steps' rates, run_state).
+SAFE_ON_RESUME = ("epochs", "device", "workers", "efficient", "memory_budget", "card", "offload",
+                  "compile", "data_dir")
 # Keys that say where the run lives, not what it is: never compared.
 RUN_PLACE_KEYS = ("out_dir", "resume", "overwrite")
 
