@@ -210,3 +210,24 @@ def test_memory_flags_may_change_on_resume_and_the_run_stays_bitwise(tmp_path, s
     assert load_checkpoint(run)["config"]["batch_size"] == 16
     assert_same_run(run, straight("cnn"))
 
+
+def test_epochs_may_change_on_resume_only_where_the_past_steps_keep_their_lr(tmp_path):
+    """A run of 4 epochs (3 steps each; a step schedule: lr x0.1 at 50% and 75% of its steps)
+    stopped after epoch 1: as 2 epochs its first milestone would fall on step 4, which the run
+    has set to the full lr (refused, nothing changed); as 3 epochs steps 1-4 keep their lr, and
+    the resumed run is bit for bit the straight 3-epoch run."""
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    assert train("--out_dir", str(straight), "--schedule", "step").returncode == 0
+    stopped = train("--out_dir", str(run), "--schedule", "step", "--epochs", "4",
+                    fault="step:3:SIGTERM")
+    assert stopped.returncode == 143, stopped.stderr
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    refused = train("--resume", str(run), "--epochs", "2")
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
+    assert ("cannot resume" in refused.stderr and "--epochs 2" in refused.stderr
+            and "learning rate" in refused.stderr), refused.stderr
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    resumed = train("--resume", str(run), "--epochs", "3")
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same_run(run, straight)

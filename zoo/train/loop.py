@@ -276,8 +276,10 @@ def _announce(run: Run, resumed: bool) -> None:
         + (f"; resuming after epoch {run.epoch}" if resumed else "")
         + (f", step {run.step} (inside epoch {run.epoch + 1})" if run.position else ""))
     if run.epoch >= cfg.epochs:
-        say(f"nothing to do: the run already has {run.epoch} of {cfg.epochs} epochs; pass "
-            f"--epochs N (more than {run.epoch}) to train it further")
+        further = (f"pass --epochs N (more than {run.epoch}) to train it further"
+                   if cfg.schedule == "constant" else f"its {cfg.schedule} lr schedule ends "
+                   f"with them, so more --epochs would change the rates it trained with")
+        say(f"nothing to do: the run already has {run.epoch} of {cfg.epochs} epochs; {further}")
 
 
 def _say_epoch(run: Run, r: dict[str, Any]) -> None:

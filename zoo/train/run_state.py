@@ -192,6 +192,28 @@ def _restore(run: Run, ckpt: dict[str, Any]) -> None:
                           f"{run.position['world_size']} processes; resume it with as many")
     rngs = ckpt["rng"]
     set_rng_state(rngs[run.env.rank] if len(rngs) == run.env.world_size else rngs[0])
+    _check_lr_kept(run, ckpt)
+
+
+def _check_lr_kept(run: Run, ckpt: dict[str, Any]) -> None:
+    """``--epochs`` on resume: the schedule is laid out over the run's steps, so other epochs
+    move a step schedule's milestones and the whole cosine curve. Refused unless every step the
+    run has trained or set keeps its rate: then the resumed run is the straight run of the new
+    length, bit for bit (a constant schedule, or milestones still ahead in both)."""
+    cfg, saved = run.cfg, ckpt["config"]["epochs"]
+    if saved == cfg.epochs:
+        return
+    per_epoch = math.ceil(len(run.sampler) / run.per_rank)
+    old = lr_factor(dataclasses.replace(cfg, epochs=saved), saved * per_epoch)
+    new = lr_factor(cfg, cfg.epochs * per_epoch)
+    moved = next((it for it in range(run.step + 1) if old(it) != new(it)), None)
+    if moved is not None:
+        raise ConfigError(
+            f"cannot resume {str(cfg.resume)!r} with --epochs {cfg.epochs}: its {cfg.schedule} "
+            f"lr schedule is laid out over the run's {saved} epochs, and over {cfg.epochs} it "
+            f"would change the learning rate the run gave step {moved + 1} ({cfg.lr * old(moved):g}"
+            f" -> {cfg.lr * new(moved):g}), so it would not be a straight {cfg.epochs}-epoch run; "
+            f"keep --epochs {saved}, or start a new run with another --out_dir")
 
 
 # ---- step 3: the run directory ----
