@@ -1,5 +1,6 @@
-"""train.py's command line: config resolution (defaults < recipe < flags), the published recipes,
-and bad input -> a clear message on stderr, exit status 2, no traceback."""
+"""train.py's command line: config resolution (defaults < recipe < flags; resuming: defaults <
+checkpoint's config < --config < flags), the published recipes, and bad input -> a clear
+message on stderr, exit status 2, no traceback."""
 from __future__ import annotations
 
 import importlib.util
@@ -38,6 +39,20 @@ def run_script(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subproc
 
 
 # ---- config resolution ----
+
+def test_on_resume_the_checkpoints_config_stands_below_config_and_flags(tmp_path):
+    """Resuming: defaults < the checkpoint's config < --config < flags; the model's own recipe
+    is not read again (the checkpoint's config already holds it)."""
+    saved = {**vars(TrainConfig(model="resnet110")), "lr": 0.3, "epochs": 7, "seed": 9}
+    cfg, sources = resolve_config({"model": "resnet"}, RECIPES, saved)
+    assert sources == ["defaults", "the resumed run's config", "command line"]
+    assert (cfg.lr, cfg.epochs, cfg.seed, cfg.batch_size) == (0.3, 7, 9, 64)  # no recipe
+    recipe = tmp_path / "more.yaml"
+    recipe.write_text("epochs: 8\nseed: 2\n")
+    cfg, sources = resolve_config({"config": str(recipe), "seed": 5}, RECIPES, saved)
+    assert sources == ["defaults", "the resumed run's config", str(recipe), "command line"]
+    assert (cfg.lr, cfg.epochs, cfg.seed) == (0.3, 8, 5)
+
 
 def test_flags_override_the_models_recipe_which_overrides_defaults():
     cfg, sources = resolve_config({"model": "resnet", "lr": 0.05}, RECIPES)

@@ -1,7 +1,10 @@
 """Training configuration: plain data (a dataclass), loaded from YAML recipes and command-line flags.
 
-Precedence, lowest first: the dataclass defaults < the recipe file (``--config``, or
-``configs/<model>.yaml`` when the model has one) < the checkpoint's config when resuming < flags.
+Precedence, lowest first (:func:`resolve_config`). A new run: the dataclass defaults < the
+recipe file (``--config``, or else ``configs/<model>.yaml`` when the model has one) < flags.
+Resuming: the defaults < the checkpoint's config (which holds its recipe: the model's recipe is
+not read again) < the ``--config`` file, when one is given < flags; then every key that differs
+from the checkpoint's, other than :data:`SAFE_ON_RESUME`, is refused (:func:`config_drift`).
 An unknown key or a value of the wrong type is a :class:`ConfigError` naming the valid keys, in
 files as on the command line (nanoGPT's rule: configs are plain data, unknown keys are errors).
 """
