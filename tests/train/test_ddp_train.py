@@ -8,11 +8,14 @@ dropout draws per rank), so the test uses cifar_cnn with batch_norm=False, drop_
 """
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from zoo.train.config import resolve_config
@@ -79,37 +82,65 @@ def test_torchrun_two_gloo_processes_match_one_process(tmp_path):
     assert not torch.equal(fresh["out.weight"], single["model"]["out.weight"])
 
 
-def test_torchrun_sigterm_saves_mid_epoch_on_every_rank_and_resumes(tmp_path):
-    """ZOO_FAULT signals both ranks after step 2; they agree at step 10 (DDP_STOP_CHECK_EVERY),
-    save that step and exit 143; torchrun --resume ends bit for bit where an uninterrupted
-    torchrun run ends."""
+def _torchrun(tmp_path: Path, logs: str, *args: str,
+              fault: str | None = None) -> subprocess.CompletedProcess:
+    """train.py under torchrun, 2 gloo processes; each rank's stdout and stderr in ``logs``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", "--log_dir", str(tmp_path / logs), "--redirects", "3", str(ROOT / "train.py"),
+           "--device", "cpu", *args]
+    extra = {"ZOO_FAULT": fault} if fault else {}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **extra})
+
+
+@pytest.fixture(scope="module")
+def stopped_and_resumed(tmp_path_factory) -> Path:
+    """A torchrun run of 12 steps stopped by SIGTERM (ZOO_FAULT signals both ranks after step 2;
+    they agree at step 10, DDP_STOP_CHECK_EVERY), then resumed with torchrun --resume: the
+    folder holding the run (``ddp``), the recipe and both runs' logs (``logs1``, ``logs2``)."""
+    tmp_path = tmp_path_factory.mktemp("ddp-resume")
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(RECIPE.replace("train_size: 32", "train_size: 192"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-    def torchrun(logs: str, *args: str, fault: str | None = None) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-               "2", "--log_dir", str(tmp_path / logs), "--redirects", "3", str(ROOT / "train.py"),
-               "--device", "cpu", *args]
-        extra = {"ZOO_FAULT": fault} if fault else {}
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path,
-                              env={**env, **extra})
-
     run = tmp_path / "ddp"
-    torchrun("logs1", "--config", str(recipe), "--out_dir", str(run), fault="step:2:SIGTERM")
-    err = {int(p.parent.name): p.read_text() for p in (tmp_path / "logs1").rglob("stderr.log")}
-    assert "stopped by SIGTERM in epoch 1 after step 10: saved" in err[0], err
-    ckpt = load_checkpoint(run)
-    assert ckpt["step"] == 10 and ckpt["position"]["batches_done"] == 10 and len(ckpt["rng"]) == 2
-    res = torchrun("logs2", "--resume", str(run))
+    _torchrun(tmp_path, "logs1", "--config", str(recipe), "--out_dir", str(run),
+              fault="step:2:SIGTERM")
+    res = _torchrun(tmp_path, "logs2", "--resume", str(run))
     assert res.returncode == 0, res.stderr[-3000:]
+    return tmp_path
+
+
+def _rank_logs(folder: Path, name: str) -> dict[int, str]:
+    return {int(p.parent.name): p.read_text() for p in folder.rglob(name)}
+
+
+def test_torchrun_sigterm_saves_mid_epoch_on_every_rank_and_resumes(stopped_and_resumed):
+    """Both ranks save step 10 and exit 143; torchrun --resume ends bit for bit where an
+    uninterrupted torchrun run ends."""
+    tmp_path = stopped_and_resumed
+    err = _rank_logs(tmp_path / "logs1", "stderr.log")
+    assert "stopped by SIGTERM in epoch 1 after step 10: saved" in err[0], err
+    ckpt = load_checkpoint(tmp_path / "ddp" / "prev.pt")  # (last.pt: the finished epoch)
+    assert ckpt["step"] == 10 and ckpt["position"]["batches_done"] == 10 and len(ckpt["rng"]) == 2
 
     straight = tmp_path / "straight"
-    res = torchrun("logs3", "--config", str(recipe), "--out_dir", str(straight))
+    res = _torchrun(tmp_path, "logs3", "--config", str(tmp_path / "tiny.yaml"), "--out_dir",
+                    str(straight))
     assert res.returncode == 0, res.stderr[-3000:]
-    want, got = load_checkpoint(straight), load_checkpoint(run)
+    want, got = load_checkpoint(straight), load_checkpoint(tmp_path / "ddp")
     assert got["step"] == want["step"] == 12
     for k in want["model"]:  # gloo's all_reduce is deterministic: bit for bit
         assert torch.equal(got["model"][k], want["model"][k]), k
     for a, b in zip(got["rng"], want["rng"]):
         assert torch.equal(a["torch"], b["torch"])
+
+
+def test_the_progress_bar_of_a_resumed_epoch_counts_its_images_once(stopped_and_resumed):
+    """The bar's images/s at the resumed epoch's last step is the epoch's, as metrics.jsonl
+    has it (all its images over its time, before and after the stop), not the images the
+    ranks saw before the stop counted once per rank."""
+    bar = _rank_logs(stopped_and_resumed / "logs2", "stderr.log")[0]
+    shown = [float(x) for x in re.findall(r"img_s=(\d+)", bar)]
+    assert shown, bar
+    (record,) = [json.loads(x) for x in (stopped_and_resumed / "ddp" / "metrics.jsonl")
+                 .read_text().splitlines()]
+    assert 0.8 < shown[-1] / record["images_per_s"] < 1.25, (shown, record)

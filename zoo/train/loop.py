@@ -103,7 +103,7 @@ def train_epoch(run: Run, stop: StopSignal) -> EpochStats:
     loss_sum = torch.tensor(pos.get("loss_sum", 0.0) if first else 0.0, dtype=torch.float64,
                             device=device)
     correct = torch.tensor(int(pos.get("correct", 0)) if first else 0, device=device)
-    seen = int(pos.get("seen", 0)) if first else 0
+    seen = carried = int(pos.get("seen", 0)) if first else 0  # (every rank's, before a stop)
     t0 = time.perf_counter() - pos.get("elapsed", 0.0)
     shown, lr = time.perf_counter(), run.optimizer.param_groups[0]["lr"]
     bar = tqdm(loader, desc=f"epoch {run.epoch + 1}/{cfg.epochs}", disable=not env.is_main,
@@ -126,17 +126,18 @@ def train_epoch(run: Run, stop: StopSignal) -> EpochStats:
         loss_sum += loss.detach().double() * len(y)
         correct += (logits.detach().argmax(1) == y).sum()
         seen += len(y)
-        if env.is_main and time.perf_counter() - shown > 1.0:  # (.item() syncs: once a second)
+        last = batch + 1 == len(batches)  # (.item() syncs: once a second, and at the end)
+        if env.is_main and (time.perf_counter() - shown > 1.0 or last):
             shown = time.perf_counter()
             mean = loss_sum.item() / max(seen, 1)
             if not env.enabled and not math.isfinite(mean):
                 raise _diverged(run, mean)
             mem, _ = peak_memory(device)
+            images = carried + (seen - carried) * env.world_size  # the others' as many as ours
             bar.set_postfix(loss=f"{mean:.3f}", acc=f"{correct.item() / max(seen, 1):.3f}",
-                            img_s=f"{seen * env.world_size / (time.perf_counter() - t0):.0f}",
+                            img_s=f"{images / (time.perf_counter() - t0):.0f}",
                             mem=f"{mem / 2**20:.0f}MiB", refresh=False)
-        if _stop_requested(run, stop, batch, batch + 1 == len(batches)) \
-                and batch + 1 < len(batches):
+        if _stop_requested(run, stop, batch, last) and not last:
             bar.close()
             _save_mid_epoch(run, stop, batch + 1,
                             [loss_sum.item(), float(correct.item()), float(seen)],
