@@ -9,7 +9,8 @@ after the rename (before best.pt and metrics.jsonl), after the metrics line; SIG
 after a given optimizer step, which makes train.py save a mid-epoch checkpoint and exit 143/130.
 cifar_cnn has dropout and BatchNorm, so RNG states and buffers must come back exactly too; a
 reversible RevNet (``--efficient True``: activations rebuilt in backward) goes through the same
-kills, and through a SIGKILL in the middle of an epoch.
+kills, and through a SIGKILL in the middle of an epoch. A resume paused (SIGSTOP) just before
+it takes the run's lock loses the directory to another resume that runs to the end.
 """
 from __future__ import annotations
 
@@ -231,3 +232,31 @@ def test_epochs_may_change_on_resume_only_where_the_past_steps_keep_their_lr(tmp
     resumed = train("--resume", str(run), "--epochs", "3")
     assert resumed.returncode == 0, resumed.stderr
     assert_same_run(run, straight)
+
+
+def test_a_resume_that_loses_the_race_for_the_lock_never_trains_from_an_older_checkpoint(
+        tmp_path):
+    """Two jobs resume one run (a requeue racing its own restart): the late one reads last.pt
+    (epoch 1) and, before it takes the lock, the other takes it, trains to epoch 3 and ends.
+    The late one then holds the lock over a newer last.pt than it restored: it must stop in one
+    line and leave the finished run as it is, not train from epoch 1 again over it."""
+    run = tmp_path / "run"
+    stopped = train("--out_dir", str(run), "--schedule", "constant", fault="step:3:SIGTERM")
+    assert stopped.returncode == 143, stopped.stderr
+    late = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *TINY, "--resume", str(run), "--epochs", "2"],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "ZOO_FAULT": "lock::SIGSTOP"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert os.WIFSTOPPED(os.waitpid(late.pid, os.WUNTRACED)[1])  # paused before the lock
+        first = train("--resume", str(run))
+        assert first.returncode == 0, first.stderr
+        finished = {p.name: p.read_bytes() for p in run.iterdir()}
+        assert load_checkpoint(run)["epoch"] == 3
+        os.kill(late.pid, signal.SIGCONT)
+        _out, err = late.communicate(timeout=300)
+    finally:
+        late.kill()
+    assert late.returncode == 2, err
+    assert err.count("\n") == 1 and "changed while this run was starting" in err, err
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == finished

@@ -251,7 +251,7 @@ def fit(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
         if stop.signum is not None:
             raise RunStopped(f"stopped by {stop.name} before the first step: nothing was saved, "
                              f"the run directory (if any) is unchanged", 128 + stop.signum)
-        with run_directory(run, here):
+        with run_directory(run, here, ckpt):
             _announce(run, resumed=ckpt is not None)
             started, epochs_done = time.perf_counter(), run.epoch
             while run.epoch < run.cfg.epochs:

@@ -8,8 +8,9 @@ the metrics of every epoch inside the checkpoint, so resuming rewrites ``metrics
 without losing or repeating a line.
 
 ``ZOO_FAULT=<point>:<epoch>`` SIGKILLs the process at a named point of the save path
-(:data:`FAULT_POINTS`), ``ZOO_FAULT=step:<n>:SIGTERM`` signals it after optimizer step n: the
-fault-injection tests stop the real training process there."""
+(:data:`FAULT_POINTS`), ``ZOO_FAULT=step:<n>:SIGTERM`` signals it after optimizer step n,
+``ZOO_FAULT=lock::SIGSTOP`` pauses it just before it takes the run's lock: the fault-injection
+tests stop the real training process there."""
 from __future__ import annotations
 
 import hashlib
@@ -32,13 +33,13 @@ from .run_lock import LOCK_NAME, RunLock
 
 __all__ = ["CHECKPOINT_FORMAT", "RUN_FILES", "FAULT_POINTS", "CorruptCheckpointError",
            "atomic_write", "atomic_save", "state_digest", "RunDir", "find_checkpoint",
-           "load_checkpoint", "check_run_dir", "rng_state", "set_rng_state"]
+           "load_checkpoint", "saved_digest", "check_run_dir", "rng_state", "set_rng_state"]
 
 CHECKPOINT_FORMAT = "zoo-train-2"
 CHECKPOINT_KEYS = ("format", "model_name", "model_args", "model", "optimizer", "scheduler",
                    "scaler", "epoch", "step", "best_acc", "rng", "config", "history", "position")
 RUN_FILES = ("config.yaml", "metrics.jsonl", "last.pt", "prev.pt", "best.pt")
-FAULT_POINTS = ("tmp_written", "renamed", "metrics_appended", "step")
+FAULT_POINTS = ("tmp_written", "renamed", "metrics_appended", "step", "lock")
 
 
 class CorruptCheckpointError(ConfigError):
@@ -200,6 +201,18 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise CorruptCheckpointError(f"{str(path)!r} is corrupt: its contents do not match the "
                                      f"SHA-256 saved with it{_go_back_hint(path)}")
     return ckpt
+
+
+def saved_digest(path: str | Path) -> str | None:
+    """The SHA-256 a checkpoint file was saved with, read without loading its tensors (they are
+    memory-mapped, never touched); None when the file is missing or unreadable."""
+    for mmap in (True, False):  # (a file system that cannot map it: read it whole)
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        except Exception:  # (missing, or junk: not the checkpoint this run restored)
+            continue
+        return ckpt.get("sha256") if isinstance(ckpt, dict) else None
+    return None
 
 
 def check_run_dir(path: str | Path, resuming_here: bool, overwrite: bool) -> None:

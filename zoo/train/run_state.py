@@ -24,7 +24,8 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from .config import SAFE_ON_RESUME, ConfigError, TrainConfig, config_drift, to_yaml
 from .data import build_datasets
-from .run_dir import RunDir, check_run_dir, find_checkpoint, load_checkpoint, set_rng_state
+from .run_dir import (RunDir, check_run_dir, fault_point, find_checkpoint, load_checkpoint,
+                      saved_digest, set_rng_state)
 from .setup import (Distributed, all_sum, amp_dtype_for, build_model, build_optimizer,
                           lr_factor, plan_memory)
 
@@ -219,13 +220,17 @@ def _check_lr_kept(run: Run, ckpt: dict[str, Any]) -> None:
 # ---- step 3: the run directory ----
 
 @contextlib.contextmanager
-def run_directory(run: Run, here: bool) -> Iterator[RunDir]:
+def run_directory(run: Run, here: bool, ckpt: dict | None = None) -> Iterator[RunDir]:
     """Open (lock) the run directory on rank 0 for the ``with`` block: config.yaml written,
-    metrics.jsonl rewritten from the checkpoint's history. Every rank fails if rank 0 does."""
+    metrics.jsonl rewritten from the checkpoint's history. Every rank fails if rank 0 does.
+    ``ckpt``: the checkpoint restored, which must still be on disk once the lock is held."""
     error: BaseException | None = None
     if run.env.is_main:
         try:
+            fault_point("lock", run.epoch)
             run.dir.open(here, run.cfg.overwrite)
+            if here and ckpt is not None:
+                _check_still_the_one_restored(run, ckpt)
             run.dir.write_config(to_yaml(run.cfg))
             run.dir.write_metrics(run.history)
             if _resumed_the_best_epoch(run):  # (a crash may have come before best.pt was copied)
@@ -243,6 +248,19 @@ def run_directory(run: Run, here: bool) -> Iterator[RunDir]:
         yield run.dir
     finally:
         run.dir.close()
+
+
+def _check_still_the_one_restored(run: Run, ckpt: dict[str, Any]) -> None:
+    """The run read its checkpoint before it held the lock; another run on the directory may
+    have saved into it in between (it ended just before this one took the lock). Training on
+    from the older state would write over that run's epochs: refuse, so the same command,
+    run again, resumes from the newer one."""
+    path = find_checkpoint(run.cfg.resume)
+    if saved_digest(path) != ckpt["sha256"]:
+        raise ConfigError(f"{str(path)!r} changed while this run was starting: another run "
+                          f"saved into {str(run.dir.path)!r} after this one read it (at epoch "
+                          f"{ckpt['epoch']}, step {ckpt['step']}); run the same command again "
+                          f"to resume from the newer checkpoint")
 
 
 def _resumed_the_best_epoch(run: Run) -> bool:
