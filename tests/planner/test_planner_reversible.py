@@ -15,6 +15,7 @@ import torch
 
 from helpers import assert_same_training
 from zoo import plan
+from zoo.blocks import NoBlocksError
 from zoo.models.rev_bert import RevBert
 from zoo.models.rev_vit import RevVisionTransformer
 from zoo.models.revnet import RevNet
@@ -59,3 +60,14 @@ def test_a_plan_chooses_the_reversible_mode_and_keeps_its_promise(build):
         assert chosen.predicted_peak <= float(budget)
         assert real_peak(model, x) == chosen.predicted_peak, (budget, chosen.mode)
         assert_same_training(plain, plain, model, model, x, exact=True)
+
+
+def test_blocks_the_step_never_calls_are_refused_in_one_line():
+    """A reversible tower runs its blocks' ``f`` and ``g``, never their ``forward``: named as the
+    modules to checkpoint (``modules=["RevBlock"]``) they would be wrapped to no effect while the
+    plan printed them as its blocks."""
+    model, x = rev_vit(efficient=False)
+    with pytest.raises(NoBlocksError, match=r"calls none of the 3 modules .*\(RevBlock\)") as e:
+        plan(model, x, "inf", modules=["RevBlock"], apply=False)
+    assert "\n" not in str(e.value)
+    assert plan(model, x, "inf", modules=["Attention"], apply=False).blocks  # called: planned

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...blocks import checkpoint_module, find_blocks, is_checkpointed
+from ...blocks import NoBlocksError, checkpoint_module, find_blocks, is_checkpointed
 from ...memory import format_bytes
 from ..errors import BudgetTooSmallError
 from ...memory.fake import fake_state
@@ -148,7 +148,20 @@ def block_costs(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_i
     finally:
         for h in handles:
             h.remove()
+    _check_called(model, blocks, start)
     return {n: sum(v.values()) for n, v in saved.items()}, flops
+
+
+def _check_called(model: nn.Module, blocks: list[tuple[str, nn.Module]], called: dict) -> None:
+    """Refuse blocks the model's step never calls (a reversible tower runs its blocks' ``f``
+    and ``g``, not their ``forward``): checkpointing them would change nothing while the plan
+    said it did. Some blocks left uncalled are kept (a layer drop skips layers at random)."""
+    if not called:
+        kinds = sorted({type(m).__name__ for _, m in blocks})
+        raise NoBlocksError(f"{type(model).__name__}'s training step calls none of the "
+                            f"{len(blocks)} modules to checkpoint ({', '.join(kinds)}): "
+                            f"checkpointing them would change nothing; name modules whose "
+                            f"forward the model calls (modules=...)")
 
 
 def plan_module(model: nn.Module, example_input: Any, budget: int | float,
