@@ -211,10 +211,14 @@ def _check_lr_kept(run: Run, ckpt: dict[str, Any]) -> None:
     if moved is not None:
         raise ConfigError(
             f"cannot resume {str(cfg.resume)!r} with --epochs {cfg.epochs}: its {cfg.schedule} "
-            f"lr schedule is laid out over the run's {saved} epochs, and over {cfg.epochs} it "
+            f"lr schedule is laid out over the run's {_epochs(saved)}, and over {cfg.epochs} it "
             f"would change the learning rate the run gave step {moved + 1} ({cfg.lr * old(moved):g}"
             f" -> {cfg.lr * new(moved):g}), so it would not be a straight {cfg.epochs}-epoch run; "
             f"keep --epochs {saved}, or start a new run with another --out_dir")
+
+
+def _epochs(n: int) -> str:
+    return f"{n} epoch" if n == 1 else f"{n} epochs"
 
 
 # ---- step 3: the run directory ----
