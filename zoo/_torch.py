@@ -168,6 +168,7 @@ NAMES: dict[str, Name] = {
     "torch._subclasses.fake_tensor.is_fake": Name(OLDEST, "required"),
     "torch._subclasses.fake_tensor.in_kernel_invocation_manager": Name(OLDEST, "required"),
     "torch._subclasses.fake_tensor._DispatchCacheKey": Name(OLDEST, "exact: torch's keys"),
+    "torch._subclasses.fake_tensor.DataDependentOutputException": Name(OLDEST, "required"),
     "torch.distributed._tools.mem_tracker.MemTracker": Name(
         (2, 5), "error: exact CPU peaks (zoo.memory, zoo.plan) need torch 2.5"),
 }
@@ -583,6 +584,7 @@ FakeTensorMode = _fake.FakeTensorMode
 is_fake = _fake.is_fake
 in_kernel_invocation_manager = _fake.in_kernel_invocation_manager
 DispatchCacheKey = getattr(_fake, "_DispatchCacheKey", None)  # FakeTensorMode's cache key
+ValueReadOnFake = _fake.DataDependentOutputException  # a fake tensor's value was asked for
 
 
 mem_tracker = lazy("torch.distributed._tools.mem_tracker.MemTracker",

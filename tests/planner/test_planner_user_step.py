@@ -321,10 +321,29 @@ def test_a_loss_fn_returning_more_than_one_number_is_its_own_fault_in_one_line(l
     seq = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     for route in (lambda: zoo.plan(seq, torch.randn(4, 8), "1GB", loss_fn=loss_fn),
                   train_step(seq, torch.randn(4, 8), loss_fn=loss_fn)):
-        expected = rf"given loss_fn \(<lambda>\) returned {re.escape(got)}, not"
+        expected = rf"loss \(the given loss_fn \(<lambda>\)\) is {re.escape(got)}, not one"
         with pytest.raises(ValueError, match=expected) as e:
             route()
         assert "\n" not in str(e.value) and not isinstance(e.value, BatchError)
+
+
+def test_a_loss_reaching_no_trained_parameter_is_one_line():
+    seq = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with pytest.raises(ValueError, match=r"loss \(the given loss_fn .*does not require grad"):
+        zoo.plan(seq, torch.randn(4, 8), "1GB", loss_fn=lambda out: out.detach().sum())
+    seq.requires_grad_(False)  # a model frozen whole: nothing to train, nothing to plan
+    with pytest.raises(ValueError, match=r"loss \(mean of squares\) does not require") as e:
+        zoo.plan(seq, torch.randn(4, 8), "1GB")
+    assert "\n" not in str(e.value) and not isinstance(e.value, BatchError)
+
+
+def test_a_value_read_in_the_step_is_one_line():
+    # a fake tensor has a shape but no value: torch raises its DataDependentOutputException
+    seq = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    loss_fn = lambda out: out.square().mean() * float(out.sum() > 0)  # noqa: E731
+    with pytest.raises(BatchError, match=r"reads a tensor's value .*keep value reads out") as e:
+        zoo.plan(seq, torch.randn(4, 8), "1GB", loss_fn=loss_fn)
+    assert "\n" not in str(e.value)
 
 
 def test_set_grad_checkpointing_modules_of_another_kind_is_one_line():

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from .. import _torch
 from .inputs import Batch
 
 __all__ = ["fake_logs_quiet", "logger_off", "BatchError"]
@@ -45,6 +46,11 @@ def fake_logs_quiet(model: nn.Module, batch: Batch) -> Iterator[None]:
     try:
         with logger_off(_FAKE_LOG):
             yield
+    except _torch.ValueReadOnFake as e:  # .item(), a tensor in an `if`: values a fake has not
+        raise BatchError(f"{type(model).__name__}'s step reads a tensor's value ({e}: .item(), "
+                         f"a tensor as a Python bool or number), which planning cannot: its "
+                         f"tensors are fake, shapes without values; keep value reads out of "
+                         f"the forward and loss_fn") from None
     except RuntimeError as e:
         if type(e) is not RuntimeError:  # an out-of-memory error and its kind are not the batch's
             raise

@@ -67,14 +67,18 @@ def forward_loss(model: Callable[..., Any], batch: Any,
 
 
 def _check_scalar(loss: Any, source: str) -> None:
-    """A step's backward starts from one number: a ``loss_fn`` returning anything else is said
-    as the loss's fault in one line (torch would blame the batch: "grad can be implicitly
-    created only for scalar outputs")."""
-    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+    """A step's backward starts from one number that requires grad: a loss that is not is said
+    as the loss's fault in one line (torch's errors, "grad can be implicitly created only for
+    scalar outputs", "element 0 of tensors does not require grad", would blame the batch)."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad:
         return
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        raise ValueError(f"the step's loss ({source}) does not require grad: it reaches no "
+                         "parameter that trains; give the model trainable parameters, and "
+                         "keep the graph in loss_fn (no .detach())")
     got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
            else type(loss).__name__)
-    raise ValueError(f"{source} returned {got}, not a loss of one number; "
+    raise ValueError(f"the step's loss ({source}) is {got}, not one number; "
                      "reduce it to a scalar, e.g. loss_fn=lambda out: F.cross_entropy(out, y)")
 
 
