@@ -44,7 +44,8 @@ class Trace:
     Per phase: ``mark`` (level when it began), ``peak``, ``flops``, ``rflops`` (FLOPs run while
     recomputing), ``grads`` (parameter gradients created). Per position ``i``: ``saved[i]``
     (storage -> bytes autograd saved in its forward, parameters excluded), ``at_last_pack[i]``
-    (the forward's peak when it saved its last tensor), its input's and output's storage and
+    (the forward's peak when it saved its last tensor), ``after[i]`` (the level once it has
+    returned and the chain has let go of its input), its input's and output's storage and
     bytes, ``out_dgrad[i]`` (bytes of its output's gradient), ``alias[i]`` (its output is its
     input's storage: an in-place block) and ``cached[i]`` (bytes of the casts of parameters
     autocast made in its forward and still holds at its end, unsaved: the cache keeps a
@@ -60,6 +61,7 @@ class Trace:
         self.mark: dict[tuple, int] = {}
         self.saved: dict[int, dict[int, int]] = {}
         self.at_last_pack: dict[int, int] = {}
+        self.after: dict[int, int] = {}
         self.in_key: dict[int, int] = {}
         self.out_key: dict[int, int] = {}
         self.in_bytes: dict[int, int] = {}
@@ -127,6 +129,12 @@ class Trace:
     def note_grad(self, g: torch.Tensor) -> None:
         self.grads[self.phase] = self.grads.get(self.phase, 0) + grad_bytes(g, self.counter)
 
+    def block_done(self, i: int) -> None:
+        """Block ``i`` has returned and the chain holds its output instead of its input: note
+        the level (in its first forward only)."""
+        if not is_recomputing():
+            self.after[i] = self.counter.current
+
     def call_block(self, i: int, block: Callable, x: torch.Tensor) -> torch.Tensor:
         if is_recomputing():  # a recompute runs inside the segment's backward phase
             return block(x)
@@ -179,6 +187,7 @@ class _TracedChain:
             block = blocks[i] if self.block_mode is None else partial(
                 self.model.run_chain_block, blocks[i], mode=self.block_mode)
             h = self.trace.call_block(i, block, h)
+            self.trace.block_done(i)
         return h
 
     def segment(self, blocks: Sequence[Callable], a: int, b: int, inner: Any) -> Callable:
