@@ -18,7 +18,7 @@ from torch import nn
 import zoo
 from helpers import assert_same_training
 from zoo.memory import cpu_peak_bytes
-from zoo.planner import default_loss, measure_step
+from zoo.planner import BudgetTooSmallError, default_loss, measure_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -93,3 +93,18 @@ def test_a_frozen_model_is_planned_exactly_and_trains_as_the_plain_one(make, fro
     for p, q in zip(model.parameters(), plain.parameters()):
         assert p.requires_grad == q.requires_grad
         assert p.requires_grad or torch.equal(p, q)
+
+
+def test_a_frozen_stem_is_planned_exactly_down_to_the_least_budget():
+    """A frozen stem's blocks in an intra-block mode keep their own checkpoints' inputs, which
+    need no gradient, out of an enclosing region's sight: each plan still predicts its peak to
+    the byte, from the least feasible budget up, and trains as the plain model does."""
+    model, x = zoo_resnet("stem")
+    plain = copy.deepcopy(model)
+    with pytest.raises(BudgetTooSmallError) as info:
+        zoo.plan(model, x, 1)
+    least, top = info.value.smallest, info.value.plain
+    for budget in (least, least + (top - least) // 8, least + (top - least) // 4):
+        result = zoo.plan(model, x, budget)
+        assert result.predicted_peak == measure_step(model, x)[0] == real_peak(model, x), budget
+        assert_same_training(plain, plain, model, model, x, steps=2, exact=True)

@@ -23,8 +23,10 @@ class ChainProfile:
       ``base``); ``dgrad[k]``: bytes of its gradient;
     * ``saved[u]``: bytes the unit keeps for its backward beyond its input and output storages;
       ``keeps_input[u]`` / ``keeps_output[u]``: whether it keeps those too; ``opaque[u]``: part
-      of what it keeps is out of the saved-tensor hooks' sight (a selective checkpoint's cache),
-      so inside an outer checkpoint it would keep it all the same: it runs stored only;
+      of what it keeps is out of the saved-tensor hooks' sight (a selective checkpoint's cache,
+      or the inputs needing no gradient that a checkpoint of its own keeps itself when nested:
+      a frozen block's output), so inside an outer checkpoint it would keep it all the same: it
+      runs stored at the top level only;
     * ``fwd_rise[u]`` / ``fwd_rise_ckpt[u]``: peak above the level at the unit's start during its
       forward, stored / checkpointed; ``fwd_rise_stop[u]``: the same peak up to the unit's last
       saved tensor, where a recompute ending with the unit stops;

@@ -83,6 +83,8 @@ def read_pattern(p: ChainProfile, trace: Trace, segments: list, roles: dict[int,
             first, last = p.units[u]
             p.fwd_rise_ckpt[u] = unit_peak(trace, "FG", range(first, last)) \
                 - trace.mark[("F", first)]
+            if p.opaque and _kept_in_region(trace, range(first, last)):
+                p.opaque[u] = True
         if inner[0][2] is None:  # one level: units a..b-1 recomputed together
             runs = [list(range(a, b))]
         else:  # unit a alone in an inner region, then a+1..b-1 in the outer recompute
@@ -100,6 +102,17 @@ def read_pattern(p: ChainProfile, trace: Trace, segments: list, roles: dict[int,
                          AFTER_UNIT: p.bwd_rise_recomputed if p.held_in_plain(w) else
                          p.bwd_rise_recomputed_alone}[roles[w]]
                 _fill(table, w, _rise(p, trace, w, run if w == u else [], a))
+
+
+def _kept_in_region(trace: Trace, blocks: range) -> bool:
+    """Whether a unit run in a checkpointed segment's forward keeps more than its output there:
+    a checkpoint of its own keeps those of its inputs that need no gradient (a frozen block's
+    output) itself, out of the enclosing region's sight, until the unit's backward. Such a unit
+    is *opaque*: it runs stored at the top level only."""
+    first, last = blocks[0], blocks[-1]
+    output = 0 if trace.out_key[last] == trace.in_key[first] else trace.out_bytes[last]
+    cached = sum(trace.cached.get(j, 0) for j in blocks)  # autocast's casts: kept anyway
+    return trace.after[last] - trace.mark[("F", first)] - output - cached > 0
 
 
 def _rise(p: ChainProfile, trace: Trace, u: int, run: list[int], region_input: int | None

@@ -78,9 +78,9 @@ def profile_chain(model: nn.Module, example_input: torch.Tensor,
                             stored_only=[t is not None for t in wrapped])
         if prof is not None:  # torch's selective checkpoint keeps its cache even inside an
             # outer region's forward: stored at the top only
-            prof.opaque = [o or any(wrapped[j] is not None for j in range(a, b))
-                           for o, (a, b) in zip(prof.opaque, prof.units)]
-            prof.keeps_input = [k or o for k, o in zip(prof.keeps_input, prof.opaque)]
+            selective = [any(wrapped[j] is not None for j in range(a, b)) for a, b in prof.units]
+            prof.opaque = [o or c for o, c in zip(prof.opaque, selective)]
+            prof.keeps_input = [k or c for k, c in zip(prof.keeps_input, selective)]
             prof.block_mode = block_mode
         return prof
     return _profile(model, example_input, loss_fn, block_mode, like, whole, fake, max_units)
@@ -206,9 +206,10 @@ def _units_of(plain: Trace, n: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(starts, starts[1:] + [n])]
 
 
-# what the pattern runs add to a plain step's figures
+# what the pattern runs add to a plain step's figures (``opaque``: a unit that keeps more in a
+# checkpointed segment's forward than its output, ``contexts._kept_in_region``)
 CONTEXTS = ("fwd_rise_ckpt", "recompute_flops", "bwd_rise_alone", "bwd_rise_region",
-            "bwd_rise_recomputed", "bwd_rise_recomputed_alone")
+            "bwd_rise_recomputed", "bwd_rise_recomputed_alone", "opaque")
 
 
 def _select(prof: ChainProfile, sub_units: list[tuple[int, int]]) -> ChainProfile:
