@@ -77,6 +77,22 @@ def test_plan_with_an_infinite_budget_checkpoints_nothing():
     model.set_checkpoint_plan(None)
 
 
+@pytest.mark.parametrize("name", ["resnet20", "revnet38"])
+@pytest.mark.parametrize("with_optimizer", [False, True])
+def test_an_infinite_budgets_smallest_feasible_is_the_least_any_plan_reaches(name, with_optimizer):
+    """The plan at ``inf`` prints the smallest feasible peak: the one a budget below it is told,
+    per-block modes, hand modes (RevNet's rebuild) and the optimizer's state included."""
+    model = zoo.create_model(name)
+    x = model.example_input(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if with_optimizer else None
+    with pytest.raises(zoo.planner.BudgetTooSmallError) as too_small:
+        zoo.plan(model, x, 1, optimizer=opt, apply=False)
+    roomy = zoo.plan(model, x, "inf", optimizer=opt, apply=False)
+    assert roomy.smallest_peak == too_small.value.smallest < roomy.plain_peak
+    assert roomy.predicted_peak == roomy.plain_peak == too_small.value.plain
+    assert roomy.recompute_flops == 0 and roomy.mode is None and roomy.checkpointed_blocks == []
+
+
 @pytest.mark.parametrize("bad", [float("nan"), -1, "lots"])
 def test_plan_refuses_bad_budgets_before_profiling(bad):
     model = zoo.create_model("cifar_cnn")

@@ -36,7 +36,7 @@ from .profiling.profile import ChainProfile, profile_chain
 from .profiling.timing import time_profile
 from .search.front import Front
 from .search.modes import ModeCost, profile_modes
-from .search.multi_level import MAX_UNITS, chain_floor
+from .search.multi_level import MAX_UNITS
 from .search.one_level import predict_peak, schedules
 from .search.savesets import SAVE_SETS
 from ..memory.quiet import fake_logs_quiet
@@ -399,12 +399,6 @@ def _plan_zoo_model(model: nn.Module, example_input: Batch, budget: float,
                     optimizer: torch.optim.Optimizer | None) -> Plan:
     """:func:`plan` for a model with the zoo's chain, with no plan applied to it."""
     whole = WholeStep.of(model, example_input, loss_fn, optimizer, current_precision())
-    if budget == float("inf"):
-        plain = _no_limit(model, example_input, loss_fn)
-        if whole is None:
-            return plain
-        peak = whole.peak(plain)
-        return dataclasses.replace(plain, predicted_peak=peak, plain_peak=peak)
     if cost == "time":
         profile = time_profile(model, example_input, profile_chain(model, example_input, loss_fn),
                                loss_fn, on=on)
@@ -413,14 +407,3 @@ def _plan_zoo_model(model: nn.Module, example_input: Batch, budget: float,
         return dataclasses.replace(chosen, cost="time")
     return Planner(model, example_input, loss_fn, modes=modes, block_modes=block_modes,
                    compiled=compiled, optimizer=optimizer).plan(budget)
-
-
-def _no_limit(model: nn.Module, example_input: torch.Tensor,
-              loss_fn: Callable[[Any], torch.Tensor] | None) -> Plan:
-    """The plan for an infinite budget: nothing checkpointed (the chain is profiled once so the
-    plan still reports the plain peak)."""
-    p = profile_chain(model, example_input, loss_fn, max_units=MAX_UNITS)
-    plain = predict_peak(p, [(0, p.n_units, False)])
-    return Plan(segments=[(0, p.n_blocks, False)], budget=float("inf"), predicted_peak=plain,
-                plain_peak=plain, smallest_peak=chain_floor(p), recompute_flops=0,
-                step_flops=p.step_flops, profile=p)
