@@ -162,3 +162,118 @@ def test_no_grad_forward_is_the_same_with_checkpointing(name):
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     for (name_, a), b in zip(plain.state_dict().items(), ckpt.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"buffer {name_} differs")
+
+
+# -- architecture arguments: the variant's are defaults that create_model's keywords override ----
+# Parameter counts of every registered variant as built before its arguments became overridable.
+PARAMS = {
+    "bert_base": 109483778, "cifar_cnn": 2196266, "densenet121": 7978856, "densenet161": 28681000,
+    "densenet169": 14149480, "densenet201": 20013928, "densenet264": 33337704,
+    "densenet40": 1019722, "densenet_bc_100": 769162, "densenet_bc_190": 25624430,
+    "densenet_bc_250": 15324406, "gpt2_small": 124439808, "resnet101": 44549160,
+    "resnet110": 1727962, "resnet1202": 19421274, "resnet152": 60192808, "resnet18": 11689512,
+    "resnet20": 269722, "resnet32": 464154, "resnet34": 21797672, "resnet44": 658586,
+    "resnet50": 25557032, "resnet56": 853018, "rev_bert_base": 109485314,
+    "rev_vit_base_patch16_224": 86567656, "rev_vit_cifar": 3722250,
+    "rev_vit_small_patch16_224": 22050664, "revnet110": 1729194, "revnet164": 1748778,
+    "revnet38": 464890, "vit_base_patch16_224": 86567656, "vit_cifar": 3722250,
+    "vit_small_patch16_224": 22050664}
+
+
+def _overrides() -> dict:
+    """name -> (the family's class, the keyword overridden, every architecture argument of the
+    variant with that one overridden); each override shrinks the model so the test stays cheap."""
+    from zoo.models.bert import Bert
+    from zoo.models.cifar_cnn import CifarCNN
+    from zoo.models.densenet import DenseNet
+    from zoo.models.gpt2 import GPT2
+    from zoo.models.resnet import BasicBlock, Bottleneck, CifarResNet, ResNet
+    from zoo.models.rev_bert import RevBert
+    from zoo.models.rev_vit import RevVisionTransformer
+    from zoo.models.revnet import RevNet
+    from zoo.models.vit import VisionTransformer
+
+    bc = dict(bn_size=4, compression=0.5, stem="cifar", num_classes=10)
+    cifar_vit = dict(img_size=32, patch_size=4, embed_dim=256, depth=2, num_heads=4,
+                     mlp_ratio=2.0, num_classes=10)
+    bert = dict(vocab_size=30522, max_positions=512, embed_dim=96, depth=12, num_heads=12)
+    table = {f"resnet{d}": (CifarResNet, "depth", dict(depth=20 if d != 20 else 32))
+             for d in (20, 32, 44, 56, 110, 1202)}
+    table.update({name: (ResNet, "layers", dict(block=block, layers=(1, 1, 1, 1))) for name, block
+                  in [("resnet18", BasicBlock), ("resnet34", BasicBlock), ("resnet50", Bottleneck),
+                      ("resnet101", Bottleneck), ("resnet152", Bottleneck)]})
+    table["densenet121"] = (DenseNet, "growth_rate", dict(
+        growth_rate=4, block_config=(6, 12, 24, 16), num_init_features=64))
+    table.update({name: (DenseNet, "block_config", dict(growth_rate=k, block_config=(1, 2, 2, 1),
+                                                        num_init_features=stem))
+                  for name, k, stem in [("densenet161", 48, 96), ("densenet169", 32, 64),
+                                        ("densenet201", 32, 64), ("densenet264", 32, 64)]})
+    table.update({
+        "densenet40": (DenseNet, "block_config", dict(
+            growth_rate=12, block_config=(2, 2, 2), num_init_features=16, bn_size=None,
+            compression=1.0, stem="cifar", num_classes=10)),
+        "densenet_bc_100": (DenseNet, "growth_rate", dict(
+            growth_rate=6, block_config=(16,) * 3, num_init_features=24, **bc)),
+        "densenet_bc_190": (DenseNet, "block_config", dict(
+            growth_rate=40, block_config=(1, 2, 1), num_init_features=80, **bc)),
+        "densenet_bc_250": (DenseNet, "block_config", dict(
+            growth_rate=24, block_config=(2, 2, 2), num_init_features=48, **bc)),
+        "cifar_cnn": (CifarCNN, "batch_norm", dict(num_classes=10, image_size=32,
+                                                   batch_norm=False)),
+        "vit_cifar": (VisionTransformer, "depth", cifar_vit),
+        "rev_vit_cifar": (RevVisionTransformer, "depth", cifar_vit),
+        "bert_base": (Bert, "embed_dim", bert),
+        "rev_bert_base": (RevBert, "embed_dim", bert),
+        "gpt2_small": (GPT2, "embed_dim", dict(num_classes=50257, context_length=1024,
+                                               embed_dim=96, depth=12, num_heads=12)),
+        "revnet38": (RevNet, "channels", dict(units=(3, 3, 3), channels=(16, 16, 32, 64))),
+        "revnet110": (RevNet, "units", dict(units=(1, 1, 1), channels=(32, 32, 64, 128))),
+        "revnet164": (RevNet, "units", dict(units=(1, 1, 1), channels=(32, 128, 256, 512),
+                                            bottleneck=True))})
+    for name, heads in [("small", 6), ("base", 12)]:
+        vit = dict(img_size=224, patch_size=16, embed_dim=96, depth=12, num_heads=heads)
+        table[f"vit_{name}_patch16_224"] = (VisionTransformer, "embed_dim", vit)
+        table[f"rev_vit_{name}_patch16_224"] = (RevVisionTransformer, "embed_dim", vit)
+    return table
+
+
+def test_every_model_keeps_its_parameter_count():
+    counts = {}
+    for name in zoo.list_models():
+        with torch.device("meta"):
+            counts[name] = sum(p.numel() for p in zoo.create_model(name).parameters())
+    assert counts == PARAMS
+
+
+def test_every_model_has_an_architecture_override_below():
+    assert sorted(_overrides()) == zoo.list_models()
+
+
+@pytest.mark.parametrize("name", zoo.list_models())
+def test_an_architecture_argument_overrides_the_variants(name):
+    """``create_model(name, key=value)`` is the family's class built with the variant's arguments
+    and ``key=value`` (timm's ``dict(model_args, **kwargs)``): same tensors, same forward bit for
+    bit under the same seed; the model keeps its registered name."""
+    cls, key, args = _overrides()[name]
+    torch.manual_seed(0)
+    ours = zoo.create_model(name, **{key: args[key]})
+    torch.manual_seed(0)
+    theirs = cls(**args)
+    assert ours.architecture == name
+    assert {k: v.shape for k, v in ours.state_dict().items()} == \
+        {k: v.shape for k, v in theirs.state_dict().items()}
+    assert sum(p.numel() for p in ours.parameters()) != PARAMS[name]
+    x = ours.example_input(2)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        out = ours(x)
+        torch.manual_seed(1)
+        torch.testing.assert_close(theirs(x), out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", zoo.list_models())
+def test_an_unknown_keyword_is_one_line_naming_the_model_and_the_keyword(name):
+    with pytest.raises(TypeError, match="efficent") as err:
+        zoo.create_model(name, efficent=True)
+    assert "\n" not in str(err.value) and repr(name) in str(err.value)
+    assert "did you mean 'efficient'" in str(err.value)

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..checkpoint.casts import casts_once
 from ._base import classifier
-from ._registry import register_model
+from ._registry import build_model, register_model
 from ._transformer import Block, TransformerModel, init_linear_and_embedding
 
 __all__ = ["BertEmbeddings", "Bert"]
@@ -166,4 +166,5 @@ class Bert(TransformerModel):
 def bert_base(efficient: bool | str = False, **kwargs) -> Bert:
     """BERT-base (Devlin et al. 2019): vocabulary 30522, 512 positions, dim 768, 12 blocks, 12
     heads; 109.5M parameters in the encoder and pooler, plus the classifier (2 classes)."""
-    return Bert(efficient=efficient, **kwargs)
+    return build_model(Bert, dict(vocab_size=30522, max_positions=512, embed_dim=768, depth=12,
+                              num_heads=12), efficient=efficient, **kwargs)

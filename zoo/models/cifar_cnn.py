@@ -44,7 +44,7 @@ from ..checkpoint import checkpoint
 from ..nn import cp_BatchNorm2d
 from ._base import CIFAR_MEAN, CIFAR_STD, ZooModel, classifier
 from ._features import FeatureStages, Level
-from ._registry import register_model
+from ._registry import build_model, register_model
 
 __all__ = ["ConvBlock", "CifarCNN"]
 
@@ -182,4 +182,4 @@ class CifarCNN(FeatureStages, ZooModel):
 def cifar_cnn(efficient: bool | str = False, **kwargs) -> CifarCNN:
     """The CIFAR-10 CNN of Spell's checkpointing post with BatchNorm, dropout kept inside the
     checkpointed blocks."""
-    return CifarCNN(efficient=efficient, **kwargs)
+    return build_model(CifarCNN, dict(num_classes=10, image_size=32), efficient=efficient, **kwargs)

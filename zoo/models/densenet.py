@@ -52,7 +52,7 @@ from ..nn import cp_BatchNorm2d
 from ._base import CIFAR_MEAN, CIFAR_STD, IMAGENET_MEAN, IMAGENET_STD, NO_RNG, ZooModel, \
     chain_of, classifier
 from ._features import FeatureStages, Level
-from ._registry import register_model
+from ._registry import build_model, register_model
 from .densenet_blocks import DenseBlock, DenseLayer, DenseLink, Features, Transition, _cat
 
 __all__ = ["DenseLayer", "DenseBlock", "DenseLink", "Transition", "DenseNet"]
@@ -254,39 +254,39 @@ class DenseNet(FeatureStages, ZooModel):
 # ------------------------------------------------------------------------------------------------
 # CIFAR (Huang et al. 2017, Table 2): 3 dense blocks, CIFAR stem, 10 classes by default.
 # ------------------------------------------------------------------------------------------------
-def _cifar_densenet_bc(depth: int, growth_rate: int, efficient: bool | str, **kwargs) -> DenseNet:
-    layers = (depth - 4) // 6
-    kwargs.setdefault("num_classes", 10)
-    return DenseNet(growth_rate=growth_rate, block_config=(layers,) * 3,
-                    num_init_features=2 * growth_rate, bn_size=4, compression=0.5, stem="cifar",
-                    efficient=efficient, **kwargs)
+def _cifar_bc(depth: int, growth_rate: int) -> dict:
+    """DenseNet-BC's architecture arguments for CIFAR: (depth - 4) / 6 bottleneck layers a block,
+    a stem of 2k channels, compression 0.5 (Huang et al. 2017, section 3)."""
+    return dict(growth_rate=growth_rate, block_config=((depth - 4) // 6,) * 3,
+                num_init_features=2 * growth_rate, bn_size=4, compression=0.5, stem="cifar",
+                num_classes=10)
 
 
 @register_model
 def densenet40(efficient: bool | str = False, **kwargs) -> DenseNet:
     """DenseNet (L=40, k=12) for CIFAR: 3 blocks of 12 BN-ReLU-conv3x3 layers, no bottleneck, no
     compression; 1.0M parameters (Huang et al. 2017, Table 2)."""
-    kwargs.setdefault("num_classes", 10)
-    return DenseNet(growth_rate=12, block_config=(12, 12, 12), num_init_features=16, bn_size=None,
-                    compression=1.0, stem="cifar", efficient=efficient, **kwargs)
+    return build_model(DenseNet, dict(growth_rate=12, block_config=(12, 12, 12),
+                                      num_init_features=16, bn_size=None, compression=1.0,
+                                      stem="cifar", num_classes=10), efficient=efficient, **kwargs)
 
 
 @register_model
 def densenet_bc_100(efficient: bool | str = False, **kwargs) -> DenseNet:
     """DenseNet-BC (L=100, k=12) for CIFAR: 0.8M parameters (Huang et al. 2017, Table 2)."""
-    return _cifar_densenet_bc(100, 12, efficient, **kwargs)
+    return build_model(DenseNet, _cifar_bc(100, 12), efficient=efficient, **kwargs)
 
 
 @register_model
 def densenet_bc_190(efficient: bool | str = False, **kwargs) -> DenseNet:
     """DenseNet-BC (L=190, k=40) for CIFAR: 25.6M parameters (Huang et al. 2017, Table 2)."""
-    return _cifar_densenet_bc(190, 40, efficient, **kwargs)
+    return build_model(DenseNet, _cifar_bc(190, 40), efficient=efficient, **kwargs)
 
 
 @register_model
 def densenet_bc_250(efficient: bool | str = False, **kwargs) -> DenseNet:
     """DenseNet-BC (L=250, k=24) for CIFAR: 15.3M parameters (Huang et al. 2017, Table 2)."""
-    return _cifar_densenet_bc(250, 24, efficient, **kwargs)
+    return build_model(DenseNet, _cifar_bc(250, 24), efficient=efficient, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -295,29 +295,34 @@ def densenet_bc_250(efficient: bool | str = False, **kwargs) -> DenseNet:
 @register_model
 def densenet121(efficient: bool | str = False, **kwargs) -> DenseNet:
     """DenseNet-121 (k=32, blocks 6-12-24-16): 8.0M parameters; loads torchvision's weights."""
-    return DenseNet(32, (6, 12, 24, 16), 64, efficient=efficient, **kwargs)
+    return build_model(DenseNet, dict(growth_rate=32, block_config=(6, 12, 24, 16),
+                                      num_init_features=64), efficient=efficient, **kwargs)
 
 
 @register_model
 def densenet161(efficient: bool | str = False, **kwargs) -> DenseNet:
     """DenseNet-161 (k=48, blocks 6-12-36-24, 96 stem channels): 28.7M parameters."""
-    return DenseNet(48, (6, 12, 36, 24), 96, efficient=efficient, **kwargs)
+    return build_model(DenseNet, dict(growth_rate=48, block_config=(6, 12, 36, 24),
+                                      num_init_features=96), efficient=efficient, **kwargs)
 
 
 @register_model
 def densenet169(efficient: bool | str = False, **kwargs) -> DenseNet:
     """DenseNet-169 (k=32, blocks 6-12-32-32): 14.1M parameters; loads torchvision's weights."""
-    return DenseNet(32, (6, 12, 32, 32), 64, efficient=efficient, **kwargs)
+    return build_model(DenseNet, dict(growth_rate=32, block_config=(6, 12, 32, 32),
+                                      num_init_features=64), efficient=efficient, **kwargs)
 
 
 @register_model
 def densenet201(efficient: bool | str = False, **kwargs) -> DenseNet:
     """DenseNet-201 (k=32, blocks 6-12-48-32): 20.0M parameters; loads torchvision's weights."""
-    return DenseNet(32, (6, 12, 48, 32), 64, efficient=efficient, **kwargs)
+    return build_model(DenseNet, dict(growth_rate=32, block_config=(6, 12, 48, 32),
+                                      num_init_features=64), efficient=efficient, **kwargs)
 
 
 @register_model
 def densenet264(efficient: bool | str = False, **kwargs) -> DenseNet:
     """DenseNet-264 (k=32, blocks 6-12-64-48; Huang et al. 2017, Table 1): 33.3M parameters;
     no torchvision twin."""
-    return DenseNet(32, (6, 12, 64, 48), 64, efficient=efficient, **kwargs)
+    return build_model(DenseNet, dict(growth_rate=32, block_config=(6, 12, 64, 48),
+                                      num_init_features=64), efficient=efficient, **kwargs)

@@ -24,7 +24,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from ._registry import register_model
+from ._registry import build_model, register_model
 from ._transformer import Block, Step, TransformerModel, init_linear_and_embedding
 
 __all__ = ["GPT2"]
@@ -115,4 +115,5 @@ class GPT2(TransformerModel):
 def gpt2_small(efficient: bool | str = False, **kwargs) -> GPT2:
     """GPT-2 small (Radford et al. 2019): vocabulary 50257, context 1024, dim 768, 12 blocks, 12
     heads, tied embeddings; 124.4M parameters."""
-    return GPT2(efficient=efficient, **kwargs)
+    return build_model(GPT2, dict(num_classes=50257, context_length=1024, embed_dim=768, depth=12,
+                              num_heads=12), efficient=efficient, **kwargs)

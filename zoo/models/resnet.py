@@ -55,7 +55,7 @@ from torch import nn
 from ..checkpoint import checkpoint
 from ..nn import cp_BatchNorm2d
 from ._base import CIFAR_MEAN, CIFAR_STD, IMAGENET_MEAN, IMAGENET_STD, NO_RNG, classifier
-from ._registry import register_model
+from ._registry import build_model, register_model
 from .resnet_base import _ResNetBase
 from .resnet_blocks import MODES, BasicBlock, Bottleneck, ZeroPadShortcut, _conv1x1, _conv3x3, \
     _segment
@@ -214,37 +214,37 @@ class CifarResNet(_ResNetBase):
 @register_model
 def resnet20(efficient: bool | str = False, **kwargs: Any) -> CifarResNet:
     """ResNet-20 for CIFAR (n=3): 0.27M parameters (He et al. 2016, Table 6)."""
-    return CifarResNet(depth=20, efficient=efficient, **kwargs)
+    return build_model(CifarResNet, dict(depth=20), efficient=efficient, **kwargs)
 
 
 @register_model
 def resnet32(efficient: bool | str = False, **kwargs: Any) -> CifarResNet:
     """ResNet-32 for CIFAR (n=5): 0.46M parameters (He et al. 2016, Table 6)."""
-    return CifarResNet(depth=32, efficient=efficient, **kwargs)
+    return build_model(CifarResNet, dict(depth=32), efficient=efficient, **kwargs)
 
 
 @register_model
 def resnet44(efficient: bool | str = False, **kwargs: Any) -> CifarResNet:
     """ResNet-44 for CIFAR (n=7): 0.66M parameters (He et al. 2016, Table 6)."""
-    return CifarResNet(depth=44, efficient=efficient, **kwargs)
+    return build_model(CifarResNet, dict(depth=44), efficient=efficient, **kwargs)
 
 
 @register_model
 def resnet56(efficient: bool | str = False, **kwargs: Any) -> CifarResNet:
     """ResNet-56 for CIFAR (n=9): 0.85M parameters (He et al. 2016, Table 6)."""
-    return CifarResNet(depth=56, efficient=efficient, **kwargs)
+    return build_model(CifarResNet, dict(depth=56), efficient=efficient, **kwargs)
 
 
 @register_model
 def resnet110(efficient: bool | str = False, **kwargs: Any) -> CifarResNet:
     """ResNet-110 for CIFAR (n=18): 1.7M parameters (He et al. 2016, Table 6)."""
-    return CifarResNet(depth=110, efficient=efficient, **kwargs)
+    return build_model(CifarResNet, dict(depth=110), efficient=efficient, **kwargs)
 
 
 @register_model
 def resnet1202(efficient: bool | str = False, **kwargs: Any) -> CifarResNet:
     """ResNet-1202 for CIFAR (n=200): 19.4M parameters (He et al. 2016, Table 6)."""
-    return CifarResNet(depth=1202, efficient=efficient, **kwargs)
+    return build_model(CifarResNet, dict(depth=1202), efficient=efficient, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -253,28 +253,33 @@ def resnet1202(efficient: bool | str = False, **kwargs: Any) -> CifarResNet:
 @register_model
 def resnet18(efficient: bool | str = False, **kwargs: Any) -> ResNet:
     """ResNet-18 (BasicBlock, 2-2-2-2): 11.7M parameters; loads torchvision's weights."""
-    return ResNet(BasicBlock, (2, 2, 2, 2), efficient=efficient, **kwargs)
+    return build_model(ResNet, dict(block=BasicBlock, layers=(2, 2, 2, 2)), efficient=efficient,
+                       **kwargs)
 
 
 @register_model
 def resnet34(efficient: bool | str = False, **kwargs: Any) -> ResNet:
     """ResNet-34 (BasicBlock, 3-4-6-3): 21.8M parameters; loads torchvision's weights."""
-    return ResNet(BasicBlock, (3, 4, 6, 3), efficient=efficient, **kwargs)
+    return build_model(ResNet, dict(block=BasicBlock, layers=(3, 4, 6, 3)), efficient=efficient,
+                       **kwargs)
 
 
 @register_model
 def resnet50(efficient: bool | str = False, **kwargs: Any) -> ResNet:
     """ResNet-50 (Bottleneck, 3-4-6-3): 25.6M parameters; loads torchvision's weights."""
-    return ResNet(Bottleneck, (3, 4, 6, 3), efficient=efficient, **kwargs)
+    return build_model(ResNet, dict(block=Bottleneck, layers=(3, 4, 6, 3)), efficient=efficient,
+                       **kwargs)
 
 
 @register_model
 def resnet101(efficient: bool | str = False, **kwargs: Any) -> ResNet:
     """ResNet-101 (Bottleneck, 3-4-23-3): 44.5M parameters; loads torchvision's weights."""
-    return ResNet(Bottleneck, (3, 4, 23, 3), efficient=efficient, **kwargs)
+    return build_model(ResNet, dict(block=Bottleneck, layers=(3, 4, 23, 3)), efficient=efficient,
+                       **kwargs)
 
 
 @register_model
 def resnet152(efficient: bool | str = False, **kwargs: Any) -> ResNet:
     """ResNet-152 (Bottleneck, 3-8-36-3): 60.2M parameters; loads torchvision's weights."""
-    return ResNet(Bottleneck, (3, 8, 36, 3), efficient=efficient, **kwargs)
+    return build_model(ResNet, dict(block=Bottleneck, layers=(3, 8, 36, 3)), efficient=efficient,
+                       **kwargs)

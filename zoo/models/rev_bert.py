@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._registry import register_model
+from ._registry import build_model, register_model
 from .bert import Bert
 from .rev_vit import ReversibleTower, ReversibleTransformer, fuse
 
@@ -54,4 +54,5 @@ class RevBert(ReversibleTransformer, Bert):
 def rev_bert_base(efficient: bool | str = False, **kwargs: Any) -> RevBert:
     """BERT-base with reversible layers: vocabulary 30522, 512 positions, dim 768, 12 blocks, 12
     heads; 109.5M parameters with 2 classes, as ``bert_base``."""
-    return RevBert(efficient=efficient, **kwargs)
+    return build_model(RevBert, dict(vocab_size=30522, max_positions=512, embed_dim=768, depth=12,
+                                 num_heads=12), efficient=efficient, **kwargs)

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..reversible import reversible_sequence
 from ._base import ZooModel
-from ._registry import register_model
+from ._registry import build_model, register_model
 from ._transformer import Block, Step
 from .vit import VisionTransformer
 
@@ -128,9 +128,9 @@ class RevVisionTransformer(ReversibleTransformer, VisionTransformer):
 def rev_vit_cifar(efficient: bool | str = False, **kwargs: Any) -> RevVisionTransformer:
     """Rev-ViT the size of ``vit_cifar`` (ViT-Lite-7/4: patch 4, dim 256, depth 7, 4 heads, MLP
     ratio 2): 3.72M parameters at 10 classes."""
-    kwargs.setdefault("num_classes", 10)
-    return RevVisionTransformer(img_size=32, patch_size=4, embed_dim=256, depth=7, num_heads=4,
-                                mlp_ratio=2.0, efficient=efficient, **kwargs)
+    model_args = dict(img_size=32, patch_size=4, embed_dim=256, depth=7, num_heads=4,
+                      mlp_ratio=2.0, num_classes=10)
+    return build_model(RevVisionTransformer, model_args, efficient=efficient, **kwargs)
 
 
 @register_model
@@ -138,7 +138,8 @@ def rev_vit_small_patch16_224(efficient: bool | str = False,
                               **kwargs: Any) -> RevVisionTransformer:
     """Rev-ViT-S (Mangalam et al. 2022, Table 1): ViT-S/16's dim 384, depth 12, 6 heads; 22.1M
     parameters at 1000 classes."""
-    return RevVisionTransformer(224, 16, 384, 12, 6, efficient=efficient, **kwargs)
+    model_args = dict(img_size=224, patch_size=16, embed_dim=384, depth=12, num_heads=6)
+    return build_model(RevVisionTransformer, model_args, efficient=efficient, **kwargs)
 
 
 @register_model
@@ -146,4 +147,5 @@ def rev_vit_base_patch16_224(efficient: bool | str = False,
                              **kwargs: Any) -> RevVisionTransformer:
     """Rev-ViT-B (Mangalam et al. 2022, Table 1): ViT-B/16's dim 768, depth 12, 12 heads; 86.6M
     parameters at 1000 classes."""
-    return RevVisionTransformer(224, 16, 768, 12, 12, efficient=efficient, **kwargs)
+    model_args = dict(img_size=224, patch_size=16, embed_dim=768, depth=12, num_heads=12)
+    return build_model(RevVisionTransformer, model_args, efficient=efficient, **kwargs)

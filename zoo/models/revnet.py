@@ -42,7 +42,7 @@ from ..checkpoint import checkpoint, is_recomputing
 from ..nn import cp_BatchNorm2d
 from ..reversible import Coupling, join, reversible_sequence, split
 from ._features import Level
-from ._registry import register_model
+from ._registry import build_model, register_model
 from .resnet import CifarResNet, _ResNetBase
 
 __all__ = ["ResidualFn", "Downsample", "DownUnit", "RevStage", "RevNet"]
@@ -307,18 +307,21 @@ class RevNet(_ResNetBase):
 def revnet38(efficient: bool | str = False, **kwargs: Any) -> RevNet:
     """RevNet-38 (Gomez et al. 2017, Table 1): 3-3-3 units, 32/32/64/112 channels; 0.46M
     parameters, the size of ResNet-32."""
-    return RevNet((3, 3, 3), (32, 32, 64, 112), efficient=efficient, **kwargs)
+    return build_model(RevNet, dict(units=(3, 3, 3), channels=(32, 32, 64, 112)),
+                       efficient=efficient, **kwargs)
 
 
 @register_model
 def revnet110(efficient: bool | str = False, **kwargs: Any) -> RevNet:
     """RevNet-110 (Gomez et al. 2017, Table 1): 9-9-9 units, 32/32/64/128 channels; 1.73M
     parameters, the size of ResNet-110."""
-    return RevNet((9, 9, 9), (32, 32, 64, 128), efficient=efficient, **kwargs)
+    return build_model(RevNet, dict(units=(9, 9, 9), channels=(32, 32, 64, 128)),
+                       efficient=efficient, **kwargs)
 
 
 @register_model
 def revnet164(efficient: bool | str = False, **kwargs: Any) -> RevNet:
     """RevNet-164 (Gomez et al. 2017, Table 1): 9-9-9 bottleneck units, 32/128/256/512
     channels; 1.75M parameters, the size of ResNet-164."""
-    return RevNet((9, 9, 9), (32, 128, 256, 512), bottleneck=True, efficient=efficient, **kwargs)
+    return build_model(RevNet, dict(units=(9, 9, 9), channels=(32, 128, 256, 512),
+                                    bottleneck=True), efficient=efficient, **kwargs)

@@ -30,7 +30,7 @@ from timm.layers import PatchEmbed, resample_abs_pos_embed, trunc_normal_
 from torch import nn
 
 from ._base import CIFAR_MEAN, CIFAR_STD, classifier
-from ._registry import register_model
+from ._registry import build_model, register_model
 from ._transformer import Block, EmbeddedBlock, Step, TransformerModel
 
 __all__ = ["VisionTransformer"]
@@ -152,20 +152,22 @@ def vit_cifar(efficient: bool | str = False, **kwargs) -> VisionTransformer:
     Compact Transformers", arXiv:2104.05704): patch 4 (64 patches + class token), dim 256, depth
     7, 4 heads, MLP ratio 2; 3.72M parameters at 10 classes, 91.4% on CIFAR-10 in that paper.
     Chosen as the published small ViT trained from scratch on CIFAR with the plain ViT layout."""
-    kwargs.setdefault("num_classes", 10)
-    return VisionTransformer(img_size=32, patch_size=4, embed_dim=256, depth=7, num_heads=4,
-                             mlp_ratio=2.0, efficient=efficient, **kwargs)
+    model_args = dict(img_size=32, patch_size=4, embed_dim=256, depth=7, num_heads=4,
+                      mlp_ratio=2.0, num_classes=10)
+    return build_model(VisionTransformer, model_args, efficient=efficient, **kwargs)
 
 
 @register_model
 def vit_small_patch16_224(efficient: bool | str = False, **kwargs) -> VisionTransformer:
     """ViT-S/16 (DeiT-S, Touvron et al. 2021; timm's vit_small_patch16_224): dim 384, depth 12,
     6 heads; 22.1M parameters at 1000 classes. Loads timm's weights strictly."""
-    return VisionTransformer(224, 16, 384, 12, 6, efficient=efficient, **kwargs)
+    model_args = dict(img_size=224, patch_size=16, embed_dim=384, depth=12, num_heads=6)
+    return build_model(VisionTransformer, model_args, efficient=efficient, **kwargs)
 
 
 @register_model
 def vit_base_patch16_224(efficient: bool | str = False, **kwargs) -> VisionTransformer:
     """ViT-B/16 (Dosovitskiy et al. 2021, Table 1): dim 768, depth 12, 12 heads; 86.6M parameters
     at 1000 classes. Loads timm's vit_base_patch16_224 weights strictly."""
-    return VisionTransformer(224, 16, 768, 12, 12, efficient=efficient, **kwargs)
+    model_args = dict(img_size=224, patch_size=16, embed_dim=768, depth=12, num_heads=12)
+    return build_model(VisionTransformer, model_args, efficient=efficient, **kwargs)
