@@ -301,8 +301,9 @@ def _old_densenet_keys(state: dict) -> dict:
     return {pattern.sub(r"\1.\2.", k): v for k, v in state.items()}
 
 
-@pytest.mark.parametrize("name", ["resnet18", "densenet121"])
-def test_pretrained_loads_torchvisions_file_from_the_hub_cache(name, tmp_path, monkeypatch):
+def _cache_torchvision_weights(name: str, tmp_path, monkeypatch) -> torch.nn.Module:
+    """torchvision's ``name`` (random weights, eval mode), its state_dict saved where
+    ``pretrained=True`` looks for the published file, in a hub cache under ``tmp_path``."""
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
     monkeypatch.setenv("ZOO_OFFLINE", "1")
     torch.manual_seed(0)
@@ -312,6 +313,13 @@ def test_pretrained_loads_torchvisions_file_from_the_hub_cache(name, tmp_path, m
     os.makedirs(os.path.dirname(path))
     state = theirs.state_dict()
     torch.save(_old_densenet_keys(state) if name.startswith("densenet") else state, path)
+    return theirs
+
+
+@pytest.mark.parametrize("name", ["resnet18", "densenet121"])
+def test_pretrained_loads_torchvisions_file_from_the_hub_cache(name, tmp_path, monkeypatch):
+    theirs = _cache_torchvision_weights(name, tmp_path, monkeypatch)
+    state = theirs.state_dict()
     ours = zoo.create_model(name, pretrained=True, efficient=True).eval()
     assert ours.pretrained_cfg["weights"].endswith("IMAGENET1K_V1") or "V2" in \
         ours.pretrained_cfg["weights"]
@@ -324,6 +332,32 @@ def test_pretrained_loads_torchvisions_file_from_the_hub_cache(name, tmp_path, m
     with torch.no_grad():
         torch.testing.assert_close(headless(x), ours.forward_head(ours.forward_features(x),
                                                                   pre_logits=True))
+
+
+@pytest.mark.parametrize("name,override,expected", [
+    ("resnet18", dict(layers=(1, 1, 1, 1)),
+     "0 missing from the weights, 48 not in the model (first: layer1.1.conv1.weight)"),
+    ("densenet121", dict(growth_rate=16),
+     "denselayer1.conv1.weight is (128, 64, 1, 1) in the weights, (64, 64, 1, 1) here"),
+])
+def test_pretrained_with_an_architecture_override_is_one_line(name, override, expected,
+                                                               tmp_path, monkeypatch):
+    """Arguments that change the network's tensors cannot take the published weights (timm fails
+    there too): one line naming the arguments and the first tensor that does not fit."""
+    _cache_torchvision_weights(name, tmp_path, monkeypatch)
+    with pytest.raises(ValueError, match="do not fit the model built with") as err:
+        zoo.create_model(name, pretrained=True, num_classes=10, **override)
+    message = _one_line(err)
+    assert f"{name!r}" in message and expected in message
+    assert ", ".join(f"{k}={v!r}" for k, v in override.items()) in message
+
+
+def test_pretrained_with_an_override_that_keeps_the_tensors_loads(tmp_path, monkeypatch):
+    """``drop_rate`` and ``checkpoint_every`` change no tensor: the weights load, as in timm."""
+    theirs = _cache_torchvision_weights("resnet18", tmp_path, monkeypatch)
+    ours = zoo.create_model("resnet18", pretrained=True, drop_rate=0.2, checkpoint_every=2)
+    for (key, a), b in zip(ours.state_dict().items(), theirs.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=key)
 
 
 def test_pretrained_without_a_cached_file_offline_names_the_file(tmp_path, monkeypatch):

@@ -68,19 +68,43 @@ def _state_dict(name: str) -> dict[str, torch.Tensor]:
     return {_OLD_DENSENET_KEY.sub(r"\1\2", k): v for k, v in state.items()}
 
 
-def load_pretrained(model: nn.Module, name: str) -> nn.Module:
-    """Load torchvision's ImageNet weights into ``model`` (built as ``name``), strictly; with
-    another ``num_classes`` (0 included) every weight but the classifier's (timm's way)."""
+def _misfit(model: nn.Module, state: dict[str, torch.Tensor], head: str | None) -> str:
+    """What keeps ``state`` from loading into ``model``, in one line ("" when it fits): tensors
+    missing from it (``head``'s keys excepted), unexpected ones, and ones of another shape."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state and not (head and k.startswith(head))]
+    unexpected = [k for k in state if k not in own]
+    shapes = [k for k in state if k in own and own[k].shape != state[k].shape]
+    if not (missing or unexpected or shapes):
+        return ""
+    if shapes:
+        k = shapes[0]
+        first = f"{k} is {tuple(state[k].shape)} in the weights, {tuple(own[k].shape)} here"
+    else:
+        first = f"first: {(missing or unexpected)[0]}"
+    return (f"{len(shapes)} tensors of another shape, {len(missing)} missing from the weights, "
+            f"{len(unexpected)} not in the model ({first})")
+
+
+def load_pretrained(model: nn.Module, name: str, arguments: dict | None = None) -> nn.Module:
+    """Load torchvision's ImageNet weights into ``model`` (built as ``name``, with the
+    architecture ``arguments`` given to create_model), strictly; with another ``num_classes``
+    (0 included) every weight but the classifier's (timm's way). Arguments that change the
+    network (``layers``, ``growth_rate``) are refused in one line, before anything is loaded;
+    ones that keep its tensors (``drop_rate``, ``checkpoint_every``) load as timm's do."""
     state = _state_dict(name)
     if getattr(model, "in_chans", 3) != 3:
         raise ValueError(f"pretrained weights for {name!r} take 3 input channels; build the model "
                          f"with in_chans=3 (got {model.in_chans})")
-    head = model.classifier_name + "."
-    if model.num_classes != 1000:
+    head = model.classifier_name + "." if model.num_classes != 1000 else None
+    if head:
         state = {k: v for k, v in state.items() if not k.startswith(head)}
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        assert not unexpected and all(k.startswith(head) for k in missing), (missing, unexpected)
-    else:
-        model.load_state_dict(state, strict=True)
+    misfit = _misfit(model, state, head)
+    if misfit:
+        given = ", ".join(f"{k}={v!r}" for k, v in (arguments or {}).items()
+                          if k not in ("num_classes", "efficient")) or "no architecture arguments"
+        raise ValueError(f"pretrained weights for {name!r} do not fit the model built with "
+                         f"{given}: {misfit}; they fit {name!r} as registered")
+    model.load_state_dict(state, strict=head is None)
     model.weights_name = str(_weights(name))
     return model

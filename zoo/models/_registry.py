@@ -118,4 +118,4 @@ def create_model(name: str, num_classes: int | None = None, efficient: bool | st
     except UnknownArgumentError as err:
         raise UnknownArgumentError(f"create_model({name!r}): {err}") from None
     model.architecture = name  # timm's pretrained_cfg["architecture"]
-    return load_pretrained(model, name) if pretrained else model
+    return load_pretrained(model, name, kwargs) if pretrained else model
