@@ -21,9 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..profiling.chain_profile import ChainProfile
-from .one_level import smallest_peak
 
-__all__ = ["Nested", "NestedModel", "schedule_cost", "least_peak", "chain_floor", "MAX_UNITS",
+__all__ = ["Nested", "NestedModel", "schedule_cost", "least_peak", "MAX_UNITS",
            "merge_stored", "NOT_HELD", "BY_UNIT", "BY_REGION", "STATES"]
 
 # Longer chains (ResNet-1202's 602 units) have their units joined a few blocks at a time, to at
@@ -162,12 +161,6 @@ class _Least:
 def least_peak(profiles: Sequence[ChainProfile]) -> int:
     """The lowest peak any nested schedule (any variants) reaches."""
     return _Least(NestedModel(profiles)).peak
-
-
-def chain_floor(p: ChainProfile) -> int:
-    """The lowest peak the planner reaches on ``p``'s plain blocks: nested schedules, or one
-    level deep beyond ``MAX_UNITS`` units."""
-    return least_peak([p]) if p.n_units <= MAX_UNITS else smallest_peak(p)
 
 
 # ---- One schedule's need and cost, segment by segment: the reference the solver is tested on.
