@@ -19,7 +19,7 @@ from torch import nn
 
 from .fake import FakeStep
 from .precision import step_precision
-from .training import forward_loss
+from .training import backward, forward_loss
 from .cards.on_card import held_from_start, step_counter, workspaces_as_used
 from .tracker import StepCounter
 
@@ -48,9 +48,11 @@ def measure_step(model: nn.Module, example_input: Any,
             with fake.mode, step_precision(), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
                 with kernels, counter, _reparametrize_module(model, fake.state):
-                    forward_loss(model, fake.input, loss_fn).backward()
+                    loss = forward_loss(model, fake.input, loss_fn)
+                    backward(loss)
                     if fake.optimizer is not None:
                         fake.optimizer.step()
+                    del loss  # held through the optimizer's step, as a training loop does
         finally:
             fake.clear()
         return counter

@@ -6,7 +6,10 @@ figures are of the same thing: ``loss = loss_fn(model(*batch))`` (under the step
 :mod:`.precision`), ``loss.backward()`` in train mode from fresh (``None``) gradients, then
 ``optimizer.step()`` when one is given (:mod:`.optimizer`: its state held from the step before).
 The model's output is dropped before the backward, as the Hugging Face ``Trainer`` and
-Lightning's ``training_step`` do (a loop that keeps it holds it through the backward). The
+Lightning's ``training_step`` do (a loop that keeps it holds it through the backward); the loss
+is held until ``optimizer.step()`` ends, as every loop that logs it does (the ``Trainer``'s
+``tr_loss_step``): where the optimizer's step is the peak (AdamW's foreach temporaries, a small
+batch), its bytes are in it (4 for a float32 loss). The
 batch is read by :class:`~.inputs.Batch`: a tensor, a tuple of positional arguments or a dict of
 keyword arguments. The loss is the output's own ``loss`` when it carries one (a Hugging Face
 model given ``labels``), else a mean of squares (:func:`default_loss`), unless ``loss_fn`` says.
@@ -23,7 +26,8 @@ from torch import nn
 from .inputs import Batch
 from .precision import Precision, forward_precision, scale_loss, step_precision
 
-__all__ = ["default_loss", "forward_loss", "train_step", "loss_source", "loss_used"]
+__all__ = ["default_loss", "forward_loss", "backward", "train_step", "loss_source",
+           "loss_used"]
 
 _LOSS_USED: ContextVar[str] = ContextVar("zoo_loss_used", default="mean of squares")
 
@@ -55,15 +59,21 @@ def loss_source(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> s
 
 def forward_loss(model: Callable[..., Any], batch: Any,
                  loss_fn: Callable[[Any], torch.Tensor] | None = None) -> torch.Tensor:
-    """The loss a measured step starts its backward from: ``loss_fn(model(*batch))`` under the
-    step's autocast, scaled for fp16 (:mod:`.precision`); the output is not kept."""
+    """The step's loss as the user's loop holds it: ``loss_fn(model(*batch))`` under the step's
+    autocast, unscaled (:func:`backward` scales it for fp16); the output is not kept."""
     with forward_precision():
         output = Batch.of(batch).call(model)
         loss = (loss_fn or default_loss)(output)
     source = loss_source(output, loss_fn)
     _check_scalar(loss, source)
     _LOSS_USED.set(source)
-    return scale_loss(loss)
+    return loss
+
+
+def backward(loss: torch.Tensor) -> None:
+    """``loss.backward()``, from the loss times a ``GradScaler``'s scale for fp16
+    (``scaler.scale(loss).backward()``: the scaled loss lives for the backward only)."""
+    scale_loss(loss).backward()
 
 
 def _check_scalar(loss: Any, source: str) -> None:
@@ -92,7 +102,8 @@ def train_step(model: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor] 
                optimizer: torch.optim.Optimizer | None = None,
                precision: Precision | None = None) -> Callable[[], None]:
     """One training step of ``model`` on the batch ``x`` as a call: gradients reset to None,
-    then ``forward_loss(...).backward()`` and ``optimizer.step()`` when given; ``model`` is put
+    then ``loss = forward_loss(...)``, its backward and ``optimizer.step()`` when given, the
+    loss held until the step ends as a training loop holds it; ``model`` is put
     in train mode here, once (not in the step, whose host time is measured). ``forward``: what
     to call instead of ``model`` (a compiled or wrapped model whose parameters are
     ``model``'s); ``loss_fn``: :func:`default_loss` unless given; ``precision``: the autocast to
@@ -105,8 +116,10 @@ def train_step(model: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor] 
     def step() -> None:
         model.zero_grad(set_to_none=True)
         with step_precision(precision):
-            forward_loss(forward, batch, loss_fn).backward()
+            loss = forward_loss(forward, batch, loss_fn)
+            backward(loss)
         if optimizer is not None:
             optimizer.step()
+        del loss
 
     return step

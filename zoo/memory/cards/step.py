@@ -29,7 +29,7 @@ from ..fake import FakeStep
 from ..inputs import Batch, check_model
 from ..quiet import fake_logs_quiet
 from ..precision import Precision, step_precision
-from ..training import forward_loss
+from ..training import backward, forward_loss
 
 __all__ = ["CardStep", "predict_step", "run_on_card"]
 
@@ -116,9 +116,11 @@ def run_on_card(model: nn.Module, example_input: Any, on: str | Card,
     def step() -> None:
         fake.clear()
         with _torch.reparametrize_module(model, fake.state):
-            forward_loss(model, fake.input, loss_fn).backward()
+            loss = forward_loss(model, fake.input, loss_fn)
+            backward(loss)
             if fake.optimizer is not None:
                 fake.optimizer.step()
+            del loss  # held through the optimizer's step, as a training loop does
 
     try:
         precision = Precision() if autocast is not None else Precision.ambient().on_cpu()

@@ -23,7 +23,7 @@ from ..errors import BudgetTooSmallError
 from ...memory.fake import fake_state
 from ...memory.inputs import Batch
 from ...memory.precision import step_precision
-from ...memory.training import forward_loss
+from ...memory.training import backward, forward_loss
 from ...memory.fake_mode import PlannerFakeMode
 from ...memory.step import measure_step
 from .nesting import clear_nested, nest, outer_candidates, restore_nested, set_nested
@@ -144,7 +144,7 @@ def block_costs(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_i
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
             stack.enter_context(step_precision())
             stack.enter_context(_reparametrize_module(model, state))
-            forward_loss(model, x, loss_fn).backward()
+            backward(forward_loss(model, x, loss_fn))
     finally:
         for h in handles:
             h.remove()

@@ -23,7 +23,7 @@ from ..._torch import reparametrize_module
 from ...checkpoint import checkpoint, is_recomputing, region
 from ...memory.fake import FakeStep
 from ...memory.precision import step_precision
-from ...memory.training import forward_loss
+from ...memory.training import backward, forward_loss
 from ...memory.cards.on_card import held_from_start, step_counter
 from ...memory.tracker import StepCounter
 
@@ -258,7 +258,7 @@ def traced_step(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torc
             loss = forward_loss(model, fake.input, loss_fn)
             trace.stopped = stop is not None and stop(trace)
             if not trace.stopped:
-                loss.backward()
+                backward(loss)
             del loss
     finally:
         region.observers.remove(trace.region_inputs)

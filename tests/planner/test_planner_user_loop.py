@@ -1,0 +1,48 @@
+"""zoo.plan against the training loop a user writes by hand: ``opt.zero_grad()``, the loss kept
+in a variable for logging, ``loss.backward()``, ``opt.step()``, several steps; the plan's
+predicted peak beside each steady-state step's measured bytes (this CPU, exact)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zoo
+from zoo.memory.step import peak_bytes
+
+
+def mlp(width: int = 64) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(4)],
+                         nn.Linear(width, 10))
+
+
+def loop_peaks(model: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer,
+               steps: int = 3) -> list[int]:
+    """Measured peak of each of ``steps`` steps after a first one (the optimizer's state made),
+    the loss held until after ``opt.step()`` and read for the log there."""
+    logged = []
+
+    def step() -> None:
+        opt.zero_grad()
+        loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        logged.append(loss.item())
+
+    model.train()
+    step()
+    return [peak_bytes(step, [model, opt]) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("make_opt", [lambda p: torch.optim.AdamW(p, foreach=True),
+                                      lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)],
+                         ids=["adamw-foreach", "sgd-momentum"])
+def test_a_loss_held_through_the_optimizers_step_is_in_the_predicted_peak(make_opt):
+    # a batch of 2: the optimizer's step, with the loss still held, is the step's peak
+    model = mlp()
+    opt = make_opt(model.parameters())
+    x = torch.randn(2, 64)
+    plan = zoo.plan(model, x, "inf", optimizer=opt)
+    assert loop_peaks(model, x, opt) == [plan.predicted_peak] * 3
+
