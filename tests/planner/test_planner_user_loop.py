@@ -46,3 +46,40 @@ def test_a_loss_held_through_the_optimizers_step_is_in_the_predicted_peak(make_o
     plan = zoo.plan(model, x, "inf", optimizer=opt)
     assert loop_peaks(model, x, opt) == [plan.predicted_peak] * 3
 
+
+class WithUnused(nn.Module):
+    """A classifier with a module its forward never calls (a pooler a head skips): a real
+    optimizer never makes state for its parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp()
+        self.unused = nn.Linear(256, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@pytest.mark.parametrize("make_opt", [torch.optim.AdamW, torch.optim.Adagrad],
+                         ids=["adamw", "adagrad-state-from-its-constructor"])
+def test_a_parameter_the_forward_never_reaches_holds_no_optimizer_state(make_opt):
+    model = WithUnused()
+    opt = make_opt(model.parameters())
+    x = torch.randn(64, 64)
+    plan = zoo.plan(model, x, "inf", optimizer=opt)
+    assert loop_peaks(model, x, opt) == [plan.predicted_peak] * 3
+    with pytest.raises(zoo.planner.BudgetTooSmallError) as e:
+        zoo.plan(model, x, 1, optimizer=opt, apply=False)
+    assert e.value.plain == plan.predicted_peak
+
+
+def test_predict_step_holds_no_state_for_a_parameter_the_forward_never_reaches():
+    model = WithUnused()
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(64, 64)
+    plan = zoo.plan(model, x, "inf", optimizer=opt, device="h100")
+    without = zoo.memory.predict_step(model.body, x, "h100",
+                                      optimizer=torch.optim.AdamW(model.body.parameters()))
+    assert zoo.memory.predict_step(model, x, "h100", optimizer=opt).peak == plan.predicted_peak
+    assert plan.predicted_peak == without.peak + 256 * 257 * 4  # the unused weights, no state
+

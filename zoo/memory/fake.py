@@ -51,7 +51,8 @@ class FakeStep:
     keys), ``state`` by name, the unique ``tensors``, the ``input`` (a
     :class:`~.inputs.Batch`), and with ``optimizer`` its ``optimizer`` over the fake parameters,
     holding the state one step leaves (:mod:`.optimizer`; its state tensors are among
-    ``tensors``). :meth:`clear` drops the gradients a step left on them."""
+    ``tensors``; :meth:`drop_untrained_state` keeps it to the parameters a step trains).
+    :meth:`clear` drops the gradients a step left on them."""
 
     def __init__(self, model: nn.Module, example_input: Any,
                  optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -59,14 +60,34 @@ class FakeStep:
         copies: dict[int, torch.Tensor] = {}
         self.state = fake_state(model, self.mode, copies)
         self.tensors = list({id(t): t for t in self.state.values()}.values())
+        self._own = list(self.tensors)  # the model's, without the optimizer's state
         self.input = Batch.of(example_input).map(
             lambda x: self.mode.from_tensor(x.detach()).requires_grad_(x.requires_grad))
         self.optimizer = None
+        self._filled: set[torch.Tensor] = set()  # parameters whose state the filling step made
+        self.drops = 0  # how many times drop_untrained_state dropped some
         if optimizer is not None:
             with self.mode:
                 self.optimizer = mirror(optimizer, copies)
+                made = set(self.optimizer.state)  # Adagrad's, made by its constructor
                 fill_state(self.optimizer)
+            self._filled = set(self.optimizer.state) - made
             self.tensors += state_tensors(self.optimizer)
+
+    def drop_untrained_state(self) -> None:
+        """Called with a step's gradients made, before its optimizer's step: drops the state the
+        filling step gave a parameter this step gives no gradient (a module the forward never
+        calls: a real optimizer skips a parameter without one, so never makes its state; AdamW
+        would otherwise count two copies of it). When some is dropped, :attr:`drops` counts it:
+        the step just run held that state from its start, so it is to be measured again."""
+        untrained = [p for p in self._filled if p.grad is None]
+        if not untrained:
+            return
+        for p in untrained:
+            del self.optimizer.state[p]
+        self._filled -= set(untrained)
+        self.tensors = self._own + state_tensors(self.optimizer)
+        self.drops += 1
 
     def clear(self) -> None:
         for t in self.tensors:

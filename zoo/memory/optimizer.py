@@ -6,7 +6,8 @@ state (AdamW: two copies of the parameters, SGD with momentum: one; fused and fo
 with the temporaries they allocate) exists before the forward, and ``optimizer.step()`` runs after
 the backward, while the gradients are alive. :func:`mirror` makes the same optimizer (its class,
 every hyperparameter of every group) over fake copies of the parameters, and
-:func:`fill_state` gives it the state one step leaves, so a fake step counts both exactly.
+:func:`fill_state` gives it the state one step leaves, so a fake step counts both exactly
+(``FakeStep.drop_untrained_state`` then drops what it gave a parameter no step trains).
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from ..memory.fake import FakeStep
 from ..memory.inputs import Batch
 from ..memory.precision import Precision, step_precision
 from ..memory.step import measure_step
-from ..memory.optimizer import state_bytes
+from ..memory.optimizer import state_tensors
 from .errors import BudgetTooSmallError
 from .modules.spine import Spine
 from .plans import Plan, cheapest, plan_applied
@@ -50,8 +50,14 @@ class WholeStep:
         self.model, self.batch, self.loss_fn = model, Batch.of(batch), loss_fn
         self.precision = precision
         self.fake = FakeStep(model, self.batch, optimizer)
-        self.state_bytes = state_bytes(optimizer)
         self._peaks: dict[tuple, int] = {}
+
+    def state_held(self) -> int:
+        """Bytes of the optimizer's state the step holds: after a step is measured, only the
+        trained parameters' (``FakeStep.drop_untrained_state``)."""
+        opt = self.fake.optimizer
+        return 0 if opt is None else sum(t.untyped_storage().nbytes()
+                                         for t in state_tensors(opt))
 
     @staticmethod
     def of(model: nn.Module, batch: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
@@ -83,7 +89,7 @@ class WholeStep:
         plain, least = self.peak(choices[-1]), self.peak(choices[0])
         if least > budget:
             raise BudgetTooSmallError(budget, least, plain)
-        room = budget - self.state_bytes
+        room = budget - self.state_held()
         fitting = sorted((c for c in choices if c.predicted_peak <= room), key=cheapest)
         for chosen in fitting:  # the casts can reorder close peaks: each one measured
             peak = self.peak(chosen)

@@ -71,7 +71,10 @@ def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
 
     copies: list[tuple[str, int, int, int]] = []  # the offload copies of the last step run
 
+    fake = FakeStep(model, batch, optimizer)
+
     def counted(threads: tuple[bool, ...]) -> CudaCounter:
+        drops = fake.drops
         counter = CudaCounter(CachingAllocator(limit), target.workspace)
         counter.hold_workspaces(threads)
         copies.clear()
@@ -80,9 +83,9 @@ def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
             copies.append((kind, key, nbytes, len(counter.records)))
 
         with fake_logs_quiet(model, batch), simulated_host(note):
-            run_on_card(model, batch, target, loss_fn, counter=counter, optimizer=optimizer,
-                        autocast=autocast)
-        return counter
+            run_on_card(model, batch, target, loss_fn, counter=counter, autocast=autocast,
+                        fake=fake)
+        return counter if fake.drops == drops else counted(threads)
 
     counter = workspaces_as_used(counted)
     time = step_time(counter.records, counter.regions, target, host, achieved)
@@ -107,11 +110,15 @@ def run_on_card(model: nn.Module, example_input: Any, on: str | Card,
                 loss_fn: Callable[[Any], torch.Tensor] | None = None,
                 limit: int | None = None, counter: CudaCounter | None = None,
                 optimizer: torch.optim.Optimizer | None = None,
-                autocast: torch.dtype | None = None) -> CudaCounter:
+                autocast: torch.dtype | None = None, fake: FakeStep | None = None
+                ) -> CudaCounter:
     """:func:`predict_step`'s fake step, the counter returned (its ``peak``, ``records`` and
-    ``regions``). ``counter``: a fresh one to count in, which ``model`` may read as it runs."""
+    ``regions``). ``counter``: a fresh one to count in, which ``model`` may read as it runs;
+    ``fake``: the fake state to run on (its optimizer the step's; made here when not given).
+    A step that changes ``fake.drops`` counted optimizer state no real step holds
+    (:meth:`~zoo.memory.fake.FakeStep.drop_untrained_state`): the caller measures again."""
     target = card(on)
-    fake = FakeStep(model, example_input, optimizer)
+    fake = fake or FakeStep(model, example_input, optimizer)
 
     def step() -> None:
         fake.clear()
@@ -119,6 +126,7 @@ def run_on_card(model: nn.Module, example_input: Any, on: str | Card,
             loss = forward_loss(model, fake.input, loss_fn)
             backward(loss)
             if fake.optimizer is not None:
+                fake.drop_untrained_state()
                 fake.optimizer.step()
             del loss  # held through the optimizer's step, as a training loop does
 
