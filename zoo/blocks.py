@@ -204,10 +204,13 @@ def _checkpointed_class(cls: type) -> type:
     if cls not in _CHECKPOINTED:
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             plain = super(sub, self).forward  # the original class's forward, bound
+            options = self.__dict__.get("_zoo_checkpoint_options")
+            if options is None:  # made by its class, not checkpointed: a Sequential's slice
+                return plain(*args, **kwargs)
             args = tuple(_frozen(a) for a in args)
             kwargs = {k: _frozen(v) for k, v in kwargs.items()}
             args, kwargs = _without_cache(self, args, kwargs)
-            return checkpoint(plain, *args, **self._zoo_checkpoint_options, **kwargs)
+            return checkpoint(plain, *args, **options, **kwargs)
 
         def __reduce_ex__(self: nn.Module, protocol: int) -> Any:  # noqa: N807
             return reduce_as_original(self, protocol, _checkpointed_class, cls)

@@ -83,3 +83,25 @@ def test_predict_step_holds_no_state_for_a_parameter_the_forward_never_reaches()
     assert zoo.memory.predict_step(model, x, "h100", optimizer=opt).peak == plan.predicted_peak
     assert plan.predicted_peak == without.peak + 256 * 257 * 4  # the unused weights, no state
 
+
+
+class Sliced(nn.Module):
+    """A forward that slices a Sequential (``self.body[:4]``): the slice is a new instance of the
+    Sequential's class, which a plan that checkpoints ``body`` has swapped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body[:4](x).square()
+
+
+def test_a_forward_slicing_a_planned_sequential_runs_and_is_planned_exactly():
+    model = Sliced()
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(64, 64)
+    with pytest.raises(zoo.planner.BudgetTooSmallError) as e:
+        zoo.plan(model, x, 1, optimizer=opt, apply=False)
+    plan = zoo.plan(model, x, e.value.smallest, optimizer=opt)
+    assert loop_peaks(model, x, opt) == [plan.predicted_peak] * 3

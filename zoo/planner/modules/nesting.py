@@ -37,8 +37,11 @@ class SegmentedSequential(nn.Sequential):
     _zoo_checkpointed_from = nn.Sequential
 
     def forward(self, input: Any) -> Any:  # noqa: A002 (nn.Sequential's name)
+        options = self.__dict__.get("_zoo_checkpoint_options")
+        if options is None:  # a slice of a segmented one (made by its class): runs plainly
+            return _run(tuple(self), input)
         mods, done = tuple(self), 0
-        for start, stop in self._zoo_checkpoint_options["segments"]:
+        for start, stop in options["segments"]:
             input = _run(mods[done:start], input)
             input = checkpoint(_run, mods[start:stop], input)
             done = stop
