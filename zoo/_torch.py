@@ -169,6 +169,7 @@ NAMES: dict[str, Name] = {
     "torch._subclasses.fake_tensor.in_kernel_invocation_manager": Name(OLDEST, "required"),
     "torch._subclasses.fake_tensor._DispatchCacheKey": Name(OLDEST, "exact: torch's keys"),
     "torch._subclasses.fake_tensor.DataDependentOutputException": Name(OLDEST, "required"),
+    "torch._subclasses.fake_tensor.FakeTensorDeviceMismatchError": Name(OLDEST, "required"),
     "torch.distributed._tools.mem_tracker.MemTracker": Name(
         (2, 5), "error: exact CPU peaks (zoo.memory, zoo.plan) need torch 2.5"),
 }
@@ -585,6 +586,7 @@ is_fake = _fake.is_fake
 in_kernel_invocation_manager = _fake.in_kernel_invocation_manager
 DispatchCacheKey = getattr(_fake, "_DispatchCacheKey", None)  # FakeTensorMode's cache key
 ValueReadOnFake = _fake.DataDependentOutputException  # a fake tensor's value was asked for
+DevicesMixedOnFake = _fake.FakeTensorDeviceMismatchError  # an op's tensors on two devices
 
 
 mem_tracker = lazy("torch.distributed._tools.mem_tracker.MemTracker",

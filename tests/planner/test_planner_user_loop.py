@@ -105,3 +105,27 @@ def test_a_forward_slicing_a_planned_sequential_runs_and_is_planned_exactly():
         zoo.plan(model, x, 1, optimizer=opt, apply=False)
     plan = zoo.plan(model, x, e.value.smallest, optimizer=opt)
     assert loop_peaks(model, x, opt) == [plan.predicted_peak] * 3
+
+
+class ModelFirst(torch.optim.SGD):
+    """An optimizer whose constructor takes the model, not torch's ``params`` first."""
+
+    def __init__(self, model: nn.Module, lr: float = 0.1) -> None:
+        super().__init__(model.parameters(), lr=lr, momentum=0.9)
+
+
+@pytest.mark.parametrize("make, kwargs, expected", [
+    (lambda m: torch.randn(8, 64), dict(optimizer=lambda m: torch.optim.LBFGS(m.parameters())),
+     "LBFGS.step needs a closure"),
+    (lambda m: torch.randn(8, 64), dict(optimizer=ModelFirst),
+     "ModelFirst cannot be made again over the planned copies"),
+    (lambda m: torch.randn(8, 64), dict(loss_fn="cross_entropy"),
+     "loss_fn must be a function of the model's output"),
+    (lambda m: torch.randn(8, 64, device="meta"), {}, "are not on one device"),
+], ids=["lbfgs", "optimizer-taking-the-model", "loss-fn-a-string", "batch-on-another-device"])
+def test_a_step_planning_cannot_take_is_one_line(make, kwargs, expected):
+    model = mlp()
+    kwargs = {k: v(model) if k == "optimizer" else v for k, v in kwargs.items()}
+    with pytest.raises((TypeError, ValueError)) as e:
+        zoo.plan(model, make(model), "inf", **kwargs)
+    assert expected in str(e.value) and "\n" not in str(e.value)

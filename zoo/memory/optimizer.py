@@ -30,6 +30,12 @@ def check_optimizer(optimizer: Any, model: torch.nn.Module) -> None:
         raise TypeError(f"optimizer must be a torch.optim.Optimizer over the model's parameters, "
                         f"got {type(optimizer).__name__}; e.g. "
                         f"optimizer=torch.optim.AdamW(model.parameters())")
+    name = type(optimizer).__name__
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise TypeError(f"{name}.step needs a closure that runs the forward again, a step "
+                        f"planning does not model; plan with the optimizer you step without one "
+                        f"(e.g. torch.optim.AdamW), or leave optimizer= out")
     own = {id(p) for p in model.parameters()}
     foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
     if foreign:
@@ -48,7 +54,15 @@ def mirror(optimizer: torch.optim.Optimizer, fake_of: dict[int, torch.Tensor]
                "params": [fake_of[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
     accepted = inspect.signature(type(optimizer).__init__).parameters
     defaults = {k: _number(v) for k, v in optimizer.defaults.items() if k in accepted}
-    return type(optimizer)(groups, **defaults)
+    try:
+        return type(optimizer)(groups, **defaults)
+    except (TypeError, AttributeError, ValueError, KeyError) as e:
+        name = type(optimizer).__name__
+        raise TypeError(f"optimizer {name} cannot be made again over the planned copies of the "
+                        f"parameters as {name}(param_groups, **defaults), as torch.optim's can "
+                        f"({type(e).__name__}: {e}); give its __init__ torch's signature "
+                        f"(params first), or plan with a torch.optim optimizer of the same "
+                        f"state") from None
 
 
 def _number(value: Any) -> Any:

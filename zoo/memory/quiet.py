@@ -51,6 +51,11 @@ def fake_logs_quiet(model: nn.Module, batch: Batch) -> Iterator[None]:
                          f"a tensor as a Python bool or number), which planning cannot: its "
                          f"tensors are fake, shapes without values; keep value reads out of "
                          f"the forward and loss_fn") from None
+    except _torch.DevicesMixedOnFake as e:  # the batch on another device than the model
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise BatchError(f"{type(model).__name__} and its batch {batch.describe()} are not on "
+                         f"one device: {first}; move the batch to the model's device, as "
+                         f"training will") from None
     except RuntimeError as e:
         if type(e) is not RuntimeError:  # an out-of-memory error and its kind are not the batch's
             raise

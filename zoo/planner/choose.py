@@ -331,6 +331,10 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
     inputs = Batch.of(batch)
     device = device if device is not None else current_card()  # inside zoo.memory.on_card
     check_optimizer(optimizer, model)
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function of the model's output returning the loss, "
+                        f"got {type(loss_fn).__name__}; e.g. "
+                        f"loss_fn=lambda out: F.cross_entropy(out, y)")
     if cost not in ("flops", "time"):
         raise ValueError(f"cost must be 'flops' or 'time', got {cost!r}")
     if offload and device is None:
