@@ -117,12 +117,14 @@ class ModelFirst(torch.optim.SGD):
 @pytest.mark.parametrize("make, kwargs, expected", [
     (lambda m: torch.randn(8, 64), dict(optimizer=lambda m: torch.optim.LBFGS(m.parameters())),
      "LBFGS.step needs a closure"),
+    (lambda m: torch.randn(8, 64), dict(optimizer=lambda m: torch.optim.SparseAdam(
+        m.parameters())), "SparseAdam steps on sparse gradients"),
     (lambda m: torch.randn(8, 64), dict(optimizer=ModelFirst),
      "ModelFirst cannot be made again over the planned copies"),
     (lambda m: torch.randn(8, 64), dict(loss_fn="cross_entropy"),
      "loss_fn must be a function of the model's output"),
     (lambda m: torch.randn(8, 64, device="meta"), {}, "are not on one device"),
-], ids=["lbfgs", "optimizer-taking-the-model", "loss-fn-a-string", "batch-on-another-device"])
+], ids=["lbfgs", "sparse-adam", "optimizer-taking-the-model", "loss-fn-a-string", "batch-on-another-device"])
 def test_a_step_planning_cannot_take_is_one_line(make, kwargs, expected):
     model = mlp()
     kwargs = {k: v(model) if k == "optimizer" else v for k, v in kwargs.items()}

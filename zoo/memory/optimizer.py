@@ -36,6 +36,11 @@ def check_optimizer(optimizer: Any, model: torch.nn.Module) -> None:
         raise TypeError(f"{name}.step needs a closure that runs the forward again, a step "
                         f"planning does not model; plan with the optimizer you step without one "
                         f"(e.g. torch.optim.AdamW), or leave optimizer= out")
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise TypeError("SparseAdam steps on sparse gradients, which planning does not model "
+                        "(its fake step makes dense ones); plan with optimizer=torch.optim.Adam"
+                        "(...) over the same parameters, whose state is as large, or leave "
+                        "optimizer= out")
     own = {id(p) for p in model.parameters()}
     foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
     if foreign:
