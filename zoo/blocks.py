@@ -24,6 +24,7 @@ type names or dotted submodule names.
 """
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
@@ -181,15 +182,18 @@ def _without_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]
     writes the cache, so the recompute would write it again (GPT-2's keys doubled after the
     backward, the replay seeing other shapes). As Hugging Face's own checkpointing does
     (``GradientCheckpointingLayer``, whose models also pass GPT-2's cache positionally):
-    ``use_cache=False``, and no cache unless the layer only reads it."""
+    ``use_cache=False``, and no cache unless the layer only reads it. The cache is found with
+    ``isinstance`` against transformers' ``Cache``, imported by the layer already, which Dynamo
+    traces (a walk of each argument's MRO breaks ``fullgraph=True``)."""
     read_only = getattr(module, "_can_checkpoint_with_cache", None)
     if read_only is None or not (module.training and torch.is_grad_enabled()):
         return args, kwargs
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
-    if not read_only:
-        args = tuple(None if _is_transformers(a, "Cache") else a for a in args)
-        kwargs = {k: None if _is_transformers(v, "Cache") else v for k, v in kwargs.items()}
+    cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
+    if not read_only and cache is not None:
+        args = tuple(None if isinstance(a, cache) else a for a in args)
+        kwargs = {k: None if isinstance(v, cache) else v for k, v in kwargs.items()}
     return args, kwargs
 
 
