@@ -141,10 +141,18 @@ def test_an_enable_that_is_no_bool_is_one_line(enable):
         zoo.set_grad_checkpointing(torchvision.models.resnet18(), enable)
 
 
-@pytest.mark.parametrize("modules", [[], [int], 3])
+@pytest.mark.parametrize("modules", [[], [int], 3, [nn.Sequential(nn.Linear(2, 2))],
+                                     nn.Sequential(nn.Linear(2, 2))],
+                         ids=["empty", "int-type", "int", "module-instance", "a-sequential"])
 def test_modules_that_name_no_module_type_is_one_line(modules):
-    with pytest.raises(TypeError, match=r"^modules= takes module types[^\n]*$"):
+    """A module instance (``modules=[model.layer1]``) is named by its type, not its multi-line
+    repr, and the error says to pass its dotted name."""
+    with pytest.raises(TypeError, match=r"^modules= takes module types[^\n]*$") as error:
         zoo.set_grad_checkpointing(torchvision.models.resnet18(), modules=modules)
+    if isinstance(modules, nn.Module) or isinstance(modules, list) and modules \
+            and isinstance(modules[0], nn.Module):
+        assert str(error.value).endswith("got a Sequential instance; pass its dotted name from "
+                                         "model.named_modules() or its type")
 
 
 # --------------------------------------------------------------------------------------------

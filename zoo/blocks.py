@@ -143,7 +143,7 @@ def _is_hf_layer(module: nn.Module) -> bool:
 
 def _wanted(modules: Any) -> list[type | str]:
     """``modules`` as a list of module types and names; anything else is a one-line TypeError."""
-    wanted = [modules] if isinstance(modules, (type, str)) else modules
+    wanted = [modules] if isinstance(modules, (type, str, nn.Module)) else modules
     try:
         wanted = list(wanted)
     except TypeError:
@@ -151,7 +151,10 @@ def _wanted(modules: Any) -> list[type | str]:
     bad = [w for w in wanted if not (isinstance(w, str) or isinstance(w, type)
                                      and issubclass(w, nn.Module))]
     if bad or not wanted:
-        got = f"{bad[0]!r} ({type(bad[0]).__name__})" if bad else "none"
+        got = "none" if not bad else f"{bad[0]!r} ({type(bad[0]).__name__})"
+        if bad and isinstance(bad[0], nn.Module):  # its repr spans lines
+            got = (f"a {type(bad[0]).__name__} instance; pass its dotted name from "
+                   "model.named_modules() or its type")
         raise TypeError(f"modules= takes module types, type names or dotted submodule names "
                         f"(e.g. modules=[\"layer1.0\"] or modules=nn.TransformerEncoderLayer), "
                         f"got {got}")
