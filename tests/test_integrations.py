@@ -141,6 +141,16 @@ def test_an_enable_that_is_no_bool_is_one_line(enable):
         zoo.set_grad_checkpointing(torchvision.models.resnet18(), enable)
 
 
+@pytest.mark.parametrize("casts_once", ["no", 1, None])
+def test_a_casts_once_that_is_no_bool_is_one_line(casts_once):
+    """casts_once="no" from a config switched the cast check on; like enable=, only a bool."""
+    model = torchvision.models.resnet18()
+    with pytest.raises(TypeError, match=r"^zoo.set_grad_checkpointing: casts_once must be True "
+                                        r"or False, got [^\n]*$"):
+        zoo.set_grad_checkpointing(model, casts_once=casts_once)
+    assert not any(zoo.blocks.is_checkpointed(m) for m in model.modules())
+
+
 @pytest.mark.parametrize("modules", [[], [int], 3, [nn.Sequential(nn.Linear(2, 2))],
                                      nn.Sequential(nn.Linear(2, 2))],
                          ids=["empty", "int-type", "int", "module-instance", "a-sequential"])

@@ -258,6 +258,9 @@ def set_grad_checkpointing(model: nn.Module, enable: bool | str = True,
     if enable is not None and not isinstance(enable, (bool, str)):
         raise TypeError(f"zoo.set_grad_checkpointing: enable must be True, False or a zoo "
                         f"model's mode name, got {enable!r} ({type(enable).__name__})")
+    if not isinstance(casts_once, bool):
+        raise TypeError(f"zoo.set_grad_checkpointing: casts_once must be True or False, got "
+                        f"{casts_once!r} ({type(casts_once).__name__})")
     given, model = model, _unwrap(model)
     _disable(model)
     if enable is False or enable is None:
