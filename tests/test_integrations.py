@@ -133,6 +133,24 @@ def test_a_wrapper_is_given_back_and_its_model_checkpointed():
     assert not any(zoo.blocks.is_checkpointed(m) for m in model.modules())
 
 
+def test_a_compiled_model_takes_its_familys_route_and_trains_as_the_plain_one():
+    """torch.compile(model) given to zoo.set_grad_checkpointing: the model inside is checkpointed
+    through its family's switch (timm's here, not the repeated-block rule) and keeps the state
+    that enable=False reads, as for a DataParallel wrapper. Compiled, it trains as the eager plain
+    model, BatchNorm and dropout included."""
+    torch.manual_seed(0)
+    plain = timm.create_model("efficientnet_b0", num_classes=5, drop_rate=0.1)
+    inner = copy.deepcopy(plain)
+    compiled = torch.compile(inner, backend="aot_eager")
+    assert zoo.set_grad_checkpointing(compiled) is compiled
+    assert inner._zoo_grad_checkpointing["via"] == "timm"
+    assert "_zoo_grad_checkpointing" not in vars(compiled)
+    assert_same_training(plain, plain, inner, compiled, torch.randn(2, 3, 32, 32), steps=2,
+                         exact=True)
+    zoo.set_grad_checkpointing(compiled, enable=False)
+    assert classes(inner) == classes(plain)
+
+
 @pytest.mark.parametrize("enable", [0, 1, torch.tensor(False), 0.0])
 def test_an_enable_that_is_no_bool_is_one_line(enable):
     # a 0 from a config once switched checkpointing on

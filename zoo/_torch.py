@@ -26,6 +26,7 @@ import contextlib
 import functools
 import importlib
 import operator
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -111,6 +112,8 @@ NAMES: dict[str, Name] = {
     "torch._dynamo.reset": Name(OLDEST, "required (compiled memory)"),
     "torch._dynamo.list_backends": Name(OLDEST, "required (zoo-train --compile)"),
     "torch._dynamo.eval_frame.skip_code": Name(OLDEST, "required"),
+    "torch._dynamo.eval_frame.OptimizedModule": Name(
+        OLDEST, "required (a compiled model given to set_grad_checkpointing)"),
     "torch._dynamo.assume_constant_result": Name(
         OLDEST, "the plan's compile warning is not given"),
     "torch._dynamo.backends.common.aot_autograd": Name(OLDEST, "required (compiled memory)"),
@@ -184,6 +187,7 @@ ATTRIBUTES = {
     "_parameters": "module_parameters",
     "_destroy": "library_destroy",
     "_schema": "mutates_an_input",
+    "_orig_mod": "compiled_original",
 }
 
 
@@ -426,6 +430,14 @@ def dynamo() -> Any:
     """``torch._dynamo`` (disable, reset, list_backends)."""
     import torch._dynamo
     return torch._dynamo
+
+
+def compiled_original(module: Any) -> Any:
+    """The module that ``torch.compile(module)`` wrapped (``OptimizedModule._orig_mod``), or
+    ``None`` when ``module`` is no such wrapper (Dynamo not imported: it cannot be one)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    return module._orig_mod if optimized and isinstance(module, optimized) else None
 
 
 def quiet_context_fn_warning(own: Callable[[Any], bool]) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
+from . import _torch
 from .blocks import checkpoint_module, find_blocks, is_checkpointed
 from .checkpoint import checkpoint, run_blocks
 from .checkpoint.casts import set_casts_once
@@ -197,8 +198,16 @@ def _disable_hf(model: nn.Module) -> None:
 
 # ---- The one call.
 def _unwrap(model: nn.Module) -> nn.Module:
+    """The model inside ``nn.DataParallel``/``DistributedDataParallel`` and ``torch.compile``
+    wrappers (in any order), so that it takes its family's route and keeps its state."""
     wrappers = (nn.DataParallel, nn.parallel.DistributedDataParallel)
-    return model.module if isinstance(model, wrappers) else model
+    while True:
+        inner = _torch.compiled_original(model)
+        if inner is None and isinstance(model, wrappers):
+            inner = model.module
+        if inner is None:
+            return model
+        model = inner
 
 
 def _convert_batchnorm_names(model: nn.Module) -> list[str]:
@@ -238,7 +247,8 @@ def set_grad_checkpointing(model: nn.Module, enable: bool | str = True,
 
     Args:
         model: a zoo model, a timm model, a Hugging Face ``PreTrainedModel`` or any other module
-            (an ``nn.DataParallel``/``DistributedDataParallel`` wrapper is looked through).
+            (``nn.DataParallel``, ``DistributedDataParallel`` and ``torch.compile`` wrappers
+            are looked through).
         enable: True to checkpoint, False to give back the plain model (same classes, state_dict
             and outputs). A zoo model also takes one of its ``checkpoint_modes`` by name.
         modules: None for the family's own checkpointing (see the module docstring); otherwise
