@@ -491,6 +491,27 @@ def test_a_function_that_is_not_callable_is_refused_in_one_line():
         zoo.checkpoint(torch.randn(2, requires_grad=True), nn.Linear(2, 2))  # order swapped
 
 
+@pytest.mark.parametrize("transform", ["grad", "vjp"])
+def test_torch_func_transforms_are_refused_in_one_line(transform):
+    """torch.func's grad and vjp refuse saved-tensor hooks, torch's own checkpoint included; the
+    region says so in one line and names the ways that work, the plain model's gradient
+    among them."""
+    lin = nn.Linear(3, 3)
+    x = torch.randn(2, 3)
+
+    def loss(t):
+        return zoo.checkpoint(lambda u: lin(u).tanh(), t).sum()
+
+    call = {"grad": lambda: torch.func.grad(loss)(x),
+            "vjp": lambda: torch.func.vjp(loss, x)}[transform]
+    with pytest.raises(RuntimeError, match="torch.func's transforms") as e:
+        call()
+    assert "\n" not in str(e.value) and "set_grad_checkpointing(model, False)" in str(e.value)
+    plain = torch.func.grad(lambda t: lin(t).tanh().sum())(x)
+    t = x.clone().requires_grad_()
+    assert torch.equal(torch.autograd.grad(loss(t), t)[0], plain)
+
+
 def test_input_changed_in_place_after_the_region_is_an_error():
     lin = nn.Linear(4, 4)
     x = torch.randn(2, 4)

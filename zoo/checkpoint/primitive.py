@@ -61,7 +61,8 @@ def checkpoint(fn: Callable[..., Any], *args: Any,
     Under ``torch.no_grad()`` or ``inference_mode`` it is exactly ``fn(*args, **kwargs)``. Under
     ``torch.compile`` (``fullgraph=True`` works) the region is one checkpoint subgraph of the
     compiled graph, with the same contract (:func:`zoo.checkpoint.compiled.traced_checkpoint`,
-    tests/checkpoint/test_compile.py).
+    tests/checkpoint/test_compile.py). Under ``torch.func``'s ``grad`` or ``vjp`` it raises
+    RuntimeError in one line: they refuse its saved-tensor hooks, as they refuse torch's.
 
     Backward raises RuntimeError, saying why, when a tensor input was changed in place after the
     call (the recompute would read other values), when the recompute saves other tensors than
@@ -98,4 +99,18 @@ def checkpoint(fn: Callable[..., Any], *args: Any,
     if save_ops:
         fn = Selective(fn, save_set(save_ops))
     forward = ForwardState(devices, opts.preserve_rng)
-    return _Region(fn, args, kwargs, forward, opts).run()
+    try:
+        return _Region(fn, args, kwargs, forward, opts).run()
+    except RuntimeError as e:
+        if _HOOKS_REFUSED not in str(e):
+            raise
+        raise RuntimeError(
+            "zoo.checkpoint: torch.func's transforms (grad, vjp, jacrev, hessian) refuse the "
+            "saved-tensor hooks a checkpoint is made of (as torch's own); take this "
+            "gradient with torch.autograd (loss.backward(), torch.autograd.grad), or run the "
+            "model without checkpointing for it (zoo.set_grad_checkpointing(model, False))"
+        ) from None
+
+
+# what torch.func's transforms say when a region installs its saved-tensor hooks under them
+_HOOKS_REFUSED = "don't yet support saved tensor hooks"
