@@ -172,7 +172,8 @@ NAMES: dict[str, Name] = {
     "torch._subclasses.fake_tensor.in_kernel_invocation_manager": Name(OLDEST, "required"),
     "torch._subclasses.fake_tensor._DispatchCacheKey": Name(OLDEST, "exact: torch's keys"),
     "torch._subclasses.fake_tensor.DataDependentOutputException": Name(OLDEST, "required"),
-    "torch._subclasses.fake_tensor.FakeTensorDeviceMismatchError": Name(OLDEST, "required"),
+    "torch._subclasses.fake_tensor.FakeTensorDeviceMismatchError": Name(
+        (2, 14), "planning: a batch on another device is told by torch's older message"),
     "torch.distributed._tools.mem_tracker.MemTracker": Name(
         (2, 5), "error: exact CPU peaks (zoo.memory, zoo.plan) need torch 2.5"),
 }
@@ -598,7 +599,8 @@ is_fake = _fake.is_fake
 in_kernel_invocation_manager = _fake.in_kernel_invocation_manager
 DispatchCacheKey = getattr(_fake, "_DispatchCacheKey", None)  # FakeTensorMode's cache key
 ValueReadOnFake = _fake.DataDependentOutputException  # a fake tensor's value was asked for
-DevicesMixedOnFake = _fake.FakeTensorDeviceMismatchError  # an op's tensors on two devices
+# an op's tensors on two devices (older torch: a plain RuntimeError, see zoo.memory.quiet)
+DevicesMixedOnFake = getattr(_fake, "FakeTensorDeviceMismatchError", ())
 
 
 mem_tracker = lazy("torch.distributed._tools.mem_tracker.MemTracker",

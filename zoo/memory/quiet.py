@@ -51,14 +51,17 @@ def fake_logs_quiet(model: nn.Module, batch: Batch) -> Iterator[None]:
                          f"a tensor as a Python bool or number), which planning cannot: its "
                          f"tensors are fake, shapes without values; keep value reads out of "
                          f"the forward and loss_fn") from None
-    except _torch.DevicesMixedOnFake as e:  # the batch on another device than the model
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise BatchError(f"{type(model).__name__} and its batch {batch.describe()} are not on "
-                         f"one device: {first}; move the batch to the model's device, as "
-                         f"training will") from None
     except RuntimeError as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if isinstance(e, _torch.DevicesMixedOnFake) or _TWO_DEVICES in first:
+            raise BatchError(f"{type(model).__name__} and its batch {batch.describe()} are not "
+                             f"on one device: {first}; move the batch to the model's device, "
+                             f"as training will") from None
         if type(e) is not RuntimeError:  # an out-of-memory error and its kind are not the batch's
             raise
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise BatchError(f"{type(model).__name__} does not run on the batch {batch.describe()}: "
                          f"{first}; pass a batch the model takes, as training will") from None
+
+
+# how a torch older than FakeTensorDeviceMismatchError says an op's tensors are on two devices
+_TWO_DEVICES = "found two different devices"
