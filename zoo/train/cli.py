@@ -98,12 +98,12 @@ def _train(args: tuple[Any, ...], flags: dict[str, Any], usage: str) -> None:
         raise ConfigError(f"unexpected argument(s) {' '.join(map(str, args))}: every option is "
                           f"--key value (e.g. --epochs 3); see {usage} --help")
     try:
-        resume = flags.get("resume")
-        saved = load_checkpoint(str(resume))["config"] if resume is not None else None
-        cfg, sources = resolve_config(flags, recipes_dir(), saved)
+        resume = flags.get("resume")  # read once: its config here, its state in fit
+        ckpt = load_checkpoint(str(resume)) if resume is not None else None
+        cfg, sources = resolve_config(flags, recipes_dir(), ckpt and ckpt["config"])
         if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone speaks
             print(f"config from: {' < '.join(sources)}", flush=True)
-        fit(cfg)
+        fit(cfg, checkpoint=ckpt)
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

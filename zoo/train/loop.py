@@ -234,9 +234,12 @@ def save_epoch(run: Run, record: dict[str, Any]) -> None:
 
 # ---- the whole run ----
 
-def fit(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+def fit(cfg: TrainConfig, log: Callable[[str], None] = print,
+        checkpoint: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train ``cfg.model`` on ``cfg.dataset`` as ``cfg`` says; returns the run's summary.
-    Raises ConfigError for bad input (nothing written) and RunStopped for an early stop."""
+    Raises ConfigError for bad input (nothing written) and RunStopped for an early stop.
+    ``checkpoint``: what ``load_checkpoint(cfg.resume)`` returned, when the caller has read it
+    already (train.py does, for its config): a large checkpoint is then read once, not twice."""
     env = setup_distributed(cfg)
     device = resolve_device(cfg, env)
     say = log if env.is_main else (lambda _msg: None)
@@ -245,7 +248,7 @@ def fit(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
                           f"the {env.world_size} processes")
     if cfg.data_parallel and device.type != "cuda":
         raise ConfigError("--data_parallel splits batches over CUDA GPUs; none is in use here")
-    cfg, ckpt, here = locate_run(cfg, env)
+    cfg, ckpt, here = locate_run(cfg, env, checkpoint)
     with StopSignal() as stop:
         run = build_run(cfg, env, device, say, ckpt)
         if stop.signum is not None:

@@ -82,14 +82,16 @@ class EpochStats:
 
 # ---- step 1: where the run lives ----
 
-def locate_run(cfg: TrainConfig, env: Distributed) -> tuple[TrainConfig, dict | None, bool]:
+def locate_run(cfg: TrainConfig, env: Distributed, ckpt: dict | None = None
+               ) -> tuple[TrainConfig, dict | None, bool]:
     """(cfg with ``out_dir`` set, the checkpoint to resume or None, whether the run continues in
     the directory it was resumed from). Refuses a changed config and a directory this run may
-    not write into, before anything is built or written."""
-    ckpt, here = None, False
+    not write into, before anything is built or written. ``ckpt``: ``cfg.resume``'s checkpoint
+    when the caller has read it already (None: read here)."""
+    here, ckpt = False, ckpt if cfg.resume else None
     if cfg.resume:
         path = find_checkpoint(cfg.resume)
-        ckpt = load_checkpoint(path)
+        ckpt = ckpt if ckpt is not None else load_checkpoint(path)
         if ckpt["model_name"] != cfg.model:
             raise ConfigError(f"{cfg.resume!r} is a run of {ckpt['model_name']}, not {cfg.model}; "
                               f"resume it with --model {ckpt['model_name']} (or leave --model out)")
