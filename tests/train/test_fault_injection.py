@@ -29,19 +29,26 @@ from zoo.train.run_dir import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 # 48 images in batches of 16: 3 steps an epoch, 3 epochs.
-MODELS = {"cnn": ["--model", "cnn"], "revnet38": ["--model", "revnet38", "--efficient", "True"]}
+MODELS = {"cnn": ["--model", "cnn"], "revnet38": ["--model", "revnet38", "--efficient", "True"],
+          "rev_vit_d2": ["--model", "rev_vit_cifar", "--efficient", "True", "--model_kwargs",
+                         "{depth: 2, embed_dim: 32, num_heads: 2}"]}  # (a variant's args, changed)
 TINY = [*MODELS["cnn"], "--dataset", "shapes", "--train_size", "48", "--test_size", "16",
         "--batch_size", "16", "--epochs", "3", "--lr", "0.05", "--seed", "5", "--device", "cpu"]
 TIMING_KEYS = {"images_per_s", "epoch_time_s", "peak_memory_bytes"}
 
 
 def train(*args: str, fault: str | None = None, model: str = "cnn") -> subprocess.CompletedProcess:
+    """train.py with the tiny run's flags for ``model``, then ``args``."""
+    return train_only(*MODELS[model], *TINY[len(MODELS["cnn"]):], *args, fault=fault)
+
+
+def train_only(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    """train.py with ``args`` alone, one torch thread, ``ZOO_FAULT=fault``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("ZOO_FAULT", None)
     if fault:
         env["ZOO_FAULT"] = fault
-    flags = [*MODELS[model], *TINY[len(MODELS["cnn"]):]]
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *flags, *args],
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
 
 
@@ -260,3 +267,33 @@ def test_a_resume_that_loses_the_race_for_the_lock_never_trains_from_an_older_ch
     assert late.returncode == 2, err
     assert err.count("\n") == 1 and "changed while this run was starting" in err, err
     assert {p.name: p.read_bytes() for p in run.iterdir()} == finished
+
+
+def test_model_kwargs_set_the_architecture_and_a_bare_resume_rebuilds_it(tmp_path, straight):
+    """--model_kwargs overrides a variant's architecture arguments, as zoo.create_model's keywords
+    do (rev_vit_cifar at depth 2, width 32, 2 heads). The same run from a recipe file, stopped by
+    SIGTERM inside epoch 2, resumes with --resume alone into that architecture and ends bit for
+    bit where the straight run (flags) ends; a resume with other model_kwargs is refused in one
+    line naming the key, the run left as it was."""
+    import zoo
+
+    recipe, run = tmp_path / "rev_vit_d2.yaml", tmp_path / "run"
+    recipe.write_text("model: rev_vit_cifar\nefficient: true\n"
+                      "model_kwargs: {depth: 2, embed_dim: 32, num_heads: 2}\n")
+    stopped = train_only("--config", str(recipe), *TINY[len(MODELS["cnn"]):], "--out_dir",
+                         str(run), fault="step:4:SIGTERM")
+    assert stopped.returncode == 143, stopped.stderr
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    refused = train_only("--resume", str(run), "--model_kwargs", "{depth: 3}")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "changed model_kwargs" in refused.stderr and "'depth': 3" in refused.stderr
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    resumed = train_only("--resume", str(run))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "step 4 (inside epoch 2)" in resumed.stdout
+    assert_same_run(run, straight("rev_vit_d2"))
+    want = zoo.create_model("rev_vit_cifar", num_classes=10, depth=2, embed_dim=32, num_heads=2)
+    got = load_checkpoint(run)["model"]
+    assert {k: v.shape for k, v in got.items()} == {
+        k: v.shape for k, v in want.state_dict().items()}
+    assert len(got) < len(zoo.create_model("rev_vit_cifar").state_dict())
