@@ -145,6 +145,22 @@ def test_a_corrupt_last_pt_is_refused_by_name_and_prev_pt_goes_back_one_epoch(tm
     assert same_weights(run, two_epochs) and [r["epoch"] for r in lines(run)] == [1, 2]
 
 
+def test_going_back_to_an_epoch_that_was_best_keeps_the_better_best_pt(tmp_path, monkeypatch):
+    """Epoch 1 (test accuracy 0.0) was the best when saved, epoch 2 (0.125) is best.pt now.
+    --resume DIR/prev.pt goes back to epoch 1 and is stopped in its first step: best.pt must
+    still hold epoch 2, not the epoch gone back to (its weights would be lost)."""
+    run = tmp_path / "run"
+    fit(tiny(run, epochs=2, seed=9), log=quiet)
+    assert [r["test_acc"] for r in lines(run)] == [0.0, 0.125]
+    best = (run / "best.pt").read_bytes()
+    monkeypatch.setenv("ZOO_FAULT", "step:3:SIGTERM")  # (train.py's way to be stopped)
+    with pytest.raises(RunStopped, match="stopped by SIGTERM in epoch 2 after step 3"):
+        fit(dataclasses.replace(tiny(None, epochs=2, seed=9), resume=str(run / "prev.pt")),
+            log=quiet)
+    assert load_checkpoint(run)["step"] == 3
+    assert (run / "best.pt").read_bytes() == best
+
+
 def test_resume_rewrites_metrics_from_the_checkpoint(tmp_path, two_epochs):
     """A truncated, garbled or over-long metrics.jsonl is replaced by the checkpoint's lines."""
     run = tmp_path / "run"

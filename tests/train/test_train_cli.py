@@ -156,8 +156,9 @@ def test_resuming_a_run_of_another_model_is_refused(capsys, tmp_path):
 
 def test_a_resume_reads_its_checkpoint_once(capsys, tmp_path, monkeypatch):
     """--resume reads the whole checkpoint once, for its config and its state alike (a ViT-B
-    checkpoint, 661 MiB, takes about 2 s to read and verify on a CPU); once the lock is held it
-    maps the file again, tensors untouched, only to compare its SHA-256 with the one restored."""
+    checkpoint, 661 MiB, takes about 2 s to read and verify on a CPU). Once the lock is held
+    it maps the file again, tensors untouched, to compare its SHA-256 with the one restored,
+    and maps best.pt to see whether it holds the epoch resumed (which was the best)."""
     import torch
 
     run = tmp_path / "run"
@@ -169,7 +170,7 @@ def test_a_resume_reads_its_checkpoint_once(capsys, tmp_path, monkeypatch):
                         or load(*a, **k))
     code, _out, err = run_main(capsys, resume=str(run), epochs=2)
     assert code == 0, err
-    assert reads == [False, True], f"whole reads, mapped reads in order: {reads}"
+    assert reads == [False, True, True], f"whole reads, mapped reads in order: {reads}"
 
 
 def test_script_trains_and_fails_cleanly_as_a_subprocess(tmp_path):

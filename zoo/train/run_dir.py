@@ -33,7 +33,8 @@ from .run_lock import LOCK_NAME, RunLock
 
 __all__ = ["CHECKPOINT_FORMAT", "RUN_FILES", "FAULT_POINTS", "CorruptCheckpointError",
            "atomic_write", "atomic_save", "state_digest", "RunDir", "find_checkpoint",
-           "load_checkpoint", "saved_digest", "check_run_dir", "rng_state", "set_rng_state"]
+           "load_checkpoint", "saved_digest", "saved_epoch", "check_run_dir", "rng_state",
+           "set_rng_state"]
 
 CHECKPOINT_FORMAT = "zoo-train-2"
 CHECKPOINT_KEYS = ("format", "model_name", "model_args", "model", "optimizer", "scheduler",
@@ -203,16 +204,27 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     return ckpt
 
 
-def saved_digest(path: str | Path) -> str | None:
-    """The SHA-256 a checkpoint file was saved with, read without loading its tensors (they are
-    memory-mapped, never touched); None when the file is missing or unreadable."""
+def _peek(path: str | Path) -> dict[str, Any]:
+    """A checkpoint file's dict read without loading its tensors (they are memory-mapped, never
+    touched), unverified; empty when the file is missing or unreadable."""
     for mmap in (True, False):  # (a file system that cannot map it: read it whole)
         try:
             ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-        except Exception:  # (missing, or junk: not the checkpoint this run restored)
+        except Exception:  # (missing, or junk)
             continue
-        return ckpt.get("sha256") if isinstance(ckpt, dict) else None
-    return None
+        return ckpt if isinstance(ckpt, dict) else {}
+    return {}
+
+
+def saved_digest(path: str | Path) -> str | None:
+    """The SHA-256 a checkpoint file was saved with (None: missing or unreadable), cheaply."""
+    return _peek(path).get("sha256")
+
+
+def saved_epoch(path: str | Path) -> int | None:
+    """The epoch a checkpoint file holds (None: missing or unreadable), cheaply."""
+    epoch = _peek(path).get("epoch")
+    return epoch if isinstance(epoch, int) else None
 
 
 def check_run_dir(path: str | Path, resuming_here: bool, overwrite: bool) -> None:

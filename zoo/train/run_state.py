@@ -25,7 +25,7 @@ from torch.utils.data import Dataset, DistributedSampler
 from .config import SAFE_ON_RESUME, ConfigError, TrainConfig, config_drift, to_yaml
 from .data import build_datasets
 from .run_dir import (RunDir, check_run_dir, fault_point, find_checkpoint, load_checkpoint,
-                      saved_digest, set_rng_state)
+                      saved_digest, saved_epoch, set_rng_state)
 from .setup import (Distributed, all_sum, amp_dtype_for, build_model, build_optimizer,
                           lr_factor, plan_memory)
 
@@ -270,10 +270,14 @@ def _check_still_the_one_restored(run: Run, ckpt: dict[str, Any]) -> None:
 
 
 def _resumed_the_best_epoch(run: Run) -> bool:
+    """Whether the epoch resumed was the best and best.pt lacks it: a crash came between its
+    save as last.pt and the copy. A run gone back (prev.pt) to an epoch that was the best when
+    saved keeps the later, better best.pt it has: copying would lose those weights."""
     if not run.cfg.resume or run.position is not None or not run.history:
         return False
     first_best = next(r["epoch"] for r in run.history if r["test_acc"] == run.best_acc)
-    return first_best == run.epoch
+    held = saved_epoch(run.dir.path / "best.pt")
+    return first_best == run.epoch and (held is None or held < run.epoch)
 
 
 def checkpoint_state(run: Run, rngs: list[dict[str, Any]],
