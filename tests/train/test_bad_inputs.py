@@ -88,6 +88,14 @@ CASES = [
     ("device-unknown", lambda r, t: {"device": "tpu"}, None, 2, "device must be auto, cpu"),
     ("memory-budget-words", lambda r, t: {"memory_budget": "lots"}, None, 2, "memory_budget"),
     ("unknown-key", lambda r, t: {"learning_rate": 0.1}, None, 2, "unknown key 'learning_rate'"),
+    ("model-kwargs-num-classes", lambda r, t: {"model_kwargs": {"num_classes": 100}}, None, 2,
+     "model_kwargs cannot set num_classes (100): train.py sets it to the dataset's classes"),
+    ("model-kwargs-efficient", lambda r, t: {"model_kwargs": {"efficient": True}}, None, 2,
+     "model_kwargs cannot set efficient (True): set it with --efficient"),
+    ("model-kwargs-text", lambda r, t: {"model_kwargs": "depth=2"}, None, 2,
+     "model_kwargs must be a mapping such as {depth: 2} (on the command line --model_kwargs"),
+    ("model-kwargs-unknown", lambda r, t: {"model_kwargs": {"dept": 2}}, None, 2,
+     "takes no argument 'dept'"),
     ("config-not-utf8", lambda r, t: {"config": _text_file(t, "c.yaml", b"lr: \xff\xfe 0.1\n")},
      None, 2, "is not UTF-8 text"),
     ("config-yaml-error",
@@ -113,6 +121,9 @@ CASES = [
      "changed dataset ('shapes' -> 'synthetic'), batch_size (8 -> 4)"),
     ("resume-other-model", lambda r, t: {"resume": str(r), "model": "resnet20"}, None, 2,
      "is a run of cifar_cnn, not resnet20"),
+    ("resume-other-model-kwargs", lambda r, t: {"resume": str(r),
+                                                 "model_kwargs": {"drop_rate": 0.2}}, None, 2,
+     "changed model_kwargs ({} -> {'drop_rate': 0.2})"),
 ]
 
 

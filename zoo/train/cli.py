@@ -20,7 +20,8 @@ HELP = """Train a zoo model. Every key of the config is a flag (--key value); a 
     RUN_DIR.
 
     Keys: model (registry name or densenet, resnet, vit, cnn), efficient (True, False or a
-    checkpoint mode), model_kwargs, dataset (shapes, synthetic, cifar10, cifar100), data_dir,
+    checkpoint mode), model_kwargs (the model's architecture arguments, e.g. '{depth: 2}'),
+    dataset (shapes, synthetic, cifar10, cifar100), data_dir,
     image_size, train_size, test_size, workers, epochs, batch_size (global, or auto: the largest
     that fits memory_budget), memory_budget (per device, e.g. 10GB: zoo.plan checkpoints the model
     to fit), card (h100, a100, l4, rtx4090, h200: size memory_budget and batch_size auto for that

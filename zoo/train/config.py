@@ -103,6 +103,7 @@ class TrainConfig:
             except ValueError as e:
                 raise ConfigError(f"memory_budget: {e}") from None
         self._validate_card()
+        self._validate_model_kwargs()
         positive = {"epochs": self.epochs} if self.batch_size == "auto" else {
             "epochs": self.epochs, "batch_size": self.batch_size}
         for key, value in positive.items():
@@ -139,6 +140,19 @@ class TrainConfig:
         self._validate_compile_with_budget()
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise ConfigError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+
+    def _validate_model_kwargs(self) -> None:
+        """``model_kwargs`` may set a variant's architecture (``{depth: 2}``), not what train.py
+        sets itself: the classes come from the dataset, checkpointing from ``--efficient``."""
+        if "num_classes" in self.model_kwargs:
+            raise ConfigError(f"model_kwargs cannot set num_classes "
+                              f"({self.model_kwargs['num_classes']!r}): train.py sets it to the "
+                              f"dataset's classes (10 for shapes and cifar10, 100 for cifar100); "
+                              f"drop it from model_kwargs")
+        if "efficient" in self.model_kwargs:
+            raise ConfigError(f"model_kwargs cannot set efficient "
+                              f"({self.model_kwargs['efficient']!r}): set it with --efficient "
+                              f"(True, False or a mode name) and drop it from model_kwargs")
 
     def _validate_compile_with_budget(self) -> None:
         """``--compile`` with ``--memory_budget``: the plan must be one torch.compile keeps."""
@@ -230,7 +244,8 @@ def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
         return [_coerce(f"{key}[{i}]", v, args[0], from_cli) for i, v in enumerate(value)]
     if tp is dict or origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{key} must be a mapping, got {value!r} ({type(value).__name__})")
+            raise ConfigError(f"{key} must be a mapping such as {{depth: 2}} (on the command line "
+                              f"--{key} '{{depth: 2}}'), got {value!r} ({type(value).__name__})")
         return dict(value)
     if tp is bool:
         if isinstance(value, bool):
