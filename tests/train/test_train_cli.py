@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import call_command
 from zoo.train.config import ConfigError, TrainConfig, config_keys, load_yaml, resolve_config
+from zoo.train.run_dir import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "configs"
@@ -159,8 +161,6 @@ def test_a_resume_reads_its_checkpoint_once(capsys, tmp_path, monkeypatch):
     checkpoint, 661 MiB, takes about 2 s to read and verify on a CPU). Once the lock is held
     it maps the file again, tensors untouched, to compare its SHA-256 with the one restored,
     and maps best.pt to see whether it holds the epoch resumed (which was the best)."""
-    import torch
-
     run = tmp_path / "run"
     code, _out, err = run_main(capsys, model="cnn", dataset="shapes", train_size=16, test_size=8,
                                batch_size=8, epochs=1, schedule="constant", out_dir=str(run))
@@ -171,6 +171,26 @@ def test_a_resume_reads_its_checkpoint_once(capsys, tmp_path, monkeypatch):
     code, _out, err = run_main(capsys, resume=str(run), epochs=2)
     assert code == 0, err
     assert reads == [False, True, True], f"whole reads, mapped reads in order: {reads}"
+
+
+def test_resume_in_a_config_file_stands_where_the_resume_flag_does(capsys, tmp_path):
+    """A recipe holding ``resume: RUN`` (and epochs: 2) resumes RUN as --resume RUN does: the
+    checkpoint's config below the file and the flags, not the defaults (which would refuse
+    every key the run set as drift), and the run ends where the straight 2-epoch run ends."""
+    tiny = dict(model="cnn", dataset="shapes", train_size=16, test_size=8, batch_size=8,
+                schedule="constant", lr=0.05)
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    for out, epochs in ((straight, 2), (run, 1)):
+        code, _out, err = run_main(capsys, **tiny, epochs=epochs, out_dir=str(out))
+        assert code == 0, err
+    recipe = tmp_path / "more.yaml"
+    recipe.write_text(f"resume: {run}\nepochs: 2\n")
+    code, out, err = run_main(capsys, config=str(recipe))
+    assert code == 0, err
+    assert f"config from: defaults < the resumed run's config < {recipe}" in out
+    assert "resuming after epoch 1" in out
+    a, b = (load_checkpoint(p)["model"] for p in (run, straight))
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_script_trains_and_fails_cleanly_as_a_subprocess(tmp_path):

@@ -91,7 +91,7 @@ def _debug_flag(flags: dict[str, Any]) -> bool:
 def _train(args: tuple[Any, ...], flags: dict[str, Any], usage: str) -> None:
     import torch.distributed as dist
 
-    from .config import ConfigError, resolve_config
+    from .config import ConfigError, resolve_config, resume_target
     from .loop import fit
     from .run_dir import load_checkpoint
 
@@ -99,7 +99,7 @@ def _train(args: tuple[Any, ...], flags: dict[str, Any], usage: str) -> None:
         raise ConfigError(f"unexpected argument(s) {' '.join(map(str, args))}: every option is "
                           f"--key value (e.g. --epochs 3); see {usage} --help")
     try:
-        resume = flags.get("resume")  # read once: its config here, its state in fit
+        resume = resume_target(flags)  # read once: its config here, its state in fit
         ckpt = load_checkpoint(str(resume)) if resume is not None else None
         cfg, sources = resolve_config(flags, recipes_dir(), ckpt and ckpt["config"])
         if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone speaks

@@ -2,9 +2,10 @@
 
 Precedence, lowest first (:func:`resolve_config`). A new run: the dataclass defaults < the
 recipe file (``--config``, or else ``configs/<model>.yaml`` when the model has one) < flags.
-Resuming: the defaults < the checkpoint's config (which holds its recipe: the model's recipe is
-not read again) < the ``--config`` file, when one is given < flags; then every key that differs
-from the checkpoint's, other than :data:`SAFE_ON_RESUME`, is refused (:func:`config_drift`).
+Resuming (``--resume``, or ``resume`` in the ``--config`` file, :func:`resume_target`): the
+defaults < the checkpoint's config (which holds its recipe: the model's recipe is not read
+again) < the ``--config`` file, when one is given < flags; then every key that differs from the
+checkpoint's, other than :data:`SAFE_ON_RESUME`, is refused (:func:`config_drift`).
 An unknown key or a value of the wrong type is a :class:`ConfigError` naming the valid keys, in
 files as on the command line (nanoGPT's rule: configs are plain data, unknown keys are errors).
 """
@@ -26,7 +27,8 @@ import yaml
 from .. import _torch
 
 __all__ = ["ConfigError", "TrainConfig", "MODEL_ALIASES", "SAFE_ON_RESUME", "resolve_model_name",
-           "load_yaml", "merge", "config_keys", "to_yaml", "resolve_config", "config_drift"]
+           "load_yaml", "merge", "config_keys", "to_yaml", "resolve_config", "config_drift",
+           "resume_target"]
 
 # Family aliases accepted by ``--model``: the family's flagship CIFAR model.
 MODEL_ALIASES = {"densenet": "densenet_bc_100", "resnet": "resnet110", "vit": "vit_cifar",
@@ -349,6 +351,16 @@ def resolve_config(flags: dict[str, Any], recipes_dir: str | Path | None = None,
         sources.append("command line")
     cfg.validate()
     return cfg, sources
+
+
+def resume_target(flags: dict[str, Any]) -> Any:
+    """The run to resume: ``--resume``, else the ``resume`` key of the ``--config`` file. Either
+    way its checkpoint's config goes below the file and the flags (read from the file only
+    after them, it would be left out, and every key the run set refused as drift)."""
+    if flags.get("resume") is not None:
+        return flags["resume"]
+    path = _config_path(flags.get("config"))
+    return load_yaml(path).get("resume") if path is not None else None
 
 
 def _config_path(value: Any) -> str | Path | None:
