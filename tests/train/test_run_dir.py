@@ -116,6 +116,31 @@ def test_a_second_run_fails_at_once_naming_the_holder_and_a_dead_holders_lock_is
     assert not (run / "train.lock").exists() and load_checkpoint(run)["epoch"] == 1
 
 
+def test_a_resume_of_a_live_run_is_refused_before_it_builds_data_or_model(tmp_path, two_epochs,
+                                                                         monkeypatch):
+    """The lock is taken once data and model are built; a resume of a run still training (or
+    --overwrite True over one) must not build them first (a CIFAR download, minutes) only to
+    be refused: it is refused at once, the run's files left as they were."""
+    import zoo.train.run_state as run_state
+
+    run = tmp_path / "run"
+    shutil.copytree(two_epochs, run)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    built = []
+    monkeypatch.setattr(run_state, "build_datasets", lambda *a, **k: built.append(a) or 1 / 0)
+    live = RunLock(run)
+    live.acquire()
+    try:
+        with pytest.raises(RunBusyError, match=f"in use by pid {os.getpid()}"):
+            fit(dataclasses.replace(tiny(None, epochs=3), resume=str(run)), log=quiet)
+        with pytest.raises(RunBusyError, match=f"in use by pid {os.getpid()}"):
+            fit(tiny(run, overwrite=True), log=quiet)
+        assert built == []
+        assert {p.name: p.read_bytes() for p in run.iterdir() if p.name != "train.lock"} == before
+    finally:
+        live.release()
+
+
 def test_lock_in_one_process_twice_is_refused(tmp_path):
     a, b = RunLock(tmp_path), RunLock(tmp_path)
     a.acquire()

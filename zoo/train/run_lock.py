@@ -64,6 +64,24 @@ class RunLock:
         raise RunBusyError(f"could not take the lock {str(self.path)!r}: it keeps being replaced; "
                            f"is another run starting on this directory?")
 
+    def refuse_if_held(self) -> None:
+        """A :class:`RunBusyError` now if a live run holds the lock, taking nothing: a run checks
+        before it builds its data and model, so that it is not refused only after them (and
+        after a download). :meth:`acquire` still decides; this only tells early."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:  # no lock file (or none readable): nobody to name, acquire will tell
+            return
+        try:
+            if fcntl is None:
+                raise RunBusyError(self._busy_message())
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                raise RunBusyError(self._busy_message()) from None
+        finally:
+            os.close(fd)  # (closing drops the shared lock taken to look)
+
     def _busy_message(self) -> str:
         try:
             holder = json.loads(self.path.read_text())

@@ -26,6 +26,7 @@ from .config import SAFE_ON_RESUME, ConfigError, TrainConfig, config_drift, to_y
 from .data import build_datasets
 from .run_dir import (RunDir, check_run_dir, fault_point, find_checkpoint, load_checkpoint,
                       saved_digest, saved_epoch, set_rng_state)
+from .run_lock import RunLock
 from .setup import (Distributed, all_sum, amp_dtype_for, build_model, build_optimizer,
                           lr_factor, plan_memory)
 
@@ -110,6 +111,7 @@ def locate_run(cfg: TrainConfig, env: Distributed, ckpt: dict | None = None
         out_dir = Path("runs") / f"{cfg.model}-{cfg.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
     if env.is_main:
         check_run_dir(out_dir, here, cfg.overwrite)
+        RunLock(out_dir).refuse_if_held()
     return dataclasses.replace(cfg, out_dir=str(out_dir)), ckpt, here
 
 
