@@ -110,6 +110,8 @@ CASES = [
     ("resume-into-another-run", lambda r, t: {"resume": str(r), "out_dir": str(r.parent / "b")},
      lambda r: shutil.copytree(r, r.parent / "b"), 2, "already holds files"),
     ("resume-nothing", lambda r, t: {"resume": str(t / "nowhere")}, None, 2, "nothing to resume"),
+    ("resume-without-a-path", lambda r, t: {"resume": True}, None, 2,  # `--resume` alone
+     "--resume names a run directory or a checkpoint file (--resume runs/a"),
     ("resume-flipped-byte", lambda r, t: {"resume": str(r)}, _flip_a_byte, 2,
      "last.pt' is corrupt: its contents do not match the SHA-256 saved with it"),
     ("resume-truncated", lambda r, t: {"resume": str(r)}, _truncate, 2,

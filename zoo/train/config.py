@@ -357,10 +357,16 @@ def resume_target(flags: dict[str, Any]) -> Any:
     """The run to resume: ``--resume``, else the ``resume`` key of the ``--config`` file. Either
     way its checkpoint's config goes below the file and the flags (read from the file only
     after them, it would be left out, and every key the run set refused as drift)."""
-    if flags.get("resume") is not None:
-        return flags["resume"]
-    path = _config_path(flags.get("config"))
-    return load_yaml(path).get("resume") if path is not None else None
+    value = flags.get("resume")
+    if value is None:
+        path = _config_path(flags.get("config"))
+        value = load_yaml(path).get("resume") if path is not None else None
+    if value is None or isinstance(value, (str, Path)):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # (Fire reads --resume 7 as a number)
+    raise ConfigError(f"--resume names a run directory or a checkpoint file (--resume runs/a, "
+                      f"--resume runs/a/prev.pt), got {value!r}")
 
 
 def _config_path(value: Any) -> str | Path | None:
