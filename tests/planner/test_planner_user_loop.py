@@ -124,7 +124,8 @@ class ModelFirst(torch.optim.SGD):
     (lambda m: torch.randn(8, 64), dict(loss_fn="cross_entropy"),
      "loss_fn must be a function of the model's output"),
     (lambda m: torch.randn(8, 64, device="meta"), {}, "are not on one device"),
-], ids=["lbfgs", "sparse-adam", "optimizer-taking-the-model", "loss-fn-a-string", "batch-on-another-device"])
+], ids=["lbfgs", "sparse-adam", "optimizer-taking-the-model", "loss-fn-a-string",
+        "batch-on-another-device"])
 def test_a_step_planning_cannot_take_is_one_line(make, kwargs, expected):
     model = mlp()
     kwargs = {k: v(model) if k == "optimizer" else v for k, v in kwargs.items()}
