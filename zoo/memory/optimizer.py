@@ -18,7 +18,8 @@ import torch
 
 from .. import _torch
 
-__all__ = ["check_optimizer", "mirror", "fill_state", "state_tensors", "state_bytes"]
+__all__ = ["check_optimizer", "mirror", "fill_state", "state_tensors", "state_bytes",
+           "held_bytes"]
 
 
 def check_optimizer(optimizer: Any, model: torch.nn.Module) -> None:
@@ -104,7 +105,12 @@ def state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     with mode:
         fake = mirror(optimizer, fakes)
         fill_state(fake)
-        return sum(t.untyped_storage().nbytes() for t in state_tensors(fake))
+        return held_bytes(fake)
+
+
+def held_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the state ``optimizer`` holds now (each of its tensors once)."""
+    return sum(t.untyped_storage().nbytes() for t in state_tensors(optimizer))
 
 
 def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -26,7 +26,7 @@ from ..memory.fake import FakeStep
 from ..memory.inputs import Batch
 from ..memory.precision import Precision, step_precision
 from ..memory.step import measure_step
-from ..memory.optimizer import state_tensors
+from ..memory.optimizer import held_bytes
 from .errors import BudgetTooSmallError
 from .modules.spine import Spine
 from .plans import Plan, cheapest, plan_applied
@@ -56,8 +56,7 @@ class WholeStep:
         """Bytes of the optimizer's state the step holds: after a step is measured, only the
         trained parameters' (``FakeStep.drop_untrained_state``)."""
         opt = self.fake.optimizer
-        return 0 if opt is None else sum(t.untyped_storage().nbytes()
-                                         for t in state_tensors(opt))
+        return 0 if opt is None else held_bytes(opt)
 
     @staticmethod
     def of(model: nn.Module, batch: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
