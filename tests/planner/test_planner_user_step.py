@@ -4,6 +4,8 @@ measured bytes, and the planned model trained bit for bit like plain."""
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import logging
 import re
 import warnings
@@ -105,6 +107,44 @@ def test_a_tuple_batch_is_the_models_positional_arguments():
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     plan = zoo.plan(model, batch, "inf", optimizer=opt)
     assert real_whole_peak(model, batch, opt, "fp32") == plan.predicted_peak
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """A batch as a user's own dataclass: the model takes it whole."""
+    images: torch.Tensor
+    shift: torch.Tensor
+    note: str = "train"
+
+
+class TakesNested(nn.Module):
+    """A chain of blocks taking a dataclass, or a list of tensors and a dict of lists."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU())
+                                      for _ in range(6)])
+
+    def forward(self, batch, extra=None) -> torch.Tensor:
+        x, shift = (batch.images, batch.shift) if extra is None else (batch[0], extra["shift"][0])
+        return self.blocks(x + shift)
+
+
+@pytest.mark.parametrize("nested", ["dataclass", "tuple-dict-list"])
+def test_a_batch_nesting_its_tensors_in_containers_is_planned_exactly(nested):
+    torch.manual_seed(0)
+    x, shift = torch.randn(16, 32), torch.randn(32, requires_grad=False)
+    batch = Pair(x, shift) if nested == "dataclass" else ([x], {"shift": [shift]})
+    plain = TakesNested()
+    model = copy.deepcopy(plain)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(BudgetTooSmallError) as e:
+        zoo.plan(model, batch, 1, optimizer=opt, apply=False)
+    plan = zoo.plan(model, batch, (e.value.smallest + e.value.plain) // 2, optimizer=opt)
+    assert plan.checkpointed and "shift" in plan.step and "32 float32" in plan.step
+    assert trains_like_plain(copy.deepcopy(plain), copy.deepcopy(model), batch,
+                             lambda m: torch.optim.AdamW(m.parameters()), "fp32")
+    assert real_whole_peak(model, batch, opt, "fp32") == plan.predicted_peak <= plan.budget
 
 
 @pytest.mark.parametrize("make_opt", [
@@ -277,7 +317,7 @@ def test_batch_size_is_found_from_the_tensors_and_resized():
 @pytest.mark.parametrize("args,expected", [
     ((torch.randn(2, 8), nn.Linear(8, 2), "1GB"), "arguments look swapped"),
     (("resnet18", torch.randn(2, 8), "1GB"), "zoo.create_model('resnet18')"),
-    ((nn.Linear(8, 2), 5, "1GB"), "batch must be a tensor, a tuple"),
+    ((nn.Linear(8, 2), 5, "1GB"), "batch must be a tensor, a dataclass, a tuple"),
     ((nn.Linear(8, 2), {"x": 1}, "1GB"), "holds no tensor"),
 ])
 def test_a_wrong_argument_is_one_line(args, expected):

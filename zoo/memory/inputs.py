@@ -1,6 +1,7 @@
 """A batch as the model takes it: one tensor, a tuple of positional arguments, or a dict of keyword
 arguments (a Hugging Face batch: ``input_ids``, ``attention_mask``, ``labels``), with any mix of
-tensors and other values.
+tensors and other values, nested in tuples, lists, dicts and dataclasses (torchvision's detection
+models take a list of images and a list of target dicts).
 
 Every step :mod:`zoo.memory` measures and the planner profiles calls the model through
 :meth:`Batch.call`, so a batch dict is planned as it is trained (an encoder's attention mask
@@ -10,6 +11,8 @@ search.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -30,10 +33,11 @@ class Batch:
 
     @staticmethod
     def of(batch: Any, name: str = "batch") -> Batch:
-        """``batch`` read as the model takes it: a tensor is the one positional argument, a
-        tuple or list the positional arguments, a dict (any mapping, a Hugging Face
-        ``BatchEncoding`` included) the keyword arguments; a :class:`Batch` is itself. Anything
-        else, or a batch without a tensor, is a one-line TypeError naming ``name``."""
+        """``batch`` read as the model takes it: a tensor or a dataclass instance is the one
+        positional argument, a tuple or list the positional arguments, a dict (any mapping, a
+        Hugging Face ``BatchEncoding`` included) the keyword arguments; a :class:`Batch` is
+        itself. Anything else, or a batch without a tensor, is a one-line TypeError naming
+        ``name``."""
         if isinstance(batch, Batch):
             return batch
         if isinstance(batch, torch.Tensor):
@@ -42,9 +46,11 @@ class Batch:
             out = Batch(tuple(batch))
         elif isinstance(batch, Mapping) and all(isinstance(k, str) for k in batch):
             out = Batch((), dict(batch))
+        elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+            out = Batch((batch,))
         else:
-            raise TypeError(f"{name} must be a tensor, a tuple of the model's positional "
-                            f"arguments or a dict of its keyword arguments, got "
+            raise TypeError(f"{name} must be a tensor, a dataclass, a tuple of the model's "
+                            f"positional arguments or a dict of its keyword arguments, got "
                             f"{type(batch).__name__}; pass the batch as the model takes it")
         if not out.tensors():
             raise TypeError(f"{name} holds no tensor ({type(batch).__name__} of "
@@ -57,15 +63,15 @@ class Batch:
         return model(*self.args, **self.kwargs)
 
     def tensors(self) -> list[torch.Tensor]:
-        """The tensors passed directly (not inside nested containers), in order."""
-        return [v for v in (*self.args, *self.kwargs.values()) if isinstance(v, torch.Tensor)]
+        """Every tensor of the batch, those nested in its containers too, in order."""
+        found: list[torch.Tensor] = []
+        _rebuilt((self.args, self.kwargs), lambda t: found.append(t) or t)
+        return found
 
     def map(self, fn: Callable[[torch.Tensor], Any]) -> Batch:
-        """The same batch with ``fn`` applied to each tensor."""
-        def one(v: Any) -> Any:
-            return fn(v) if isinstance(v, torch.Tensor) else v
-        return Batch(tuple(one(v) for v in self.args),
-                     {k: one(v) for k, v in self.kwargs.items()})
+        """The same batch with ``fn`` applied to each tensor, nested ones too (:func:`_rebuilt`)."""
+        args, kwargs = _rebuilt((self.args, self.kwargs), fn)
+        return Batch(args, kwargs)
 
     @property
     def device(self) -> torch.device:
@@ -96,13 +102,52 @@ class Batch:
         return self.map(resize)
 
     def describe(self) -> str:
-        """Shapes and dtypes, for messages: ``(x: 8x3x32x32 float32)``."""
-        def one(v: Any) -> str:
-            if isinstance(v, torch.Tensor):
-                return f"{'x'.join(map(str, v.shape)) or 'scalar'} {str(v.dtype).removeprefix('torch.')}"
-            return type(v).__name__
-        parts = [one(v) for v in self.args] + [f"{k}={one(v)}" for k, v in self.kwargs.items()]
+        """Shapes and dtypes, for messages: ``(x: 8x3x32x32 float32)``; nested containers
+        shown as they nest (a long list by its first values and its length)."""
+        parts = [_described(v) for v in self.args]
+        parts += [f"{k}={_described(v)}" for k, v in self.kwargs.items()]
         return "(" + ", ".join(parts) + ")"
+
+
+def _described(v: Any) -> str:
+    """One value of a batch in a few words (:meth:`Batch.describe`)."""
+    if isinstance(v, torch.Tensor):
+        return f"{'x'.join(map(str, v.shape)) or 'scalar'} {str(v.dtype).removeprefix('torch.')}"
+    if isinstance(v, (tuple, list)):
+        items = [_described(x) for x in v[:3]] + ([f"... {len(v)} in all"] if len(v) > 3 else [])
+        return ("[{}]" if isinstance(v, list) else "({})").format(", ".join(items))
+    if isinstance(v, Mapping):
+        return "{" + ", ".join(f"{k}: {_described(x)}" for k, x in v.items()) + "}"
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        fields = [f"{f.name}={_described(getattr(v, f.name))}" for f in dataclasses.fields(v)]
+        return f"{type(v).__name__}({', '.join(fields)})"
+    return type(v).__name__
+
+
+def _rebuilt(v: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``v`` with ``fn`` applied to each tensor in it: tensors inside tuples (named ones kept),
+    lists, mappings and dataclass instances are found and their containers rebuilt alike (a
+    dataclass is copied and its fields set, so frozen ones and fields outside ``__init__`` are
+    kept); any other value is kept as it is."""
+    if isinstance(v, torch.Tensor):
+        return fn(v)
+    if isinstance(v, tuple):
+        items = [_rebuilt(x, fn) for x in v]
+        return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)
+    if isinstance(v, list):
+        return type(v)(_rebuilt(x, fn) for x in v)
+    if isinstance(v, Mapping):
+        items = {k: _rebuilt(x, fn) for k, x in v.items()}
+        try:
+            return type(v)(items)
+        except TypeError:  # a mapping type that is not built from a dict
+            return items
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        out = copy.copy(v)
+        for f in dataclasses.fields(v):
+            object.__setattr__(out, f.name, _rebuilt(getattr(v, f.name), fn))
+        return out
+    return v
 
 
 def check_model(model: Any, name: str = "model") -> nn.Module:

@@ -9,10 +9,11 @@ The model's output is dropped before the backward, as the Hugging Face ``Trainer
 Lightning's ``training_step`` do (a loop that keeps it holds it through the backward); the loss
 is held until ``optimizer.step()`` ends, as every loop that logs it does (the ``Trainer``'s
 ``tr_loss_step``): where the optimizer's step is the peak (AdamW's foreach temporaries, a small
-batch), its bytes are in it (4 for a float32 loss). The
-batch is read by :class:`~.inputs.Batch`: a tensor, a tuple of positional arguments or a dict of
-keyword arguments. The loss is the output's own ``loss`` when it carries one (a Hugging Face
-model given ``labels``), else a mean of squares (:func:`default_loss`), unless ``loss_fn`` says.
+batch), its bytes are in it (4 for a float32 loss). The batch is read by
+:class:`~.inputs.Batch`: a tensor or a dataclass, a tuple of positional arguments or a dict of
+keyword arguments, with tensors nested at any depth. The loss is the output's own ``loss`` when it
+carries one (a Hugging Face model given ``labels``), else a mean of squares
+(:func:`default_loss`), unless ``loss_fn`` says.
 """
 from __future__ import annotations
 

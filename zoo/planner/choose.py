@@ -283,9 +283,10 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
             ones ``zoo.set_grad_checkpointing`` takes; ``modules`` overrides them), nested in
             containers where every block alone does not fit, returning a :class:`ModulePlan`
             whose peak is measured (:func:`plan_module`).
-        batch: one batch as the model takes it and training will see it: a tensor, a tuple of
-            positional arguments or a dict of keyword arguments (a Hugging Face batch with
-            ``input_ids``, ``attention_mask``, ``labels``); shapes, dtypes and devices decide
+        batch: one batch as the model takes it and training will see it: a tensor or a
+            dataclass, a tuple of positional arguments or a dict of keyword arguments (a Hugging
+            Face batch with ``input_ids``, ``attention_mask``, ``labels``), tensors nested in
+            them found at any depth (:class:`zoo.memory.inputs.Batch`); shapes, dtypes and devices decide
             the figures, values do not. Nothing is computed on it: the model is profiled under
             ``FakeTensorMode``.
         memory_budget: bytes, or a string like ``"10GB"`` / ``"12GiB"`` / ``"1500MB"``, for one
