@@ -172,3 +172,27 @@ def test_hf_blocks_checkpointed_by_name_compile_in_one_graph():
     compiled = torch.compile(ckpt, backend="aot_eager", fullgraph=True)
     assert_same_training(plain, lambda t: gpt2_hidden(plain, t), ckpt,
                          lambda t: gpt2_hidden(compiled, t), token_ids(), steps=2, exact=True)
+
+
+@pytest.mark.skipif(not hasattr(torch._dynamo.config,
+                                "skip_fwd_side_effects_in_bwd_under_checkpoint"),
+                    reason="this torch's Dynamo has no switch for a region's side effects")
+def test_llama_blocks_compile_in_one_graph_with_dynamos_side_effect_switch():
+    """A Llama decoder layer sets a global for its attention's kernels and undoes it inside its
+    forward; Dynamo refuses that inside any checkpoint under fullgraph=True unless told the
+    backward need not replay it (torch's own switch, named in its message). With it, the layers
+    checkpointed by name train as the eager plain model does, attention dropout on, bit for
+    bit."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64,
+                                      attention_dropout=0.1)
+    plain = transformers.LlamaModel(config).train()
+    ckpt = zoo.set_grad_checkpointing(copy.deepcopy(plain), modules="LlamaDecoderLayer")
+    compiled = torch.compile(ckpt, backend="aot_eager", fullgraph=True)
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        assert_same_training(plain, lambda t: plain(input_ids=t).last_hidden_state, ckpt,
+                             lambda t: compiled(input_ids=t).last_hidden_state, token_ids(),
+                             steps=2, exact=True)
+    torch._dynamo.reset()
