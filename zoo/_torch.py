@@ -86,6 +86,7 @@ NAMES: dict[str, Name] = {
     "torch.nn.modules.batchnorm._BatchNorm": Name(OLDEST, "required (BN guard)"),
     "torch.nn.modules.instancenorm._InstanceNorm": Name(OLDEST, "required (BN guard)"),
     "torch.nn.utils.stateless._reparametrize_module": Name(OLDEST, "required (planner)"),
+    "torch.nn.utils.parametrizations._SpectralNorm": Name(OLDEST, "required (spectral norm)"),
     # dispatch modes and pytrees
     "torch.utils._python_dispatch.TorchDispatchMode": Name(OLDEST, "required"),
     "torch.utils._python_dispatch._get_current_dispatch_mode": Name(OLDEST, "required"),
@@ -186,6 +187,7 @@ ATTRIBUTES = {
     "_sequence_nr": "sequence_nr",
     "_buffers": "module_buffers",
     "_parameters": "module_parameters",
+    "_forward_pre_hooks": "module_forward_pre_hooks",
     "_destroy": "library_destroy",
     "_schema": "mutates_an_input",
     "_orig_mod": "compiled_original",
@@ -297,6 +299,9 @@ NormBase = torch.nn.modules.batchnorm._NormBase
 BatchNormBase = torch.nn.modules.batchnorm._BatchNorm
 InstanceNormBase = torch.nn.modules.instancenorm._InstanceNorm
 reparametrize_module = torch.nn.utils.stateless._reparametrize_module
+#: spectral norm's parametrization, and the forward pre-hook of the older hook-based one
+SpectralNormParametrization = torch.nn.utils.parametrizations._SpectralNorm
+SpectralNormPreHook = importlib.import_module("torch.nn.utils.spectral_norm").SpectralNorm
 
 
 #: ``module._buffers``: a module's own buffer table (a ``None`` entry is skipped by ``buffers()``
@@ -304,6 +309,8 @@ reparametrize_module = torch.nn.utils.stateless._reparametrize_module
 module_buffers = operator.attrgetter("_buffers")
 #: ``module._parameters``: a module's own parameter table (swapped for aliases).
 module_parameters = operator.attrgetter("_parameters")
+#: ``module._forward_pre_hooks``: a module's own forward pre-hooks (spectral norm's older hook).
+module_forward_pre_hooks = operator.attrgetter("_forward_pre_hooks")
 
 
 # dispatch modes, ops and pytrees

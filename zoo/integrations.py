@@ -8,9 +8,10 @@ switch* with ``zoo.checkpoint`` in place of torch's: a zoo model's own modes; ti
 imported replaced by dispatchers that send only this model's calls to ``zoo.checkpoint``; a
 Hugging Face ``PreTrainedModel``'s ``_gradient_checkpointing_func``, kept through a later
 ``gradient_checkpointing_enable()``; anything else through its repeated blocks
-(:func:`zoo.blocks.find_blocks`, :func:`zoo.blocks.checkpoint_module`). timm and HF models also
-get recompute-safe BatchNorm (:func:`zoo.nn.convert_batchnorm`). ``enable=False`` puts back the
-plain model. What holds for each family: docs/outside-models.md."""
+(:func:`zoo.blocks.find_blocks`, :func:`zoo.blocks.checkpoint_module`). Every model but a zoo
+model also gets recompute-safe BatchNorm and spectral norm (:func:`zoo.nn.convert_batchnorm`,
+:func:`zoo.nn.convert_spectral_norm`). ``enable=False`` puts back the plain model. What holds for
+each family: docs/outside-models.md."""
 from __future__ import annotations
 
 import functools
@@ -29,7 +30,8 @@ from .blocks import checkpoint_module, find_blocks, is_checkpointed
 from .checkpoint import checkpoint, run_blocks
 from .checkpoint.casts import set_casts_once
 from .models import ZooModel
-from .nn import convert_batchnorm, recompute_safe_class, restore_batchnorm
+from .nn import (convert_batchnorm, convert_spectral_norm, recompute_safe_class,
+                 restore_batchnorm, restore_spectral_norm)
 
 __all__ = ["set_grad_checkpointing"]
 
@@ -218,6 +220,16 @@ def _convert_batchnorm_names(model: nn.Module) -> list[str]:
             if recompute_safe_class(type(m)) is type(m) and n not in before]
 
 
+def _convert_spectral_norm_names(model: nn.Module) -> list[str]:
+    """Convert the model's spectral norms; the names of the modules holding those this call
+    converted (a parametrization itself, or the layer of an older hook), to undo them."""
+    names = [n for n, m in model.named_modules()
+             if any(type(x) in (_torch.SpectralNormParametrization, _torch.SpectralNormPreHook)
+                    for x in (m, *_torch.module_forward_pre_hooks(m).values()))]
+    convert_spectral_norm(model)
+    return names
+
+
 def _disable(model: nn.Module) -> None:
     """Turn off whatever checkpointing zoo (or the model's own switch) turned on."""
     state = model.__dict__.pop(_STATE, {})
@@ -237,6 +249,8 @@ def _disable(model: nn.Module) -> None:
             checkpoint_module(m, enable=False)
     for name in state.get("batchnorm", ()):
         restore_batchnorm(model.get_submodule(name), recurse=False)
+    for name in state.get("spectral_norm", ()):
+        restore_spectral_norm(model.get_submodule(name), recurse=False)
     set_casts_once(model, enable=False)
 
 
@@ -291,6 +305,7 @@ def set_grad_checkpointing(model: nn.Module, enable: bool | str = True,
             checkpoint_module(block)
     if state["via"] != "zoo":  # exact also in a checkpoint of the model's own (torchvision's
         state["batchnorm"] = _convert_batchnorm_names(model)  # memory_efficient DenseNet)
+        state["spectral_norm"] = _convert_spectral_norm_names(model)
     if casts_once and state["via"] != "zoo":
         set_casts_once(model)
     model.__dict__[_STATE] = state

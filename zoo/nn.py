@@ -1,4 +1,5 @@
-"""Checkpoint-safe layers: BatchNorm that updates its running statistics once per step.
+"""Checkpoint-safe layers: BatchNorm that updates its running statistics once per step, and
+spectral norm whose recompute repeats its forward's power iteration (:func:`convert_spectral_norm`).
 
 ``zoo.checkpoint`` already keeps plain ``nn.BatchNorm*d`` exact: while it recomputes, global
 module hooks run each normalisation layer with momentum 0 and take back its ``num_batches_tracked``
@@ -30,9 +31,11 @@ from torch import nn
 from . import _torch
 from ._subclass import reduce_as_original
 from .checkpoint import is_recomputing, state_bookkeeping
+from .checkpoint.recompute import advancing
 
 __all__ = ["cp_BatchNorm1d", "cp_BatchNorm2d", "cp_BatchNorm3d", "cp_SyncBatchNorm",
-           "convert_batchnorm", "restore_batchnorm", "recompute_safe_class"]
+           "convert_batchnorm", "restore_batchnorm", "recompute_safe_class", "cp_SpectralNorm",
+           "cp_SpectralNormPreHook", "convert_spectral_norm", "restore_spectral_norm"]
 
 
 def _recomputing_under_any_checkpoint() -> bool:
@@ -231,6 +234,69 @@ def restore_batchnorm(module: nn.Module, recurse: bool = True) -> nn.Module:
         original = _ORIGINALS.get(type(m))
         if original is not None:
             m.__class__ = original
+    return module
+
+
+# --------------------------------------------------------------------------------------------
+# Spectral norm (Miyato et al. 2018, "Spectral Normalization for Generative Adversarial
+# Networks", arXiv:1802.05957): each train-mode forward runs a power iteration that rewrites the
+# layer's ``u`` and ``v`` and divides the weight by the sigma they give. Under any checkpoint
+# (torch's too) the recompute iterates again: another sigma than the forward's, so other
+# gradients, and ``u``/``v`` advanced twice per step. The twins below tell zoo.checkpoint's
+# region before they iterate (``zoo.checkpoint.recompute.advancing``): the region records the
+# state its forward began from and recomputes from it, bit for bit the plain model's.
+# --------------------------------------------------------------------------------------------
+class cp_SpectralNorm(_torch.SpectralNormParametrization):
+    """torch's spectral-norm parametrization
+    (``torch.nn.utils.parametrizations.spectral_norm``) whose power iteration is recomputed from
+    the ``u`` and ``v`` its forward began from (made by :func:`convert_spectral_norm`)."""
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.training and weight.ndim > 1:
+            advancing(self, (self._u, self._v))
+        return super().forward(weight)
+
+
+class cp_SpectralNormPreHook(_torch.SpectralNormPreHook):
+    """The forward pre-hook of the older ``torch.nn.utils.spectral_norm``, recomputed from the
+    ``u`` and ``v`` its forward began from (made by :func:`convert_spectral_norm`)."""
+
+    def __call__(self, module: nn.Module, inputs: Any) -> None:
+        if module.training:
+            advancing(self, (getattr(module, self.name + "_u"), getattr(module, self.name + "_v")))
+        super().__call__(module, inputs)
+
+
+_SN_TWINS: dict[type, type] = {_torch.SpectralNormParametrization: cp_SpectralNorm,
+                               _torch.SpectralNormPreHook: cp_SpectralNormPreHook}
+_SN_ORIGINALS: dict[type, type] = {twin: cls for cls, twin in _SN_TWINS.items()}
+
+
+def _spectral_norms(module: nn.Module, recurse: bool = True) -> list[Any]:
+    """The spectral-norm objects in ``module``: parametrizations and forward pre-hooks."""
+    found: list[Any] = []
+    for m in (module.modules() if recurse else [module]):
+        found.append(m)
+        found.extend(_torch.module_forward_pre_hooks(m).values())
+    return [x for x in found if type(x) in _SN_TWINS or type(x) in _SN_ORIGINALS]
+
+
+def convert_spectral_norm(module: nn.Module) -> nn.Module:
+    """Make every spectral norm in ``module`` exact under ``zoo.checkpoint``: torch's
+    parametrization and the older hook-based ``torch.nn.utils.spectral_norm`` get their twin
+    classes (:class:`cp_SpectralNorm`, :class:`cp_SpectralNormPreHook`), in place: state_dict,
+    parameters and identity kept. Exact under zoo's checkpoint only (torch's checkpoint does not
+    record the state). Returns ``module``; ``zoo.set_grad_checkpointing`` calls it."""
+    for x in _spectral_norms(module):
+        x.__class__ = _SN_TWINS.get(type(x), type(x))
+    return module
+
+
+def restore_spectral_norm(module: nn.Module, recurse: bool = True) -> nn.Module:
+    """Undo :func:`convert_spectral_norm`: every twin gets torch's class back (``module``'s own
+    alone with ``recurse=False``); returns ``module``."""
+    for x in _spectral_norms(module, recurse):
+        x.__class__ = _SN_ORIGINALS.get(type(x), type(x))
     return module
 
 

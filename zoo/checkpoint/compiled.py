@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import operator
+import warnings
+import weakref
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -20,7 +22,7 @@ from torch.utils import checkpoint as torch_checkpoint
 
 from .. import _torch
 from .policies import AllBut
-from .recompute import ForwardState, _RecomputeContext
+from .recompute import ForwardState, _RecomputeContext, forwards_running
 
 __all__ = ["traced_checkpoint"]
 
@@ -252,10 +254,52 @@ def _compiled_body(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if torch.compiler.is_compiling():
         return fn(*args, **kwargs)
     if _torch.current_graph_task_id() == -1:
-        return _without_dynamo(fn, *args, **kwargs)
+        return _fallback_forward(fn, *args, **kwargs)
     now = ForwardState([], preserve_rng=False)  # the autocast torch restored
+    now.states = _fallback_states(fn)
     with _RecomputeContext(now):
         return _without_dynamo(fn, *args, **kwargs)
+
+
+# The state layers advance (spectral norm: ``recompute.advancing``) recorded by the fallback's
+# forwards, for their recomputes: by the call's ``fn``, the object torch's checkpoint keeps from
+# the forward for its recompute (a module's bound forward, new per call); an ``fn`` that two
+# forwards share before a recompute is ambiguous (``None``) and its recompute warns.
+_fallback_records: dict[int, tuple[weakref.ref, dict[int, Any] | None]] = {}
+
+
+def _fallback_forward(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """The fallback's forward: ``fn`` without Dynamo, recording the state of the layers that
+    advance their own (:func:`zoo.checkpoint.recompute.advancing`) for its recompute."""
+    forward = ForwardState([], preserve_rng=False)
+    running = forwards_running()
+    running.append(forward)
+    try:
+        out = _without_dynamo(fn, *args, **kwargs)
+    finally:
+        running.pop()
+    if forward.states:
+        key = id(fn)
+        try:
+            gone = functools.partial(_fallback_records.pop, key, None)
+            ref = weakref.ref(fn, lambda _: gone())
+        except TypeError:  # fn takes no weak reference: nothing to find it by
+            return out
+        states = None if key in _fallback_records else forward.states
+        _fallback_records[key] = (ref, states)
+    return out
+
+
+def _fallback_states(fn: Callable[..., Any]) -> dict[int, Any] | None:
+    """The states the fallback's forward of ``fn`` recorded, taken (None: none recorded)."""
+    ref, states = _fallback_records.pop(id(fn), (None, None))
+    if ref is not None and states is None:
+        warnings.warn("zoo.checkpoint: under torch.compile a region ran eagerly (a graph break) "
+                      "twice with one function before its recompute, so the state its layers "
+                      "advance (spectral norm's u and v) is recomputed from where it is now, "
+                      "not from where each forward began; compile with fullgraph=True, or call "
+                      "the region with a new function per call", stacklevel=2)
+    return states
 
 
 def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -1,5 +1,5 @@
-"""What a recompute must put back: the recompute flag, the normalisation guard, and the RNG
-and autocast state of the forward (the parts of :mod:`zoo.checkpoint` that make a recompute
+"""What a recompute must put back: the recompute flag, the normalisation guard, the state of
+layers that advance their own (spectral norm), and the RNG and autocast state of the forward (the parts of :mod:`zoo.checkpoint` that make a recompute
 exactly the forward it replays; used by its region and its selective-recompute path)."""
 from __future__ import annotations
 
@@ -167,6 +167,57 @@ def _release_norm_guard() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# Layers with state of their own that a train-mode forward advances: spectral norm's power
+# iteration rewrites its ``u`` and ``v`` and computes sigma from them, so a recompute that ran it
+# again would compute another sigma than the forward did, and advance them twice per step. Such
+# a layer, made recompute-safe by ``zoo.nn.convert_spectral_norm``, calls :func:`advancing`
+# before it changes that state; every region forward running on this thread (a stack: nested
+# regions) records it then, once, as it was when the region began. The region's recompute puts
+# the records in and the live state back afterwards, so the layer repeats its forward's
+# iteration bit for bit, wherever else it ran in between (a GAN's discriminator on the real and
+# the fake batch before one backward).
+# --------------------------------------------------------------------------------------------
+def forwards_running() -> list[ForwardState]:
+    """This thread's region forwards now running, innermost last (pushed by the region)."""
+    stack = getattr(_local, "forwards", None)
+    if stack is None:
+        stack = _local.forwards = []
+    return stack
+
+
+def advancing(owner: object, state: tuple[torch.Tensor, ...]) -> None:
+    """``owner`` is about to change ``state`` in place: each region forward running that has not
+    yet recorded ``owner``'s state records a copy of it (the state its recompute starts from)."""
+    if torch.compiler.is_compiling():
+        return  # a compiled region never reruns its forward in Python
+    for forward in getattr(_local, "forwards", ()):
+        states = forward.states
+        if states is None:
+            states = forward.states = {}
+        if id(owner) not in states:
+            with torch.no_grad(), state_bookkeeping():
+                states[id(owner)] = (state, tuple(t.clone() for t in state))
+
+
+def _swap_states(states: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]
+                 ) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
+    """Put the recorded states in; the live ones, to put back (:func:`_put_back`)."""
+    with torch.no_grad(), state_bookkeeping():
+        live = [(state, tuple(t.clone() for t in state)) for state, _ in states.values()]
+        for state, recorded in states.values():
+            for t, r in zip(state, recorded):
+                t.copy_(r)
+    return live
+
+
+def _put_back(live: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]) -> None:
+    with torch.no_grad(), state_bookkeeping():
+        for state, values in live:
+            for t, v in zip(state, values):
+                t.copy_(v)
+
+
+# --------------------------------------------------------------------------------------------
 # RNG: which CUDA devices a region can draw from, and their states at the start of its forward.
 # --------------------------------------------------------------------------------------------
 def _cuda_devices(fn: Callable, tensors: Iterable[Any]) -> list[int]:
@@ -228,11 +279,13 @@ class ForwardState:
     written for the region at all.
     """
 
-    __slots__ = ("cuda_devices", "preserve_rng", "cpu_state", "cuda_states", "autocast")
+    __slots__ = ("cuda_devices", "preserve_rng", "cpu_state", "cuda_states", "autocast",
+                 "states")
 
     def __init__(self, cuda_devices: list[int], preserve_rng: bool = True):
         self.cuda_devices = cuda_devices
         self.preserve_rng = preserve_rng
+        self.states: dict[int, Any] | None = None  # layers' own state (:func:`advancing`)
         self.cpu_state: torch.Tensor | None = None
         self.cuda_states: list[torch.Tensor] = []
         if preserve_rng:
@@ -252,6 +305,7 @@ class _RecomputeContext:
     def __init__(self, forward: ForwardState):
         self.forward = forward
         self.autocasts: list[Any] = []
+        self.live: list[Any] | None = None  # layers' live state, put back on exit
 
     def __enter__(self) -> _RecomputeContext:
         fwd = self.forward
@@ -268,6 +322,8 @@ class _RecomputeContext:
                 ctx = torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache)
                 ctx.__enter__()
                 self.autocasts.append(ctx)
+        if fwd.states:
+            self.live = _swap_states(fwd.states)
         _acquire_norm_guard()
         self.outer_guarded = getattr(_local, "guarded", None)
         _local.guarded = {}
@@ -279,6 +335,8 @@ class _RecomputeContext:
         guarded, _local.guarded = _local.guarded, self.outer_guarded
         _release_norm_guard()
         _unguard_norms(guarded)
+        if self.live is not None:
+            _put_back(self.live)
         while self.autocasts:
             self.autocasts.pop().__exit__(None, None, None)
         if self.forward.cpu_state is not None:
