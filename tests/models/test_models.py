@@ -81,6 +81,38 @@ def test_list_models_pattern():
     assert zoo.list_models("resnet*") and all(n.startswith("resnet") for n in zoo.list_models("resnet*"))
 
 
+# (model, architecture keywords that build nothing trainable, the start of the error)
+NONSENSE = [
+    ("vit_cifar", {"depth": 0}, "depth must be an int >= 1 (the number of transformer blocks)"),
+    ("rev_vit_cifar", {"depth": 0}, "depth must be an int >= 1"),
+    ("vit_cifar", {"num_heads": 0}, "num_heads must be an int >= 1 (attention heads), got 0"),
+    ("vit_cifar", {"embed_dim": -8}, "embed_dim must be an int >= 1 (the width), got -8"),
+    ("vit_cifar", {"patch_size": 0}, "patch_size must be an int >= 1"),
+    ("vit_cifar", {"mlp_ratio": 0.0}, "mlp_ratio must give the MLP at least one hidden unit"),
+    ("vit_cifar", {"drop_path_rate": 1.0}, "drop_path_rate must be a rate in [0, 1)"),
+    ("bert_base", {"depth": -1}, "depth must be an int >= 1"),
+    ("rev_bert_base", {"num_heads": 0}, "num_heads must be an int >= 1"),
+    ("bert_base", {"max_positions": 0}, "max_positions must be an int >= 1"),
+    ("gpt2_small", {"depth": 0}, "depth must be an int >= 1"),
+    ("gpt2_small", {"context_length": 0}, "context_length must be an int >= 1"),
+    ("densenet40", {"growth_rate": 0}, "growth_rate must be an int >= 1 (k, the channels each"),
+    ("densenet121", {"num_init_features": 0}, "num_init_features must be an int >= 1"),
+    ("densenet_bc_100", {"bn_size": 0}, "bn_size must be an int >= 1"),
+    ("densenet40", {"drop_rate": 1.0}, "drop_rate must be a rate in [0, 1)"),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,message", NONSENSE,
+                         ids=[f"{n}-{next(iter(k))}" for n, k, _ in NONSENSE])
+def test_sizes_that_build_nothing_trainable_are_refused_by_name(name, kwargs, message):
+    """A zero depth, width, head count or growth built a model of no blocks or of empty layers
+    that trained without a word (or failed later under another name): refused at construction,
+    for library users and train.py alike."""
+    with pytest.raises(ValueError) as err, torch.device("meta"):
+        zoo.create_model(name, **kwargs)
+    assert str(err.value).startswith(message), err.value
+
+
 @pytest.mark.parametrize("name", names())
 def test_interface_forward_and_every_parameter_gets_a_gradient(name):
     torch.manual_seed(0)

@@ -18,7 +18,8 @@ from ..checkpoint.sequential import OFFLOAD
 # whose recompute runs them (the planner's ``Plan`` is the search's result that yields these)
 Segments = Sequence[tuple[int, int, Any]]
 
-__all__ = ["ZooModel", "chain_of", "classifier", "take_indices", "NO_RNG"]
+__all__ = ["ZooModel", "chain_of", "classifier", "take_indices", "NO_RNG", "check_size",
+           "check_rate"]
 
 # zoo.checkpoint's keyword for a region that draws no random number (BatchNorm, ReLU,
 # convolutions, pooling, a transformer block without active dropout): it then saves no RNG state
@@ -28,6 +29,21 @@ NO_RNG = {"preserve_rng_state": False}
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+
+def check_size(value: object, name: str, meaning: str) -> None:
+    """Refuse an architecture size (depth, width, heads, growth) that is not an int >= 1: a zero
+    builds a model of no blocks or of empty layers that trains nothing, silently, and a negative
+    one fails far from its cause. ``meaning`` says what the size counts."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1 ({meaning}), got {value!r}")
+
+
+def check_rate(value: object, name: str) -> None:
+    """Refuse a dropout or stochastic-depth rate outside [0, 1): 1 drops everything (the model
+    learns nothing), a negative rate was silently no dropout at all."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"{name} must be a rate in [0, 1) (0: none), got {value!r}")
 
 
 def classifier(num_features: int, num_classes: int) -> nn.Module:

@@ -53,11 +53,12 @@ from torch import nn
 
 from ..checkpoint import checkpoint
 from ..checkpoint.policies import AllBut
-from ._base import ZooModel
+from ._base import ZooModel, check_rate, check_size
 from ._qkv_attention import qkv_attention
 
 __all__ = ["Attention", "Block", "EmbeddedBlock", "TransformerModel", "Step",
-           "SELECTIVE_SAVE_OPS", "run_blocks_in_mode", "init_linear_and_embedding"]
+           "SELECTIVE_SAVE_OPS", "run_blocks_in_mode", "init_linear_and_embedding",
+           "check_transformer_args"]
 
 # The matmuls of a block: nn.Linear dispatches to addmm (with bias) or mm (without). The attention
 # core's matmuls are bmm (SDPA's math path) or a fused SDPA kernel: neither is kept.
@@ -86,6 +87,8 @@ class Attention(nn.Module):
                  proj_drop: float = 0.0, causal: bool = False,
                  qkv_grad_in_place: bool = False) -> None:
         super().__init__()
+        check_size(dim, "dim", "the width")
+        check_size(num_heads, "num_heads", "attention heads")
         if dim % num_heads:
             raise ValueError(f"num_heads ({num_heads}) must divide the width dim ({dim})")
         self.num_heads = num_heads
@@ -132,6 +135,9 @@ class Block(nn.Module):
         if drop_path and not pre_norm:
             raise ValueError("drop_path (stochastic depth) needs pre_norm=True: a post-norm block "
                              "normalises the residual sum, so there is no branch to drop alone")
+        _check_mlp_ratio(mlp_ratio, dim)
+        for name, rate in (("drop", drop), ("attn_drop", attn_drop), ("drop_path", drop_path)):
+            check_rate(rate, name)
         self.pre_norm = pre_norm
         self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
         self.attn = Attention(dim, num_heads, qkv_bias, attn_drop, drop, causal)
@@ -387,6 +393,30 @@ class TransformerModel(ZooModel):
             return checkpoint(fn, x, kw.get("attn_mask"),
                               preserve_rng_state=fn.draws_random_numbers())
         return run_blocks_in_mode([fn], x, mode, kw.get("attn_mask"))
+
+
+def check_transformer_args(embed_dim: int, depth: int, num_heads: int, mlp_ratio: float,
+                           **rates: float) -> None:
+    """A transformer's sizes, checked before anything is built: ``depth`` 0 made a model of no
+    blocks (embeddings straight into the head) that trained without a word; a bad width, head
+    count or ratio failed inside a layer under another name. ``rates``: its dropout rates."""
+    check_size(embed_dim, "embed_dim", "the width")
+    check_size(depth, "depth", "the number of transformer blocks")
+    check_size(num_heads, "num_heads", "attention heads")
+    if embed_dim % num_heads:
+        raise ValueError(f"num_heads ({num_heads}) must divide embed_dim ({embed_dim})")
+    _check_mlp_ratio(mlp_ratio, embed_dim)
+    for name, rate in rates.items():
+        check_rate(rate, name)
+
+
+def _check_mlp_ratio(mlp_ratio: float, dim: int) -> None:
+    """The MLP's hidden width, ``int(dim * mlp_ratio)``, must be at least 1 (0: an MLP of no
+    units, whose output is its last bias alone)."""
+    if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)) \
+            or int(dim * mlp_ratio) < 1:
+        raise ValueError(f"mlp_ratio must give the MLP at least one hidden unit "
+                         f"(int(width * mlp_ratio) >= 1; 4.0 is usual), got {mlp_ratio!r}")
 
 
 def init_linear_and_embedding(module: nn.Module, std: float = 0.02) -> None:

@@ -28,9 +28,10 @@ import torch
 from torch import nn
 
 from ..checkpoint.casts import casts_once
-from ._base import classifier
+from ._base import check_size, classifier
 from ._registry import build_model, register_model
-from ._transformer import Block, TransformerModel, init_linear_and_embedding
+from ._transformer import (Block, TransformerModel, check_transformer_args,
+                           init_linear_and_embedding)
 
 __all__ = ["BertEmbeddings", "Bert"]
 
@@ -91,6 +92,12 @@ class Bert(TransformerModel):
                  drop_rate: float = 0.1, attn_drop_rate: float = 0.1,
                  efficient: bool | str = False) -> None:
         super().__init__()
+        for name, size, meaning in (("vocab_size", vocab_size, "token embedding rows"),
+                                    ("max_positions", max_positions, "the longest sequence"),
+                                    ("type_vocab_size", type_vocab_size, "token types")):
+            check_size(size, name, meaning)
+        check_transformer_args(embed_dim, depth, num_heads, mlp_ratio, drop_rate=drop_rate,
+                               attn_drop_rate=attn_drop_rate)
         self.num_classes = num_classes
         self.num_features = embed_dim
         self.vocab_size, self.context_length = vocab_size, max_positions

@@ -50,7 +50,7 @@ from torch import nn
 from ..checkpoint import checkpoint
 from ..nn import cp_BatchNorm2d
 from ._base import CIFAR_MEAN, CIFAR_STD, IMAGENET_MEAN, IMAGENET_STD, NO_RNG, ZooModel, \
-    chain_of, classifier
+    chain_of, check_rate, check_size, classifier
 from ._features import FeatureStages, Level
 from ._registry import build_model, register_model
 from .densenet_blocks import DenseBlock, DenseLayer, DenseLink, Features, Transition, _cat
@@ -97,6 +97,11 @@ class DenseNet(FeatureStages, ZooModel):
                              f"'cifar' (3x3 conv, 32px inputs), got {stem!r}")
         if not 0 < compression <= 1:
             raise ValueError(f"compression must be in (0, 1] (DenseNet-C uses 0.5), got {compression}")
+        check_size(growth_rate, "growth_rate", "k, the channels each dense layer adds")
+        check_size(num_init_features, "num_init_features", "the stem's channels")
+        if bn_size is not None:
+            check_size(bn_size, "bn_size", "the bottleneck width in multiples of k; None: none")
+        check_rate(drop_rate, "drop_rate")
         if not block_config or min(block_config) < 1:
             raise ValueError(f"block_config needs at least one block of at least one layer, "
                              f"got {tuple(block_config)}")

@@ -24,8 +24,10 @@ from functools import partial
 import torch
 from torch import nn
 
+from ._base import check_size
 from ._registry import build_model, register_model
-from ._transformer import Block, Step, TransformerModel, init_linear_and_embedding
+from ._transformer import (Block, Step, TransformerModel, check_transformer_args,
+                           init_linear_and_embedding)
 
 __all__ = ["GPT2"]
 
@@ -53,6 +55,9 @@ class GPT2(TransformerModel):
         if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
             raise ValueError(f"GPT-2's num_classes is its vocabulary size (50257), an int >= 1; "
                              f"got {num_classes!r}")
+        check_size(context_length, "context_length", "the longest sequence, in tokens")
+        check_transformer_args(embed_dim, depth, num_heads, mlp_ratio, drop_rate=drop_rate,
+                               attn_drop_rate=attn_drop_rate)
         self.num_classes = num_classes
         self.num_features = embed_dim
         self.context_length = context_length

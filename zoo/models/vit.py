@@ -29,9 +29,10 @@ import torch
 from timm.layers import PatchEmbed, resample_abs_pos_embed, trunc_normal_
 from torch import nn
 
-from ._base import CIFAR_MEAN, CIFAR_STD, classifier
+from ._base import CIFAR_MEAN, CIFAR_STD, check_size, classifier
 from ._registry import build_model, register_model
-from ._transformer import Block, EmbeddedBlock, Step, TransformerModel
+from ._transformer import (Block, EmbeddedBlock, Step, TransformerModel,
+                           check_transformer_args)
 
 __all__ = ["VisionTransformer"]
 
@@ -58,6 +59,10 @@ class VisionTransformer(TransformerModel):
                  num_classes: int = 1000, drop_rate: float = 0.0, attn_drop_rate: float = 0.0,
                  drop_path_rate: float = 0.0, efficient: bool | str = False) -> None:
         super().__init__()
+        check_size(img_size, "img_size", "the image side, in pixels")
+        check_size(patch_size, "patch_size", "the patch side, in pixels")
+        check_transformer_args(embed_dim, depth, num_heads, mlp_ratio, drop_rate=drop_rate,
+                               attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate)
         if img_size % patch_size:
             raise ValueError(f"img_size ({img_size}) must be a multiple of patch_size ({patch_size})")
         self.num_classes = num_classes
