@@ -99,12 +99,35 @@ def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
     except UnknownModelError as e:
         raise ConfigError(f"{e}; family aliases: densenet, resnet, vit, cnn") from e
     except (TypeError, ValueError) as e:
+        named = any(key in str(e) for key in cfg.model_kwargs)
+        fix = "; fix that value in model_kwargs or leave it out (the variant's own)" if named \
+            else ""
         raise ConfigError(f"cannot build {cfg.model} with efficient={cfg.efficient!r} and "
-                          f"model_kwargs={cfg.model_kwargs}: {e}") from e
+                          f"model_kwargs={cfg.model_kwargs}: {e}{fix}") from e
+    _check_image_side(cfg)
     example = getattr(model, "example_input", None)
     if example is not None and example(1).dim() != 4:
         raise ConfigError(f"{cfg.model} is not an image model; train.py trains image classifiers")
     return model
+
+
+# model_kwargs keys that set the image side a model is built for (ViTs, cifar_cnn)
+IMAGE_SIDE_KEYS = ("img_size", "image_size")
+
+
+def _check_image_side(cfg: TrainConfig) -> None:
+    """A model built for one image side (``model_kwargs: {img_size: 64}``) trained on images of
+    another (``--image_size``, default 32): a ViT resamples its position embeddings and trains
+    on the smaller images without a word, so the user's size was silently not used. Refused,
+    naming both; the model's own default sizes are not the user's wish and are not checked."""
+    side = cfg.image_size or 32
+    for key in IMAGE_SIDE_KEYS:
+        if key in cfg.model_kwargs and cfg.model_kwargs[key] != side:
+            raise ConfigError(
+                f"model_kwargs {key} {cfg.model_kwargs[key]!r} builds {cfg.model} for that "
+                f"image side, but this run trains on {side} px images (--image_size, default "
+                f"32); pass --image_size {cfg.model_kwargs[key]} as well, or drop {key} from "
+                f"model_kwargs")
 
 
 def lr_factor(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
