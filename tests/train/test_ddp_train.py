@@ -82,14 +82,14 @@ def test_torchrun_two_gloo_processes_match_one_process(tmp_path):
     assert not torch.equal(fresh["out.weight"], single["model"]["out.weight"])
 
 
-def _torchrun(tmp_path: Path, logs: str, *args: str,
-              fault: str | None = None) -> subprocess.CompletedProcess:
+def _torchrun(tmp_path: Path, logs: str, *args: str, fault: str | None = None,
+              timeout: int = 400) -> subprocess.CompletedProcess:
     """train.py under torchrun, 2 gloo processes; each rank's stdout and stderr in ``logs``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "2", "--log_dir", str(tmp_path / logs), "--redirects", "3", str(ROOT / "train.py"),
            "--device", "cpu", *args]
     extra = {"ZOO_FAULT": fault} if fault else {}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path,
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **extra})
 
 
@@ -144,3 +144,32 @@ def test_the_progress_bar_of_a_resumed_epoch_counts_its_images_once(stopped_and_
     (record,) = [json.loads(x) for x in (stopped_and_resumed / "ddp" / "metrics.jsonl")
                  .read_text().splitlines()]
     assert 0.8 < shown[-1] / record["images_per_s"] < 1.25, (shown, record)
+
+
+@pytest.mark.parametrize("case", ["new-run-into-a-run", "resume-forked-into-a-run"])
+def test_a_refusal_on_rank_0_is_every_ranks_one_line_at_once(tmp_path, case):
+    """Rank 0 alone checks the run directory (a new run into another run's files; a resume
+    forked with --out_dir into them): every rank leaves with rank 0's one line, at once, where
+    the others used to wait at the next collective (or die of the dropped connection)."""
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("another run's\n")
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(RECIPE)
+    if case == "new-run-into-a-run":
+        args = ["--config", str(recipe), "--out_dir", str(taken)]
+    else:
+        cfg, _ = resolve_config({"config": str(recipe), "device": "cpu",
+                                 "out_dir": str(tmp_path / "a")}, None)
+        fit(cfg, log=lambda _m: None)
+        args = ["--resume", str(tmp_path / "a"), "--out_dir", str(taken)]
+    res = _torchrun(tmp_path, "logs", *args, timeout=120)
+    assert res.returncode != 0
+    err = {rank: [line for line in text.splitlines() if not line.startswith("[Gloo] ")]
+           for rank, text in _rank_logs(tmp_path / "logs", "stderr.log").items()}
+    line = (f"train.py: error: {str(taken)!r} already holds files (notes.txt) and a new run "
+            f"never writes into another run's")
+    assert sorted(err) == [0, 1] and err[0][0].startswith(line), err
+    assert err[1] == err[0] == err[0][:1], err
+    assert sorted(p.name for p in taken.iterdir()) == ["notes.txt"]
+

@@ -37,9 +37,9 @@ from .run_dir import fault_point
 from .run_state import (EpochStats, Run, build_run, checkpoint_state, locate_run,
                         run_directory)
 from .stopping import RunStopped, StopSignal
-from .setup import (Distributed, all_sum, build_model, gather_floats, gather_rng,
-                          lr_factor, peak_memory, ranks_identical, resolve_device,
-                          setup_distributed)
+from .setup import (Distributed, agree, all_sum, build_model, gather_floats, gather_rng,
+                    lr_factor, peak_memory, ranks_identical, resolve_device,
+                    setup_distributed)
 
 __all__ = ["Distributed", "setup_distributed", "build_model", "lr_factor", "peak_memory", "fit",
            "RunStopped", "StopSignal", "Run", "locate_run", "build_run", "run_directory",
@@ -248,7 +248,8 @@ def fit(cfg: TrainConfig, log: Callable[[str], None] = print,
                           f"the {env.world_size} processes")
     if cfg.data_parallel and device.type != "cuda":
         raise ConfigError("--data_parallel splits batches over CUDA GPUs; none is in use here")
-    cfg, ckpt, here = locate_run(cfg, env, checkpoint)
+    # (rank 0 alone checks the run directory: every rank leaves with its refusal)
+    cfg, ckpt, here = agree(env, lambda: locate_run(cfg, env, checkpoint))
     with StopSignal() as stop:
         run = build_run(cfg, env, device, say, ckpt)
         if stop.signum is not None:

@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, DistributedSampler
 
@@ -27,8 +26,8 @@ from .data import build_datasets
 from .run_dir import (RunDir, check_run_dir, fault_point, find_checkpoint, load_checkpoint,
                       saved_digest, saved_epoch, set_rng_state)
 from .run_lock import RunLock
-from .setup import (Distributed, all_sum, amp_dtype_for, build_model, build_optimizer,
-                          lr_factor, plan_memory)
+from .setup import (Distributed, agree, amp_dtype_for, build_model, build_optimizer,
+                    lr_factor, plan_memory)
 
 __all__ = ["Run", "EpochStats", "locate_run", "build_run", "run_directory", "checkpoint_state"]
 
@@ -137,12 +136,11 @@ def build_run(cfg: TrainConfig, env: Distributed, device: torch.device,
     torch.manual_seed(cfg.seed)
     data = lambda: build_datasets(cfg.dataset, cfg.data_dir, cfg.train_size,  # noqa: E731
                                   cfg.test_size, image_size=cfg.image_size)
-    if env.is_main:  # rank 0 downloads, the others wait and then read the files
-        train_ds, test_ds, num_classes = data()
+    # rank 0 downloads, the others wait and then read the files (all fail if one does)
+    loaded = agree(env, data if env.is_main else lambda: None)
     if env.enabled:
-        dist.barrier()
-    if not env.is_main:
-        train_ds, test_ds, num_classes = data()
+        loaded = agree(env, (lambda: loaded) if env.is_main else data)
+    train_ds, test_ds, num_classes = loaded
     model = build_model(cfg, num_classes).to(device)
     if ckpt is not None:
         try:
@@ -232,30 +230,27 @@ def run_directory(run: Run, here: bool, ckpt: dict | None = None) -> Iterator[Ru
     """Open (lock) the run directory on rank 0 for the ``with`` block: config.yaml written,
     metrics.jsonl rewritten from the checkpoint's history. Every rank fails if rank 0 does.
     ``ckpt``: the checkpoint restored, which must still be on disk once the lock is held."""
-    error: BaseException | None = None
-    if run.env.is_main:
-        try:
-            fault_point("lock", run.epoch)
-            run.dir.open(here, run.cfg.overwrite)
-            if here and ckpt is not None:
-                _check_still_the_one_restored(run, ckpt)
-            run.dir.write_config(to_yaml(run.cfg))
-            run.dir.write_metrics(run.history)
-            if _resumed_the_best_epoch(run):  # (a crash may have come before best.pt was copied)
-                run.dir.copy_to_best(find_checkpoint(run.cfg.resume))
-        except (ConfigError, OSError) as e:
-            run.dir.close()
-            error = e
-    if run.env.enabled:
-        ok = all_sum([0.0 if error else 1.0], run.env, run.device)[0] == run.env.world_size
-        if error is None and not ok:
-            raise ConfigError("rank 0 could not open the run directory (its message says why)")
-    if error is not None:
-        raise error
+    agree(run.env, lambda: _open_run_dir(run, here, ckpt) if run.env.is_main else None)
     try:
         yield run.dir
     finally:
         run.dir.close()
+
+
+def _open_run_dir(run: Run, here: bool, ckpt: dict | None) -> None:
+    """Rank 0's part of :func:`run_directory`; the lock is let go again if it fails."""
+    try:
+        fault_point("lock", run.epoch)
+        run.dir.open(here, run.cfg.overwrite)
+        if here and ckpt is not None:
+            _check_still_the_one_restored(run, ckpt)
+        run.dir.write_config(to_yaml(run.cfg))
+        run.dir.write_metrics(run.history)
+        if _resumed_the_best_epoch(run):  # (a crash may have come before best.pt was copied)
+            run.dir.copy_to_best(find_checkpoint(run.cfg.resume))
+    except BaseException:
+        run.dir.close()
+        raise
 
 
 def _check_still_the_one_restored(run: Run, ckpt: dict[str, Any]) -> None:

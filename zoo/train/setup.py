@@ -10,11 +10,12 @@ import contextlib
 import dataclasses
 import math
 import os
+import pickle
 import resource
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,9 @@ from .run_dir import rng_state
 
 __all__ = ["Distributed", "setup_distributed", "resolve_device", "build_model", "lr_factor",
            "plan_memory", "amp_dtype_for", "build_optimizer", "peak_memory", "all_sum",
-           "gather_floats", "gather_rng", "ranks_identical"]
+           "gather_floats", "gather_rng", "ranks_identical", "agree"]
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -266,6 +269,41 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
 
 
 # ---- across ranks (no-ops in one process) ----
+
+def agree(env: Distributed, step: Callable[[], T]) -> T:
+    """``step()`` on every rank, and every rank fails if one does: a rank that failed raises
+    its own error, the others the first failing rank's, so that they print the same line and
+    exit with the same status. Some steps run on rank 0 alone (the run directory's checks, the
+    download): a rank 0 that left with its error used to leave the others waiting at the next
+    collective for good. One ``all_gather_object`` (the barrier after a rank-0-only step)."""
+    error: BaseException | None = None
+    try:
+        result = step()
+    except Exception as e:  # (not KeyboardInterrupt: a stop is every rank's own)
+        error = e
+    if not env.enabled:
+        if error is not None:
+            raise error
+        return result
+    every: list[Any] = [None] * env.world_size
+    dist.all_gather_object(every, _picklable(error))
+    first = next((e for e in every if e is not None), None)
+    if first is not None:
+        raise error if error is not None else first
+    return result
+
+
+def _picklable(error: BaseException | None) -> BaseException | None:
+    """``error`` itself when it pickles (ConfigError, OSError do), else a RuntimeError that
+    says it in words."""
+    if error is None:
+        return None
+    try:
+        pickle.dumps(error)
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
 
 def all_sum(values: list[float], env: Distributed, device: torch.device) -> list[float]:
     """``values`` summed over the ranks (float64)."""
