@@ -21,6 +21,7 @@ import torch
 from zoo.train.config import resolve_config
 from zoo.train.run_dir import load_checkpoint
 from zoo.train.loop import fit
+from zoo.train.run_state import resume_seed
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = """\
@@ -173,3 +174,24 @@ def test_a_refusal_on_rank_0_is_every_ranks_one_line_at_once(tmp_path, case):
     assert err[1] == err[0] == err[0][:1], err
     assert sorted(p.name for p in taken.iterdir()) == ["notes.txt"]
 
+
+def test_a_resume_by_more_processes_gives_each_rank_its_own_random_numbers(tmp_path):
+    """A one-process run resumed at its epoch boundary by two processes: rank r draws from
+    resume_seed(seed, step, r), not both from the one saved state (every rank's dropout masks
+    alike). The model draws no random numbers (no dropout), so each rank's state at the end is
+    the seeded one, untouched."""
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(RECIPE)
+    cfg, _ = resolve_config({"config": str(recipe), "device": "cpu",
+                             "out_dir": str(tmp_path / "run")}, None)
+    fit(cfg, log=lambda _m: None)
+    saved = load_checkpoint(tmp_path / "run")
+    assert len(saved["rng"]) == 1 and saved["step"] == 2
+    res = _torchrun(tmp_path, "logs", "--resume", str(tmp_path / "run"), "--epochs", "2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    resumed = load_checkpoint(tmp_path / "run")
+    assert resumed["epoch"] == 2 and len(resumed["rng"]) == 2
+    for rank, state in enumerate(resumed["rng"]):
+        torch.manual_seed(resume_seed(3, 2, rank))
+        assert torch.equal(state["torch"], torch.get_rng_state()), rank
+    assert not torch.equal(resumed["rng"][0]["torch"], resumed["rng"][1]["torch"])

@@ -29,7 +29,8 @@ from .run_lock import RunLock
 from .setup import (Distributed, agree, amp_dtype_for, build_model, build_optimizer,
                     lr_factor, plan_memory)
 
-__all__ = ["Run", "EpochStats", "locate_run", "build_run", "run_directory", "checkpoint_state"]
+__all__ = ["Run", "EpochStats", "locate_run", "build_run", "run_directory", "checkpoint_state",
+           "resume_seed"]
 
 
 @dataclass
@@ -193,9 +194,32 @@ def _restore(run: Run, ckpt: dict[str, Any]) -> None:
     if run.position is not None and run.position["world_size"] != run.env.world_size:
         raise ConfigError(f"{run.cfg.resume!r} was saved inside an epoch by "
                           f"{run.position['world_size']} processes; resume it with as many")
-    rngs = ckpt["rng"]
-    set_rng_state(rngs[run.env.rank] if len(rngs) == run.env.world_size else rngs[0])
+    _restore_rng(run, ckpt["rng"])
     _check_lr_kept(run, ckpt)
+
+
+def _restore_rng(run: Run, rngs: list[dict[str, Any]]) -> None:
+    """Each rank's random numbers (dropout, stochastic depth) on resume. The checkpoint holds
+    one RNG state per rank that saved it. Resumed by as many processes, rank r takes state r:
+    the run continues bit for bit. Resumed by another number (only at an epoch boundary), the
+    saved states cannot be shared out (giving every rank rank 0's made them all draw the same
+    masks): every rank r then seeds torch (CPU and CUDA), numpy and Python's ``random`` with
+    :func:`resume_seed` of (``seed``, the step resumed, r), a distinct stream per rank that the
+    same resume draws again."""
+    if len(rngs) == run.env.world_size:
+        set_rng_state(rngs[run.env.rank])
+        return
+    seed = resume_seed(run.cfg.seed, run.step, run.env.rank)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def resume_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of rank ``rank`` in a run resumed at optimizer step ``step`` by another number
+    of processes than saved it: numpy's SeedSequence hash of the three, 32 bits (what numpy's
+    global generator takes), so that nearby seeds, steps and ranks give unrelated streams."""
+    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
 
 
 def _check_lr_kept(run: Run, ckpt: dict[str, Any]) -> None:
