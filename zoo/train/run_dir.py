@@ -2,10 +2,10 @@
 
 The contract is docs/training.md's *Run directories*: one run per directory
 (:mod:`zoo.train.run_lock`); every file written to a temporary file, fsynced and moved over the
-old one with ``os.replace`` (atomic: a crash leaves the old file or the new one); a SHA-256 of
-each checkpoint's contents verified on load, the replaced ``last.pt`` kept as ``prev.pt``; and
-the metrics of every epoch inside the checkpoint, so resuming rewrites ``metrics.jsonl``
-without losing or repeating a line.
+old one with ``os.replace``, then its directory fsynced (atomic and durable: a crash, a power
+cut too, leaves the old file or the new one); a SHA-256 of each checkpoint's contents verified
+on load, the replaced ``last.pt`` kept as ``prev.pt``; and the metrics of every epoch inside
+the checkpoint, so resuming rewrites ``metrics.jsonl`` without losing or repeating a line.
 
 ``ZOO_FAULT=<point>:<epoch>`` SIGKILLs the process at a named point of the save path
 (:data:`FAULT_POINTS`), ``ZOO_FAULT=step:<n>:SIGTERM`` signals it after optimizer step n,
@@ -13,6 +13,7 @@ without losing or repeating a line.
 tests stop the real training process there."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -78,10 +79,29 @@ def _atomic(path: Path, write: Callable[[Any], None],
         if before_replace is not None:
             before_replace()
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _fsync_dir(folder: Path) -> None:
+    """fsync ``folder`` itself: a rename is an entry in its directory, and until the directory
+    reaches the disk a crash (power, kernel) may bring back the old entry, the new file's bytes
+    fsynced but unnamed. POSIX only: Windows cannot open a directory (os.replace there is
+    MoveFileEx, which its file systems journal). A file system that cannot sync a directory
+    (EINVAL) has nothing to flush."""
+    if os.name == "nt":
+        return
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
 
 
 def atomic_write(path: str | Path, data: bytes | str) -> None:
