@@ -52,6 +52,7 @@ class FakeStep:
     :class:`~.inputs.Batch`), and with ``optimizer`` its ``optimizer`` over the fake parameters,
     holding the state one step leaves (:mod:`.optimizer`; its state tensors are among
     ``tensors``; :meth:`drop_untrained_state` keeps it to the parameters a step trains).
+    :meth:`micro_batches` gives an accumulating step further batches of the input's shapes.
     :meth:`clear` drops the gradients a step left on them."""
 
     def __init__(self, model: nn.Module, example_input: Any,
@@ -66,6 +67,7 @@ class FakeStep:
         self.optimizer = None
         self._filled: set[torch.Tensor] = set()  # parameters whose state the filling step made
         self.drops = 0  # how many times drop_untrained_state dropped some
+        self._more: list[Batch] = []  # micro-batches after the first (micro_batches)
         if optimizer is not None:
             with self.mode:
                 self.optimizer = mirror(optimizer, copies)
@@ -73,6 +75,18 @@ class FakeStep:
                 fill_state(self.optimizer)
             self._filled = set(self.optimizer.state) - made
             self.tensors += state_tensors(self.optimizer)
+
+    def micro_batches(self, k: int) -> list[Batch]:
+        """``k`` micro-batches for a step that accumulates them: :attr:`input` and ``k - 1``
+        fake batches of its shapes, dtypes and devices, each with storages of its own, as a
+        loop over a list of micro-batches has them (a model's view of one, as a classifier's
+        of its labels, is then one more storage each; values, which fake tensors lack, decide
+        no byte)."""
+        while len(self._more) < k - 1:
+            with self.mode:
+                self._more.append(self.input.map(
+                    lambda t: torch.empty_like(t).requires_grad_(t.requires_grad)))
+        return [self.input, *self._more[:k - 1]]
 
     def drop_untrained_state(self) -> None:
         """Called with a step's gradients made, before its optimizer's step: drops the state the
@@ -92,8 +106,9 @@ class FakeStep:
     def clear(self) -> None:
         for t in self.tensors:
             t.grad = None
-        for t in self.input.tensors():
-            t.grad = None
+        for batch in (self.input, *self._more):
+            for t in batch.tensors():
+                t.grad = None
 
 
 @contextlib.contextmanager

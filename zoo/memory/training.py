@@ -14,10 +14,17 @@ batch), its bytes are in it (4 for a float32 loss). The batch is read by
 keyword arguments, with tensors nested at any depth. The loss is the output's own ``loss`` when it
 carries one (a Hugging Face model given ``labels``), else a mean of squares
 (:func:`default_loss`), unless ``loss_fn`` says.
+
+Gradient accumulation (``accumulate=k``) is the loop that steps the optimizer once per ``k``
+micro-batches: ``loss = loss_fn(model(mb)) / k; loss.backward()`` for each, then
+``optimizer.step()`` (:func:`accumulated_backward`). From the second micro-batch on every
+gradient is held through the forward and the backward (autograd adds each new gradient into the
+held one), so its peak is above a single step's.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import numbers
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from typing import Any
 
@@ -28,7 +35,7 @@ from .inputs import Batch
 from .precision import Precision, forward_precision, scale_loss, step_precision
 
 __all__ = ["default_loss", "forward_loss", "backward", "train_step", "loss_source",
-           "loss_used"]
+           "loss_used", "check_accumulate", "accumulated_backward"]
 
 _LOSS_USED: ContextVar[str] = ContextVar("zoo_loss_used", default="mean of squares")
 
@@ -77,6 +84,41 @@ def backward(loss: torch.Tensor) -> None:
     scale_loss(loss).backward()
 
 
+def check_accumulate(accumulate: Any) -> int:
+    """``accumulate`` (micro-batches per optimizer step: a whole number, 1 or more) as an int, or
+    a one-line error."""
+    if isinstance(accumulate, bool) or not isinstance(accumulate, numbers.Integral):
+        raise TypeError(f"accumulate must be the number of micro-batches per optimizer step, a "
+                        f"whole number such as 4, got {type(accumulate).__name__} "
+                        f"{accumulate!r}")
+    if accumulate < 1:
+        raise ValueError(f"accumulate must be 1 or more micro-batches per optimizer step (1: "
+                         f"no accumulation), got {accumulate}")
+    return int(accumulate)
+
+
+def accumulated_backward(model: Callable[..., Any], batches: Sequence[Any],
+                         loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                         accumulate: int = 1, after: Callable[[], None] | None = None
+                         ) -> torch.Tensor:
+    """The forward and backward of one optimizer step that accumulates ``accumulate``
+    micro-batches into the same gradients, as the user's loop runs them: for each of
+    ``batches`` (the micro-batches, in order; fewer than ``accumulate`` where the caller
+    extrapolates the rest), ``loss = forward_loss(...) / accumulate; backward(loss)``, so the
+    loss before is held until the next one is made (Python rebinds ``loss`` then). Returns the
+    last micro-batch's loss, which the caller holds through ``optimizer.step()``.
+    ``accumulate=1`` is the single step: its loss undivided. ``after``: called after each
+    micro-batch's backward."""
+    for batch in batches:
+        loss = forward_loss(model, batch, loss_fn)
+        if accumulate != 1:
+            loss = loss / accumulate
+        backward(loss)
+        if after is not None:
+            after()
+    return loss
+
+
 def _check_scalar(loss: Any, source: str) -> None:
     """A step's backward starts from one number that requires grad: a loss that is not is said
     as the loss's fault in one line (torch's errors, "grad can be implicitly created only for
@@ -101,10 +143,14 @@ def loss_used() -> str:
 def train_step(model: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
                forward: Callable[..., Any] | None = None,
                optimizer: torch.optim.Optimizer | None = None,
-               precision: Precision | None = None) -> Callable[[], None]:
+               precision: Precision | None = None, accumulate: int = 1
+               ) -> Callable[[], None]:
     """One training step of ``model`` on the batch ``x`` as a call: gradients reset to None,
     then ``loss = forward_loss(...)``, its backward and ``optimizer.step()`` when given, the
-    loss held until the step ends as a training loop holds it; ``model`` is put
+    loss held until the step ends as a training loop holds it (``accumulate``: that many
+    micro-batches of ``x``'s shapes accumulated before the optimizer's step,
+    :func:`accumulated_backward`: ``x`` and copies of it, made here, as a list of micro-batches
+    holds them); ``model`` is put
     in train mode here, once (not in the step, whose host time is measured). ``forward``: what
     to call instead of ``model`` (a compiled or wrapped model whose parameters are
     ``model``'s); ``loss_fn``: :func:`default_loss` unless given; ``precision``: the autocast to
@@ -112,13 +158,15 @@ def train_step(model: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor] 
     forward = model if forward is None else forward  # no truth test: a compiled module has none
     batch = Batch.of(x)
     precision = Precision.ambient() if precision is None else precision
+    accumulate = check_accumulate(accumulate)
+    batches = [batch, *(batch.map(lambda t: t.detach().clone().requires_grad_(t.requires_grad))
+                        for _ in range(accumulate - 1))]
     model.train()
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
         with step_precision(precision):
-            loss = forward_loss(forward, batch, loss_fn)
-            backward(loss)
+            loss = accumulated_backward(forward, batches, loss_fn, accumulate)
         if optimizer is not None:
             optimizer.step()
         del loss

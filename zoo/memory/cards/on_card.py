@@ -85,11 +85,15 @@ def workspaces_as_used(run: Callable[[tuple[bool, ...]], StepCounter]) -> StepCo
     return run(tuple(sorted(used)))
 
 
-def held_from_start(fake: FakeStep) -> list:
+def held_from_start(fake: FakeStep, micro_batches: int = 1) -> list:
     """The tensors a fake step counts from its start: the model's parameters and buffers (and an
     optimizer's state), and on a card the batch too, which a training loop has moved there
-    (``torch.cuda.max_memory_allocated`` counts it; this CPU's step does not allocate it)."""
-    return fake.tensors + (fake.input.tensors() if _CARD.get() is not None else [])
+    (``torch.cuda.max_memory_allocated`` counts it; this CPU's step does not allocate it); for
+    a step accumulating ``micro_batches``, all of them (``FakeStep.micro_batches``: the list
+    the loop runs over, moved there as a batch is)."""
+    if _CARD.get() is None:
+        return fake.tensors
+    return fake.tensors + [t for b in fake.micro_batches(micro_batches) for t in b.tensors()]
 
 
 @contextlib.contextmanager

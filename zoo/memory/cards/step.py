@@ -29,7 +29,7 @@ from ..fake import FakeStep
 from ..inputs import Batch, check_model
 from ..quiet import fake_logs_quiet
 from ..precision import Precision, step_precision
-from ..training import backward, forward_loss
+from ..training import accumulated_backward, check_accumulate
 
 __all__ = ["CardStep", "predict_step", "run_on_card"]
 
@@ -50,7 +50,8 @@ def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
                  loss_fn: Callable[[Any], torch.Tensor] | None = None,
                  host: HostCost = H100_HOST, achieved: Achieved = H100_ACHIEVED,
                  limit: int | None = None, autocast: torch.dtype | None = None,
-                 optimizer: torch.optim.Optimizer | None = None) -> CardStep:
+                 optimizer: torch.optim.Optimizer | None = None,
+                 accumulate: int = 1) -> CardStep:
     """Peak and time of one training step of ``model`` (as configured: checkpoint mode or
     plan) on ``example_input``, on card ``on`` (a name of ``zoo.memory.cards.CARDS`` or a
     :class:`~zoo.memory.cards.Card`). ``host`` and ``achieved``: the host's costs and the
@@ -64,10 +65,14 @@ def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
     line (:mod:`zoo.memory.quiet`). The step is one after the first: the cuBLAS workspaces of
     the threads that run a matmul are held from its start (as ``zoo.plan``'s card steps hold
     them, so a plan's peak is ``predict_step``'s of the planned model); offload regions move
-    their saved tensors off the card and ``time.link`` is the wait for the copies."""
+    their saved tensors off the card and ``time.link`` is the wait for the copies.
+    ``accumulate``: the step accumulates that many micro-batches of ``example_input`` before
+    the optimizer's step, each run (``zoo.memory.training.accumulated_backward``); its peak and
+    time are the whole step's."""
     target = card(on)
     batch = Batch.of(example_input)
     model = check_model(model)
+    accumulate = check_accumulate(accumulate)
 
     copies: list[tuple[str, int, int, int]] = []  # the offload copies of the last step run
 
@@ -84,7 +89,7 @@ def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
 
         with fake_logs_quiet(model, batch), simulated_host(note):
             run_on_card(model, batch, target, loss_fn, counter=counter, autocast=autocast,
-                        fake=fake)
+                        fake=fake, accumulate=accumulate)
         return counter if fake.drops == drops else counted(threads)
 
     counter = workspaces_as_used(counted)
@@ -110,21 +115,22 @@ def run_on_card(model: nn.Module, example_input: Any, on: str | Card,
                 loss_fn: Callable[[Any], torch.Tensor] | None = None,
                 limit: int | None = None, counter: CudaCounter | None = None,
                 optimizer: torch.optim.Optimizer | None = None,
-                autocast: torch.dtype | None = None, fake: FakeStep | None = None
-                ) -> CudaCounter:
+                autocast: torch.dtype | None = None, fake: FakeStep | None = None,
+                accumulate: int = 1) -> CudaCounter:
     """:func:`predict_step`'s fake step, the counter returned (its ``peak``, ``records`` and
     ``regions``). ``counter``: a fresh one to count in, which ``model`` may read as it runs;
     ``fake``: the fake state to run on (its optimizer the step's; made here when not given).
     A step that changes ``fake.drops`` counted optimizer state no real step holds
-    (:meth:`~zoo.memory.fake.FakeStep.drop_untrained_state`): the caller measures again."""
+    (:meth:`~zoo.memory.fake.FakeStep.drop_untrained_state`): the caller measures again.
+    ``accumulate``: micro-batches accumulated before the optimizer's step, every one run."""
     target = card(on)
     fake = fake or FakeStep(model, example_input, optimizer)
+    batches = fake.micro_batches(accumulate)  # the list the loop runs over, on the card
 
     def step() -> None:
         fake.clear()
         with _torch.reparametrize_module(model, fake.state):
-            loss = forward_loss(model, fake.input, loss_fn)
-            backward(loss)
+            loss = accumulated_backward(model, batches, loss_fn, accumulate)
             if fake.optimizer is not None:
                 fake.drop_untrained_state()
                 fake.optimizer.step()
@@ -134,7 +140,8 @@ def run_on_card(model: nn.Module, example_input: Any, on: str | Card,
         precision = Precision() if autocast is not None else Precision.ambient().on_cpu()
         with fake.mode, step_precision(precision), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
-            return run_counted(step, fake.tensors + fake.input.tensors(), limit,
-                               workspace=target.workspace, counter=counter, autocast=autocast)
+            held = fake.tensors + [t for b in batches for t in b.tensors()]
+            return run_counted(step, held, limit, workspace=target.workspace, counter=counter,
+                               autocast=autocast)
     finally:
         fake.clear()
