@@ -25,7 +25,7 @@ from ..memory.inputs import Batch, check_model
 from ..memory.optimizer import check_optimizer
 from ..memory.cards.on_card import current_card, planning_on
 from ..memory.precision import Precision, current_precision, step_precision
-from ..memory.training import loss_used
+from ..memory.training import check_accumulate, loss_used
 from ..memory.cards import Card
 from ..memory.fake import FakeStep, collector_paused
 from .errors import BudgetTooSmallError
@@ -177,18 +177,22 @@ class Planner:
     (``repeats.joined``: runs of identical blocks, each profiled whole, so the model stays
     exact). ``compiled``: one-level schedules of plain blocks only, what AOTAutograd's
     partitioner keeps (it recomputes each tagged op once: tests/planner/test_planner_compile.py).
+    ``optimizer`` and ``accumulate``: the whole step each plan is measured as
+    (``whole_step.WholeStep``: its state and step; micro-batches per optimizer step).
     Python's cyclic garbage collector is paused meanwhile (``fake.collector_paused``)."""
 
     def __init__(self, model: nn.Module, example_input: Any,
                  loss_fn: Callable[[Any], torch.Tensor] | None = None, *, modes: bool = True,
                  block_modes: bool = True, slots: int = 2000,
                  profile: ChainProfile | None = None, compiled: bool = False,
-                 optimizer: torch.optim.Optimizer | None = None) -> None:
+                 optimizer: torch.optim.Optimizer | None = None, accumulate: int = 1) -> None:
+        accumulate = check_accumulate(accumulate)
         if compiled:
             _torch.require_compiled_plan()
             modes = block_modes = False
         with collector_paused(), step_precision() as precision:
-            self.whole = WholeStep.of(model, example_input, loss_fn, optimizer, precision)
+            self.whole = WholeStep.of(model, example_input, loss_fn, optimizer, precision,
+                                      accumulate)
             fake = FakeStep(model, example_input)
             self.profile = profile or profile_chain(model, example_input, loss_fn, fake=fake,
                                                     max_units=MAX_UNITS)
@@ -227,7 +231,8 @@ class Planner:
 def spine_planner(model: nn.Module, example_input: Any,
                   loss_fn: Callable[[Any], torch.Tensor] | None = None,
                   slots: int = 2000, compiled: bool = False,
-                  optimizer: torch.optim.Optimizer | None = None) -> Planner | None:
+                  optimizer: torch.optim.Optimizer | None = None, accumulate: int = 1
+                  ) -> Planner | None:
     """A :class:`Planner` over ``model``'s spine (``modules.spine``: every submodule call of it a
     candidate region, the stem too), or None when the spine leaves out some of the repeated
     blocks ``zoo.blocks.find_blocks`` names (a Hugging Face encoder's layers, looped with keyword
@@ -253,7 +258,7 @@ def spine_planner(model: nn.Module, example_input: Any,
             return None
         planner = Planner(Spine(model, names, out_of_place=not compiled), example_input,
                           loss_fn, modes=False, slots=slots, compiled=compiled,
-                          optimizer=optimizer)
+                          optimizer=optimizer, accumulate=accumulate)
         planner.choices = [dataclasses.replace(c, spine=list(names),
                                                spine_out_of_place=not compiled)
                            for c in planner.choices]
@@ -271,8 +276,8 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
          modes: bool = True, block_modes: bool = True,
          modules: Any = None, cost: str = "flops", compiled: bool = False,
          device: str | Card | None = None,
-         optimizer: torch.optim.Optimizer | None = None, offload: bool = False
-         ) -> Plan | ModulePlan:
+         optimizer: torch.optim.Optimizer | None = None, offload: bool = False,
+         accumulate: int = 1) -> Plan | ModulePlan:
     """Checkpoint ``model`` so the training step the user runs fits ``memory_budget`` with the
     least recompute, and return the :class:`Plan` (``print`` it for a table).
 
@@ -322,6 +327,11 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
             recomputing them, priced on ``device``'s card by predicted step time
             (``zoo.planner.offload_choice``: below recompute's floor, and wherever the host
             link hides the copies); the plan says ``offloaded_bytes`` and ``predicted_time``.
+        accumulate: micro-batches of ``batch`` per optimizer step (gradient accumulation:
+            ``loss = loss_fn(model(mb)) / accumulate; loss.backward()`` for each, then
+            ``optimizer.step()``). From the second on, every gradient is held through the
+            forward and backward; each plan is measured as that whole step
+            (``zoo.planner.whole_step``), and the budget and ``predicted_peak`` are its.
 
     Inside ``torch.autocast(...)`` the plan is for that precision, as PyTorch's mixed-precision
     recipe runs it (``zoo.memory.precision``). A budget at or above the plain step's peak
@@ -332,6 +342,7 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
     inputs = Batch.of(batch)
     device = device if device is not None else current_card()  # inside zoo.memory.on_card
     check_optimizer(optimizer, model)
+    accumulate = check_accumulate(accumulate)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be a function of the model's output returning the loss, "
                         f"got {type(loss_fn).__name__}; e.g. "
@@ -344,6 +355,9 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
     if offload and compiled:
         raise ValueError("zoo.plan: offload=True plans an eager step (torch.compile keeps what "
                          "it saves in its own graph); pass compiled=False or offload=False")
+    if offload and accumulate > 1:
+        raise ValueError("zoo.plan: offload=True prices a single step's copies; with "
+                         f"accumulate={accumulate} plan with offload=False")
     if compiled:
         _torch.require_compiled_plan()
     ambient = Precision.ambient()
@@ -352,16 +366,16 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
             with planning_on(device) as target:  # CUDA's op lists, run by the CPU's autocast
                 budget = parse_budget(memory_budget, total=target.memory)
                 result = _plan(model, inputs, budget, loss_fn, modes, block_modes, modules,
-                               cost, compiled, target, optimizer, offload)
+                               cost, compiled, target, optimizer, offload, accumulate)
         else:
             with step_precision(ambient):
                 budget = parse_budget(memory_budget, inputs.device)
                 result = _plan(model, inputs, budget, loss_fn, modes, block_modes, modules,
-                               cost, compiled, None, optimizer)
+                               cost, compiled, None, optimizer, accumulate=accumulate)
         precision = dataclasses.replace(ambient, device_type="cuda") \
             if device is not None and ambient.dtype is not None else ambient
         result = dataclasses.replace(result, step=describe_step(inputs, loss_used(), optimizer,
-                                                                precision))
+                                                                precision, accumulate))
     if apply:
         result.apply(model)
     return result
@@ -370,7 +384,8 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
 def _plan(model: nn.Module, example_input: Batch, budget: float,
           loss_fn: Callable[[Any], torch.Tensor] | None, modes: Any, block_modes: Any,
           modules: Any, cost: str, compiled: bool, on: Card | None,
-          optimizer: torch.optim.Optimizer | None, offload: bool = False) -> Plan | ModulePlan:
+          optimizer: torch.optim.Optimizer | None, offload: bool = False,
+          accumulate: int = 1) -> Plan | ModulePlan:
     """:func:`plan`'s choice, not applied; ``on``: the card timed for ``cost="time"`` or
     offload."""
     with collector_paused():
@@ -382,28 +397,30 @@ def _plan(model: nn.Module, example_input: Batch, budget: float,
                     return plan_offload(planner, model, example_input, budget, on, loss_fn,
                                         optimizer)
                 return _plan_zoo_model(model, example_input, budget, loss_fn, cost, modes,
-                                       block_modes, compiled, on, optimizer)
+                                       block_modes, compiled, on, optimizer, accumulate)
         if cost == "time":  # said, not refused: the plan by FLOPs is still a correct plan
             warnings.warn(f"zoo.plan: cost='time' times a zoo model's chain of blocks; "
                           f"{type(model).__name__} has none, so it is planned by FLOPs",
                           UserWarning, stacklevel=3)
         spine = spine_planner(model, example_input, loss_fn, compiled=compiled,
-                              optimizer=optimizer) if modules is None else None
+                              optimizer=optimizer, accumulate=accumulate) \
+            if modules is None else None
         if offload and spine is not None:
             return plan_offload(spine, model, example_input, budget, on, loss_fn, optimizer)
         if offload:
             return plan_module_offload(model, example_input, budget, on, loss_fn, optimizer,
                                        modules)
         return spine.plan(budget) if spine is not None else \
-            plan_module(model, example_input, budget, loss_fn, modules, optimizer)
+            plan_module(model, example_input, budget, loss_fn, modules, optimizer, accumulate)
 
 
 def _plan_zoo_model(model: nn.Module, example_input: Batch, budget: float,
                     loss_fn: Callable[[Any], torch.Tensor] | None, cost: str, modes: Any,
                     block_modes: Any, compiled: bool, on: Card | None,
-                    optimizer: torch.optim.Optimizer | None) -> Plan:
+                    optimizer: torch.optim.Optimizer | None, accumulate: int = 1) -> Plan:
     """:func:`plan` for a model with the zoo's chain, with no plan applied to it."""
-    whole = WholeStep.of(model, example_input, loss_fn, optimizer, current_precision())
+    whole = WholeStep.of(model, example_input, loss_fn, optimizer, current_precision(),
+                         accumulate)
     if cost == "time":
         profile = time_profile(model, example_input, profile_chain(model, example_input, loss_fn),
                                loss_fn, on=on)
@@ -411,4 +428,4 @@ def _plan_zoo_model(model: nn.Module, example_input: Batch, budget: float,
         chosen = _pick(choices, budget) if whole is None else whole.pick(choices, budget)
         return dataclasses.replace(chosen, cost="time")
     return Planner(model, example_input, loss_fn, modes=modes, block_modes=block_modes,
-                   compiled=compiled, optimizer=optimizer).plan(budget)
+                   compiled=compiled, optimizer=optimizer, accumulate=accumulate).plan(budget)

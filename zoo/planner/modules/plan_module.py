@@ -166,17 +166,19 @@ def _check_called(model: nn.Module, blocks: list[tuple[str, nn.Module]], called:
 
 def plan_module(model: nn.Module, example_input: Any, budget: int | float,
                 loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                modules: Any = None, optimizer: torch.optim.Optimizer | None = None
-                ) -> ModulePlan:
+                modules: Any = None, optimizer: torch.optim.Optimizer | None = None,
+                accumulate: int = 1) -> ModulePlan:
     """The fewest of ``model``'s blocks (``find_blocks(model, modules)``), taken in order of
     bytes saved per forward FLOP, whose checkpointing makes a fake step fit ``budget``; when
     even every block does not fit, outer regions around them (``zoo.planner.modules.nesting``) added
     greedily. Raises ``BudgetTooSmallError`` (from the package) naming the least peak reached
     (the nested floor) when nothing fits. The model is left as it was; call
     :meth:`ModulePlan.apply`. ``optimizer``: its state and step are part of every measured
-    step (``zoo.memory.step.measure_step``)."""
+    step (``zoo.memory.step.measure_step``), as are ``accumulate`` micro-batches per
+    optimizer step (its peak and FLOPs are the whole accumulating step's)."""
     with plain_module(model):
-        return _plan_plain(model, Batch.of(example_input), budget, loss_fn, modules, optimizer)
+        return _plan_plain(model, Batch.of(example_input), budget, loss_fn, modules, optimizer,
+                           accumulate)
 
 
 @contextlib.contextmanager
@@ -212,7 +214,7 @@ def _fewest(step: Step, n: int, measured: dict[int, tuple[int, int]], budget: in
 
 def _plan_plain(model: nn.Module, example_input: Batch, budget: int | float,
                 loss_fn: Callable[[Any], torch.Tensor] | None, modules: Any,
-                optimizer: torch.optim.Optimizer | None) -> ModulePlan:
+                optimizer: torch.optim.Optimizer | None, accumulate: int = 1) -> ModulePlan:
     blocks = find_blocks(model, modules)
     names = [n for n, _ in blocks]
     saved, flops = block_costs(model, blocks, example_input, loss_fn)
@@ -224,7 +226,8 @@ def _plan_plain(model: nn.Module, example_input: Batch, budget: int | float,
         for n, m in blocks:
             checkpoint_module(m, n in chosen)
         set_nested(model, regions or [])
-        return measure_step(model, example_input, loss_fn, optimizer=optimizer)
+        return measure_step(model, example_input, loss_fn, optimizer=optimizer,
+                            accumulate=accumulate)
 
     k, nested = len(order), []
     try:
