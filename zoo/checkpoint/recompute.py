@@ -18,7 +18,15 @@ from .. import _torch
 # Recompute state: a per-thread depth (autograd runs backward on one thread per device, and
 # nn.DataParallel runs one forward thread per replica).
 # --------------------------------------------------------------------------------------------
-_local = threading.local()
+class _ThreadState(threading.local):
+    """Per-thread recompute state; ``forwards``: the region forwards running on the thread,
+    innermost last (:func:`advancing`), there from the thread's first use on."""
+
+    def __init__(self) -> None:
+        self.forwards: list[ForwardState] = []
+
+
+_local = _ThreadState()
 
 
 def _depth() -> int:
@@ -179,10 +187,7 @@ def _release_norm_guard() -> None:
 # --------------------------------------------------------------------------------------------
 def forwards_running() -> list[ForwardState]:
     """This thread's region forwards now running, innermost last (pushed by the region)."""
-    stack = getattr(_local, "forwards", None)
-    if stack is None:
-        stack = _local.forwards = []
-    return stack
+    return _local.forwards
 
 
 def advancing(owner: object, state: tuple[torch.Tensor, ...]) -> None:
@@ -190,7 +195,7 @@ def advancing(owner: object, state: tuple[torch.Tensor, ...]) -> None:
     yet recorded ``owner``'s state records a copy of it (the state its recompute starts from)."""
     if torch.compiler.is_compiling():
         return  # a compiled region never reruns its forward in Python
-    for forward in getattr(_local, "forwards", ()):
+    for forward in _local.forwards:
         states = forward.states
         if states is None:
             states = forward.states = {}

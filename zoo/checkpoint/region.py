@@ -12,7 +12,7 @@ import torch
 from .. import _torch
 from . import keywords
 from .backward_call import _CAN_LET_GO, _backward_call, _last_recompute
-from .recompute import ForwardState, _local, _RecomputeContext, forwards_running
+from .recompute import ForwardState, _local, _RecomputeContext
 
 # --------------------------------------------------------------------------------------------
 # The region's rules. Non-reentrant checkpointing through saved-tensor hooks, in as little Python
@@ -202,7 +202,7 @@ class _Region:
     def run(self) -> Any:
         hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         inside = _local.inside = _inside_region() + 1
-        forwards = forwards_running()
+        forwards = _local.forwards
         forwards.append(self.forward)  # layers advancing their own state record it there
         try:
             if self.opts.contexts is None:
