@@ -25,6 +25,7 @@ from helpers import DDP_CONFIGS, run_gloo, train_step_peak
 from zoo import _torch as zoo_torch
 from zoo.checkpoint import is_recomputing
 from zoo.memory import count_flops, cpu_peak_bytes, default_loss, train_step
+from zoo.nn import convert_spectral_norm
 from zoo.reversible import (Coupling, from_fixed, grid_for, join, reversible_sequence, split,
                             to_fixed)
 from zoo.reversible.sources import source_of
@@ -158,6 +159,26 @@ def test_dropout_masks_are_replayed_on_the_rebuild():
     got = train(rebuilt, images(), steps=1)
     assert torch.equal(got[0][0], ref[0][0])  # same forward
     assert not all(torch.equal(a, b) for a, b in zip(got[0][1:], ref[0][1:]))
+
+
+def test_spectral_norm_in_f_and_g_is_rebuilt_from_the_forwards_u_and_v():
+    """Spectral norm's power iteration advances its ``u`` and ``v`` in each forward: a rebuild
+    that iterated again would subtract another F than the forward added (the inputs rebuilt
+    wrong) and advance them twice. Converted (``zoo.nn.convert_spectral_norm``), each function
+    records its state in the forward and is recomputed from it: bit for bit the stored network,
+    ``u`` and ``v`` included."""
+    def sn_branch(c: int) -> nn.Module:
+        sn = nn.utils.parametrizations.spectral_norm
+        return nn.Sequential(sn(nn.Conv2d(c, c, 3, padding=1)), nn.ReLU(),
+                             sn(nn.Conv2d(c, c, 3, padding=1)))
+
+    torch.manual_seed(0)
+    stored = Net(drop=0.0)
+    stored.blocks = nn.ModuleList(Coupling(sn_branch(4), sn_branch(4)) for _ in range(3))
+    rebuilt = convert_spectral_norm(copy.deepcopy(stored))
+    rebuilt.rebuild = True
+    assert_bitwise(train(stored, images()), train(rebuilt, images()))
+    assert_same_state(stored, rebuilt)
 
 
 def test_no_grad_runs_the_plain_forward_and_keeps_nothing():
@@ -541,6 +562,19 @@ def test_a_lead_unit_between_stages_rebuilds_bit_for_bit(dtype):
     assert_bitwise(train(stored, images(dtype)), train(rebuilt, images(dtype)))
     assert_same_state(stored, rebuilt)
     assert rebuilt.down.f.bn1.num_batches_tracked.item() == 3
+
+
+def test_spectral_norm_in_a_lead_unit_and_its_stages_is_rebuilt_exactly():
+    """As in a sequence's blocks (above), in a lead unit's functions and the stages around it:
+    every convolution of the staged network spectral-normed, the rebuilt one converted."""
+    torch.manual_seed(0)
+    stored = Staged(width=8)
+    for conv in [m for m in stored.modules() if isinstance(m, nn.Conv2d)][1:]:  # all but stem
+        nn.utils.parametrizations.spectral_norm(conv)
+    rebuilt = convert_spectral_norm(copy.deepcopy(stored))
+    rebuilt.rebuild = True
+    assert_bitwise(train(stored, images()), train(rebuilt, images()))
+    assert_same_state(stored, rebuilt)
 
 
 def test_a_lead_unit_keeps_no_float_copy_and_heads_are_made_again():

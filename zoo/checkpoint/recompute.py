@@ -190,6 +190,17 @@ def forwards_running() -> list[ForwardState]:
     return _local.forwards
 
 
+def run_recording(at: ForwardState, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` as a forward whose recompute will run under ``_RecomputeContext(at)``
+    (a reversible block's functions): the layers in it that advance their own state record it
+    in ``at`` (:func:`advancing`). A region's forward does the same inline."""
+    _local.forwards.append(at)
+    try:
+        return fn(*args)
+    finally:
+        _local.forwards.pop()
+
+
 def advancing(owner: object, state: tuple[torch.Tensor, ...]) -> None:
     """``owner`` is about to change ``state`` in place: each region forward running that has not
     yet recorded ``owner``'s state records a copy of it (the state its recompute starts from)."""

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .._torch import tensor_version as _version
-from ..checkpoint.recompute import ForwardState, _RecomputeContext
+from ..checkpoint.recompute import ForwardState, _RecomputeContext, run_recording
 from .remake import (_accumulate, _aliased, _anchor, _check_own, _parts, _recorded,
                      _RemakeView, _root, _StreamView)
 from .run import _Run
@@ -27,7 +27,7 @@ def _lead_forward(run: _Run, x1: torch.Tensor, x2: torch.Tensor, devices: list[i
 
     def call(name: str, x: torch.Tensor) -> torch.Tensor:
         at = ForwardState(devices, run.preserve_rng)
-        out = getattr(run.lead, name)(x)
+        out = run_recording(at, getattr(run.lead, name), x)
         contexts[name] = at
         return out
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .._torch import tensor_version as _version
-from ..checkpoint.recompute import _cuda_devices, ForwardState
+from ..checkpoint.recompute import _cuda_devices, ForwardState, run_recording
 from .coupling import LeadBlock, ReversibleBlock
 from .grid import Grid, _add, _checked, _enter, from_fixed
 from .lead import _lead_forward, _undo_lead
@@ -73,8 +73,8 @@ class _Rebuild(torch.autograd.Function):
             for j, fn in ((0, block.f), (1, block.g)):  # y1 = x1 + F(x2), y2 = x2 + G(y1)
                 at = ForwardState(devices, run.preserve_rng)
                 views[j] = None  # this stream's old view, already used
-                views[j] = _add(streams[j], fn(views[1 - j], *run.args), grid, checks,
-                                inplace=True)[1]
+                views[j] = _add(streams[j], run_recording(at, fn, views[1 - j], *run.args),
+                                grid, checks, inplace=True)[1]
                 contexts.append(at)
             run.contexts.append((contexts[0], contexts[1]))
         run.streams = [k1, k2]  # not saved by ctx: backward lets go of k1 before it ends
