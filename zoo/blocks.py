@@ -34,6 +34,7 @@ from torch import nn
 
 from ._subclass import reduce_as_original
 from .checkpoint import checkpoint
+from .nn import convert_spectral_norm
 
 __all__ = ["find_blocks", "NoBlocksError", "checkpoint_module", "is_checkpointed"]
 
@@ -240,13 +241,16 @@ def checkpoint_module(module: nn.Module, enable: bool = True, **options: Any) ->
 
     ``options`` (e.g. ``save_ops``) are passed to ``zoo.checkpoint`` on each call. Parameters,
     buffers, hooks, the state_dict and the object itself stay the same. A Hugging Face layer
-    trains without its key/value cache, as under Hugging Face's own checkpointing. Returns
+    trains without its key/value cache, as under Hugging Face's own checkpointing. Its spectral
+    norms are converted, to be recomputed exactly (:func:`zoo.nn.convert_spectral_norm`; they
+    stay converted after ``enable=False``, which changes nothing outside a region). Returns
     ``module``.
     """
     if is_checkpointed(module):
         module.__class__ = type(module).__dict__["_zoo_checkpointed_from"]
         module.__dict__.pop("_zoo_checkpoint_options", None)
     if enable:
+        convert_spectral_norm(module)
         module._zoo_checkpoint_options = dict(options)
         module.__class__ = _checkpointed_class(type(module))
     return module

@@ -220,14 +220,13 @@ def _convert_batchnorm_names(model: nn.Module) -> list[str]:
             if recompute_safe_class(type(m)) is type(m) and n not in before]
 
 
-def _convert_spectral_norm_names(model: nn.Module) -> list[str]:
-    """Convert the model's spectral norms; the names of the modules holding those this call
-    converted (a parametrization itself, or the layer of an older hook), to undo them."""
-    names = [n for n, m in model.named_modules()
-             if any(type(x) in (_torch.SpectralNormParametrization, _torch.SpectralNormPreHook)
-                    for x in (m, *_torch.module_forward_pre_hooks(m).values()))]
-    convert_spectral_norm(model)
-    return names
+def _spectral_norm_names(model: nn.Module) -> list[str]:
+    """The modules holding a spectral norm not yet converted (a parametrization itself, or the
+    layer of an older hook): those that enabling converts (checkpointing a block converts its
+    own: ``zoo.blocks.checkpoint_module``), and ``enable=False`` gives torch's class back."""
+    return [n for n, m in model.named_modules()
+            if any(type(x) in (_torch.SpectralNormParametrization, _torch.SpectralNormPreHook)
+                   for x in (m, *_torch.module_forward_pre_hooks(m).values()))]
 
 
 def _disable(model: nn.Module) -> None:
@@ -292,7 +291,7 @@ def set_grad_checkpointing(model: nn.Module, enable: bool | str = True,
     if isinstance(enable, str) and (modules is not None or not isinstance(model, ZooModel)):
         raise ValueError(f"enable={enable!r}: a mode name is for zoo models without modules=; "
                          "pass enable=True")
-    state: dict[str, Any] = {"via": "blocks"}
+    state: dict[str, Any] = {"via": "blocks", "spectral_norm": _spectral_norm_names(model)}
     if modules is None and isinstance(model, ZooModel):
         model.set_grad_checkpointing(enable)
         state["via"] = "zoo"
@@ -305,7 +304,7 @@ def set_grad_checkpointing(model: nn.Module, enable: bool | str = True,
             checkpoint_module(block)
     if state["via"] != "zoo":  # exact also in a checkpoint of the model's own (torchvision's
         state["batchnorm"] = _convert_batchnorm_names(model)  # memory_efficient DenseNet)
-        state["spectral_norm"] = _convert_spectral_norm_names(model)
+        convert_spectral_norm(model)
     if casts_once and state["via"] != "zoo":
         set_casts_once(model)
     model.__dict__[_STATE] = state

@@ -1,7 +1,8 @@
 """Spectral norm under zoo.checkpoint: its power iteration advances the layer's ``u`` and ``v``
 in every train-mode forward, so a recompute that ran it again would compute another sigma than
 the forward did (other gradients) and advance ``u`` and ``v`` twice per step. Converted layers
-(``zoo.nn.convert_spectral_norm``, done by ``zoo.set_grad_checkpointing``) recompute with the
+(``zoo.nn.convert_spectral_norm``, done by ``zoo.set_grad_checkpointing`` and by
+``checkpoint_module``, so by ``zoo.plan``'s plans) recompute with the
 ``u`` and ``v`` their forward started from: gradients, ``u`` and ``v`` bit for bit the plain
 model's, also where a layer runs twice before the backward (a GAN's discriminator on the real and
 the fake batch), in nested regions, with the older hook-based ``torch.nn.utils.spectral_norm``
@@ -17,6 +18,8 @@ from torch.nn.utils import parametrizations
 
 import zoo
 from zoo.blocks import checkpoint_module
+from zoo.planner import BudgetTooSmallError
+from zoo.planner.step_sweep import real_whole_peak, trains_like_plain
 from zoo.nn import convert_spectral_norm, restore_spectral_norm
 
 
@@ -135,3 +138,22 @@ def test_a_compiled_region_run_twice_with_one_function_before_its_recompute_warn
     with pytest.warns(UserWarning, match="twice with one function before its recompute"):
         loss.backward()
     torch._dynamo.reset()
+
+
+def test_a_plan_of_a_spectral_normed_model_is_exact_and_trains_as_plain():
+    """zoo.plan checkpoints blocks through ``checkpoint_module``, which converts their spectral
+    norms: each plan's predicted peak is its real step's, and it trains as the plain model."""
+    sn = parametrizations.spectral_norm
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[nn.Sequential(sn(nn.Linear(64, 64)), nn.LeakyReLU(0.2))
+                            for _ in range(6)], sn(nn.Linear(64, 1)))
+    x = torch.randn(16, 64)
+    with pytest.raises(BudgetTooSmallError) as e:
+        zoo.plan(plain, x, 1, optimizer=torch.optim.AdamW(plain.parameters()), apply=False)
+    model = copy.deepcopy(plain)
+    opt = torch.optim.AdamW(model.parameters())
+    plan = zoo.plan(model, x, (e.value.smallest + e.value.plain) // 2, optimizer=opt)
+    assert plan.checkpointed
+    make_opt = lambda m: torch.optim.AdamW(m.parameters())  # noqa: E731
+    assert trains_like_plain(copy.deepcopy(plain), copy.deepcopy(model), x, make_opt, "fp32")
+    assert real_whole_peak(model, x, opt, "fp32") == plan.predicted_peak <= plan.budget
