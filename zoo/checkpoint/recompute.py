@@ -1,6 +1,7 @@
 """What a recompute must put back: the recompute flag, the normalisation guard, the state of
-layers that advance their own (spectral norm), and the RNG and autocast state of the forward (the parts of :mod:`zoo.checkpoint` that make a recompute
-exactly the forward it replays; used by its region and its selective-recompute path)."""
+layers that advance their own (spectral norm), and the RNG and autocast state of the forward
+(the parts of :mod:`zoo.checkpoint` that make a recompute exactly the forward it replays; used
+by its region, its selective-recompute path and the reversible rebuild)."""
 from __future__ import annotations
 
 import contextlib

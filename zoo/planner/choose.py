@@ -291,9 +291,9 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
         batch: one batch as the model takes it and training will see it: a tensor or a
             dataclass, a tuple of positional arguments or a dict of keyword arguments (a Hugging
             Face batch with ``input_ids``, ``attention_mask``, ``labels``), tensors nested in
-            them found at any depth (:class:`zoo.memory.inputs.Batch`); shapes, dtypes and devices decide
-            the figures, values do not. Nothing is computed on it: the model is profiled under
-            ``FakeTensorMode``.
+            them found at any depth (:class:`zoo.memory.inputs.Batch`); shapes, dtypes and
+            devices decide the figures, values do not. Nothing is computed on it: the model is
+            profiled under ``FakeTensorMode``.
         memory_budget: bytes, or a string like ``"10GB"`` / ``"12GiB"`` / ``"1500MB"``, for one
             whole training step: parameters, gradients, activations and, with ``optimizer``,
             its state and step. ``inf`` (or ``"inf"``) checkpoints nothing; for an input on a
