@@ -286,7 +286,8 @@ def convert_spectral_norm(module: nn.Module) -> nn.Module:
     parametrization and the older hook-based ``torch.nn.utils.spectral_norm`` get their twin
     classes (:class:`cp_SpectralNorm`, :class:`cp_SpectralNormPreHook`), in place: state_dict,
     parameters and identity kept. Exact under zoo's checkpoint only (torch's checkpoint does not
-    record the state). Returns ``module``; ``zoo.set_grad_checkpointing`` calls it."""
+    record the state). Returns ``module``; ``zoo.set_grad_checkpointing`` and
+    ``zoo.blocks.checkpoint_module`` (so every ``zoo.plan``) call it."""
     for x in _spectral_norms(module):
         x.__class__ = _SN_TWINS.get(type(x), type(x))
     return module

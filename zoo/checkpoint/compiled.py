@@ -297,8 +297,9 @@ def _fallback_states(fn: Callable[..., Any]) -> dict[int, Any] | None:
         warnings.warn("zoo.checkpoint: under torch.compile a region ran eagerly (a graph break) "
                       "twice with one function before its recompute, so the state its layers "
                       "advance (spectral norm's u and v) is recomputed from where it is now, "
-                      "not from where each forward began; compile with fullgraph=True, or call "
-                      "the region with a new function per call", stacklevel=2)
+                      "not from where each forward began; checkpoint the module with "
+                      "zoo.blocks.checkpoint_module (a new bound forward per call) instead of "
+                      "passing it to zoo.checkpoint", stacklevel=2)
     return states
 
 
