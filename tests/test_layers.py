@@ -25,7 +25,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "zoo.checkpoint": ("zoo._torch", "zoo._subclass"),
     "zoo.reversible": ("zoo.checkpoint",),
     "zoo.nn": ("zoo.checkpoint",),
-    "zoo.blocks": ("zoo.checkpoint",),
+    "zoo.blocks": ("zoo.checkpoint", "zoo.nn"),  # checkpoint_module converts spectral norm
     "zoo.memory": ("zoo.checkpoint", "zoo.nn", "zoo.reversible", "zoo.blocks"),
     "zoo.planner": ("zoo.memory",),
     "zoo.models": ("zoo.memory",),
