@@ -30,8 +30,8 @@ from .blocks import checkpoint_module, find_blocks, is_checkpointed
 from .checkpoint import checkpoint, run_blocks
 from .checkpoint.casts import set_casts_once
 from .models import ZooModel
-from .nn import (convert_batchnorm, convert_spectral_norm, recompute_safe_class,
-                 restore_batchnorm, restore_spectral_norm)
+from .nn import (convert_batchnorm, convert_spectral_norm, has_unconverted_spectral_norm,
+                 recompute_safe_class, restore_batchnorm, restore_spectral_norm)
 
 __all__ = ["set_grad_checkpointing"]
 
@@ -224,9 +224,7 @@ def _spectral_norm_names(model: nn.Module) -> list[str]:
     """The modules holding a spectral norm not yet converted (a parametrization itself, or the
     layer of an older hook): those that enabling converts (checkpointing a block converts its
     own: ``zoo.blocks.checkpoint_module``), and ``enable=False`` gives torch's class back."""
-    return [n for n, m in model.named_modules()
-            if any(type(x) in (_torch.SpectralNormParametrization, _torch.SpectralNormPreHook)
-                   for x in (m, *_torch.module_forward_pre_hooks(m).values()))]
+    return [n for n, m in model.named_modules() if has_unconverted_spectral_norm(m)]
 
 
 def _disable(model: nn.Module) -> None:

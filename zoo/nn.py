@@ -35,7 +35,8 @@ from .checkpoint.recompute import advancing
 
 __all__ = ["cp_BatchNorm1d", "cp_BatchNorm2d", "cp_BatchNorm3d", "cp_SyncBatchNorm",
            "convert_batchnorm", "restore_batchnorm", "recompute_safe_class", "cp_SpectralNorm",
-           "cp_SpectralNormPreHook", "convert_spectral_norm", "restore_spectral_norm"]
+           "cp_SpectralNormPreHook", "convert_spectral_norm", "restore_spectral_norm",
+           "has_unconverted_spectral_norm"]
 
 
 def _recomputing_under_any_checkpoint() -> bool:
@@ -279,6 +280,12 @@ def _spectral_norms(module: nn.Module, recurse: bool = True) -> list[Any]:
         found.append(m)
         found.extend(_torch.module_forward_pre_hooks(m).values())
     return [x for x in found if type(x) in _SN_TWINS or type(x) in _SN_ORIGINALS]
+
+
+def has_unconverted_spectral_norm(module: nn.Module) -> bool:
+    """Whether ``module`` itself (a parametrization, or a layer with the older hook) holds a
+    spectral norm :func:`convert_spectral_norm` would convert."""
+    return any(type(x) in _SN_TWINS for x in _spectral_norms(module, recurse=False))
 
 
 def convert_spectral_norm(module: nn.Module) -> nn.Module:

@@ -22,7 +22,7 @@ from torch.utils import checkpoint as torch_checkpoint
 
 from .. import _torch
 from .policies import AllBut
-from .recompute import ForwardState, _RecomputeContext, forwards_running
+from .recompute import ForwardState, _RecomputeContext, run_recording
 
 __all__ = ["traced_checkpoint"]
 
@@ -272,12 +272,7 @@ def _fallback_forward(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """The fallback's forward: ``fn`` without Dynamo, recording the state of the layers that
     advance their own (:func:`zoo.checkpoint.recompute.advancing`) for its recompute."""
     forward = ForwardState([], preserve_rng=False)
-    running = forwards_running()
-    running.append(forward)
-    try:
-        out = _without_dynamo(fn, *args, **kwargs)
-    finally:
-        running.pop()
+    out = run_recording(forward, _without_dynamo, fn, *args, **kwargs)
     if forward.states:
         key = id(fn)
         try:

@@ -186,18 +186,14 @@ def _release_norm_guard() -> None:
 # iteration bit for bit, wherever else it ran in between (a GAN's discriminator on the real and
 # the fake batch before one backward).
 # --------------------------------------------------------------------------------------------
-def forwards_running() -> list[ForwardState]:
-    """This thread's region forwards now running, innermost last (pushed by the region)."""
-    return _local.forwards
-
-
-def run_recording(at: ForwardState, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` as a forward whose recompute will run under ``_RecomputeContext(at)``
-    (a reversible block's functions): the layers in it that advance their own state record it
-    in ``at`` (:func:`advancing`). A region's forward does the same inline."""
+def run_recording(at: ForwardState, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` as a forward whose recompute will run under
+    ``_RecomputeContext(at)`` (a reversible block's functions, a compiled region's eager
+    fallback): the layers in it that advance their own state record it in ``at``
+    (:func:`advancing`). A region's forward does the same inline (no Python call per region)."""
     _local.forwards.append(at)
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     finally:
         _local.forwards.pop()
 
