@@ -31,7 +31,7 @@ from torch import nn
 
 from ._base import CIFAR_MEAN, CIFAR_STD, check_size, classifier
 from ._registry import build_model, register_model
-from ._transformer import (Block, EmbeddedBlock, Step, TransformerModel,
+from ._transformer import (Block, EmbeddedBlock, TransformerModel,
                            check_transformer_args)
 
 __all__ = ["VisionTransformer"]
@@ -135,9 +135,8 @@ class VisionTransformer(TransformerModel):
     def checkpoint_chain(self) -> list[nn.Module]:
         """The embedding (patches, class token, positions) with the first block
         (:class:`EmbeddedBlock`: in ``selective_stream`` the block's region starts at the
-        images), every other block, the final norm."""
-        if not len(self.blocks):
-            return [Step(self.embed, "embed"), self.norm]
+        images), every other block, the final norm. The constructor refuses ``depth`` 0, so
+        there is always a first block."""
         return [EmbeddedBlock(self.embed, self.blocks[0]), *self.blocks[1:], self.norm]
 
     def example_input(self, batch_size: int = 2, size: int | None = None) -> torch.Tensor:
