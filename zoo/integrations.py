@@ -6,12 +6,12 @@ nothing else of the zoo's contract holds. This module turns each family on *thro
 switch* with ``zoo.checkpoint`` in place of torch's: a zoo model's own modes; timm's
 ``set_grad_checkpointing(True)``, with the ``checkpoint``/``checkpoint_seq`` helpers its modules
 imported replaced by dispatchers that send only this model's calls to ``zoo.checkpoint``; a
-Hugging Face ``PreTrainedModel``'s ``_gradient_checkpointing_func``, kept through a later
-``gradient_checkpointing_enable()``; anything else through its repeated blocks
-(:func:`zoo.blocks.find_blocks`, :func:`zoo.blocks.checkpoint_module`). Every model but a zoo
-model also gets recompute-safe BatchNorm and spectral norm (:func:`zoo.nn.convert_batchnorm`,
-:func:`zoo.nn.convert_spectral_norm`). ``enable=False`` puts back the plain model. What holds for
-each family: docs/outside-models.md."""
+Hugging Face ``PreTrainedModel``'s ``_gradient_checkpointing_func`` (also inside a PEFT
+``PeftModel``), kept through a later ``gradient_checkpointing_enable()``; anything else through
+its repeated blocks (:func:`zoo.blocks.find_blocks`, :func:`zoo.blocks.checkpoint_module`).
+Every model but a zoo model also gets recompute-safe BatchNorm and spectral norm
+(:func:`zoo.nn.convert_batchnorm`, :func:`zoo.nn.convert_spectral_norm`). ``enable=False`` puts
+back the plain model. What holds for each family: docs/outside-models.md."""
 from __future__ import annotations
 
 import functools
@@ -199,17 +199,43 @@ def _disable_hf(model: nn.Module) -> None:
 
 
 # ---- The one call.
+def _peft_base(model: nn.Module) -> nn.Module | None:
+    """The model a PEFT ``PeftModel`` wraps (LoRA's layers are injected into it in place), or
+    None: a Hugging Face model then takes its own route and its state goes with it through
+    ``merge_and_unload()``. Duck-typed: zoo does not import peft."""
+    peft = sys.modules.get("peft")
+    if peft is None or not isinstance(model, getattr(peft, "PeftModel", ())):
+        return None
+    base = model.get_base_model()
+    return base if isinstance(base, nn.Module) and base is not model else None
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
-    """The model inside ``nn.DataParallel``/``DistributedDataParallel`` and ``torch.compile``
-    wrappers (in any order), so that it takes its family's route and keeps its state."""
+    """The model inside ``nn.DataParallel``/``DistributedDataParallel``, ``torch.compile`` and
+    PEFT wrappers (in any order), so that it takes its family's route and keeps its state."""
     wrappers = (nn.DataParallel, nn.parallel.DistributedDataParallel)
     while True:
         inner = _torch.compiled_original(model)
         if inner is None and isinstance(model, wrappers):
             inner = model.module
         if inner is None:
+            inner = _peft_base(model)
+        if inner is None:
             return model
         model = inner
+
+
+def _relative(given: nn.Module, model: nn.Module, modules: Any) -> Any:
+    """``modules`` with dotted names taken from the wrapper (``peft_model.named_modules()``
+    reads ``base_model.model.model.layers.0``) made relative to the model inside it."""
+    if given is model or not isinstance(modules, (str, list, tuple, set)):
+        return modules
+    prefix = next((f"{n}." for n, m in given.named_modules() if m is model and n), None)
+    if prefix is None:
+        return modules
+    wanted = [modules] if isinstance(modules, str) else list(modules)
+    return [w[len(prefix):] if isinstance(w, str) and w.startswith(prefix) else w
+            for w in wanted]
 
 
 def _convert_batchnorm_names(model: nn.Module) -> list[str]:
@@ -258,12 +284,14 @@ def set_grad_checkpointing(model: nn.Module, enable: bool | str = True,
 
     Args:
         model: a zoo model, a timm model, a Hugging Face ``PreTrainedModel`` or any other module
-            (``nn.DataParallel``, ``DistributedDataParallel`` and ``torch.compile`` wrappers
-            are looked through).
+            (``nn.DataParallel``, ``DistributedDataParallel``, ``torch.compile`` and PEFT's
+            ``PeftModel`` wrappers are looked through: the model inside takes its family's
+            route and holds the state, so it goes with ``merge_and_unload()``).
         enable: True to checkpoint, False to give back the plain model (same classes, state_dict
             and outputs). A zoo model also takes one of its ``checkpoint_modes`` by name.
         modules: None for the family's own checkpointing (see the module docstring); otherwise
-            module types, type names or dotted submodule names whose every call is checkpointed.
+            module types, type names or dotted submodule names (of the model or of its
+            wrapper) whose every call is checkpointed.
         casts_once: run the forward without autocast's cache of parameter casts, so that no
             checkpointed block holds its weights' low-precision copies to the forward's end
             (:func:`zoo.checkpoint.casts.set_casts_once`: the first forward under autocast checks
@@ -283,6 +311,7 @@ def set_grad_checkpointing(model: nn.Module, enable: bool | str = True,
         raise TypeError(f"zoo.set_grad_checkpointing: casts_once must be True or False, got "
                         f"{casts_once!r} ({type(casts_once).__name__})")
     given, model = model, _unwrap(model)
+    modules = _relative(given, model, modules)
     _disable(model)
     if enable is False or enable is None:
         return given
