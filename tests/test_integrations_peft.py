@@ -5,7 +5,7 @@ the plain one (train mode, same seeds, AdamW over the adapters) and compares bit
 losses, the adapters, the untouched base. peft and transformers are test dependencies only."""
 from __future__ import annotations
 
-import copy
+import dataclasses
 import warnings
 from typing import Any
 
@@ -14,7 +14,7 @@ import torch
 
 import zoo
 from test_integrations import recomputes_with_zoo
-from zoo.memory.step import peak_bytes
+from zoo.memory.step import measure_step, peak_bytes
 from zoo.planner import BudgetTooSmallError
 
 transformers = pytest.importorskip("transformers")
@@ -184,6 +184,31 @@ def test_a_plan_for_lora_is_measured_to_the_byte_and_trains_as_plain():
                                                      if p.grad is not None}
 
 
+def test_without_padding_sdpa_is_predicted_on_the_masked_path_above_the_step():
+    """Documented (docs/outside-models.md): with SDPA, Hugging Face skips the causal mask when
+    it reads that the batch has no padding, which it cannot read off the fake tensors zoo plans
+    on; there it builds the mask and repeats the keys and values, so the prediction is the
+    padded batch's, above the step's measured peak, not below it."""
+    model = lora(llama())
+    opt = adamw(model)
+    ids = batch()["input_ids"]
+    unpadded = {"input_ids": ids, "labels": ids}
+    predicted = measure_step(model, unpadded, optimizer=opt)[0]
+    assert predicted == measure_step(model, batch(), optimizer=opt)[0]
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = model(**unpadded).loss
+        loss.backward()
+        opt.step()
+        del loss
+
+    model.train()
+    step()
+    opt.zero_grad(set_to_none=True)
+    assert peak_bytes(step, [model, opt]) < predicted
+
+
 def classes(model: torch.nn.Module) -> list[type]:
     return [type(m) for m in model.modules()]
 
@@ -216,3 +241,45 @@ def test_merge_and_unload_gives_the_plain_merged_model(modules, off_first):
             torch.manual_seed(5)
             outs.append(model(**batch()).logits)
         assert torch.equal(*outs)
+
+
+class Texts(torch.utils.data.Dataset):
+    """Eight padded sequences with labels, for the Trainer."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
+        mask = torch.ones_like(ids)
+        mask[12 + i % 4:] = 0
+        return {"input_ids": ids, "attention_mask": mask,
+                "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def trainer_steps(model: torch.nn.Module, out: str, checkpointing: bool) -> float:
+    """Two steps of the Hugging Face ``Trainer`` on the CPU, its own checkpointing switch
+    (``activation_checkpointing``, ``gradient_checkpointing`` before HF 5) as given; the loss."""
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    switch = "activation_checkpointing" if "activation_checkpointing" in fields \
+        else "gradient_checkpointing"
+    args = transformers.TrainingArguments(out, per_device_train_batch_size=4, max_steps=2,
+                                          learning_rate=1e-2, use_cpu=True, report_to=[],
+                                          seed=0, save_strategy="no", logging_strategy="no",
+                                          disable_tqdm=True, **{switch: checkpointing})
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Texts())
+    return trainer.train().training_loss
+
+
+def test_the_trainer_with_its_checkpointing_on_trains_lora_as_plain(tmp_path):
+    """The Trainer turns its checkpointing on through the PeftModel; zoo's checkpoint stays the
+    one in use, and two steps give the plain model's loss and weights bit for bit."""
+    pytest.importorskip("accelerate")
+    plain, ckpt = lora(llama()), zoo.set_grad_checkpointing(lora(llama()))
+    want = trainer_steps(plain, str(tmp_path / "plain"), checkpointing=False)
+    assert trainer_steps(ckpt, str(tmp_path / "zoo"), checkpointing=True) == want
+    for layer in ckpt.get_base_model().model.layers:
+        assert layer.gradient_checkpointing and layer._gradient_checkpointing_func.func is \
+            zoo.checkpoint
+    got, expected = ckpt.state_dict(), plain.state_dict()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
