@@ -111,18 +111,24 @@ def layer_calls(model: torch.nn.Module) -> list[bool]:
     return seen
 
 
+@pytest.mark.parametrize("modules", [None, "LlamaDecoderLayer", "model.layers.1"],
+                         ids=["hf-hook", "by-name", "one-by-name"])
 @pytest.mark.parametrize("kwargs", [None, {"use_reentrant": True}], ids=["default", "reentrant"])
-def test_a_later_gradient_checkpointing_enable_through_peft_keeps_zoo(kwargs):
+def test_a_later_gradient_checkpointing_enable_through_peft_keeps_zoo(kwargs, modules):
     """The PeftModel hands ``gradient_checkpointing_enable`` (the Trainer's
-    ``gradient_checkpointing=True``) to the Hugging Face model inside; zoo took that model's own
-    hook, so its layers stay checkpointed once, by zoo.checkpoint: each recomputed once, by zoo,
-    not wrapped again in torch's checkpoint (which would run each three times)."""
-    model = zoo.set_grad_checkpointing(lora(llama())).train()
+    ``gradient_checkpointing=True``) to the Hugging Face model inside, whose hook zoo holds:
+    every layer is then checkpointed once, by zoo.checkpoint: each recomputed once, by zoo, not
+    wrapped again in torch's checkpoint (which would run each three times); a layer zoo
+    checkpoints by name already is not wrapped again; ``enable=False`` turns it all off."""
+    model = zoo.set_grad_checkpointing(lora(llama()), modules=modules).train()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # HF 5 renamed the switch
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     assert layer_calls(model) == [False] * 2 + [True] * 2
     assert_same_lora_training(lora(llama()), model)
+    zoo.set_grad_checkpointing(model, enable=False)  # Hugging Face's switch off with zoo's
+    assert layer_calls(model) == [False] * 2
+    assert "_set_gradient_checkpointing" not in vars(model.get_base_model())
 
 
 def test_dotted_names_from_the_peft_model_name_its_layers():

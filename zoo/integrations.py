@@ -153,14 +153,30 @@ def _is_hf(model: nn.Module) -> bool:
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
+_CHECKPOINT_KEYWORDS = frozenset(
+    name for name, p in inspect.signature(checkpoint).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY)  # torch's (use_reentrant, ...) and zoo's
+
+
+def _unless_checkpointed(function: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Hugging Face's checkpoint call of one layer, where zoo checkpoints layers chosen by
+    name: ``zoo.checkpoint`` for any other layer, and a chosen one runs as it is, its own region
+    its one checkpoint (wrapped in a second, each layer would run up to three times a step)."""
+    owner = _owner(function)
+    if owner is None or not is_checkpointed(owner):
+        return checkpoint(function, *args, **kwargs)
+    return function(*args, **{k: v for k, v in kwargs.items() if k not in _CHECKPOINT_KEYWORDS})
+
+
 class _KeepZooCheckpoint:
     """Stands in for a Hugging Face model's ``_set_gradient_checkpointing`` while zoo owns it: a
     later ``gradient_checkpointing_enable()`` hands it torch's checkpoint (with its keywords),
-    which is swapped for zoo's. A plain object holding the model, so deepcopy and pickle keep it
-    pointing at the right model."""
+    which is swapped for zoo's (``func``). A plain object holding the model, so deepcopy and
+    pickle keep it pointing at the right model."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, func: Callable = checkpoint):
         self.model = model
+        self.func = func
 
     def __call__(self, enable: bool = True, gradient_checkpointing_func: Callable | None = None,
                  **kwargs: Any) -> None:
@@ -168,8 +184,8 @@ class _KeepZooCheckpoint:
         if enable and func is not None:
             if _is_checkpoint(func, torch_checkpoint.checkpoint):
                 keywords = func.keywords if isinstance(func, functools.partial) else {}
-                func = functools.partial(checkpoint, **keywords)
-            elif not _is_checkpoint(func, checkpoint):
+                func = functools.partial(self.func, **keywords)
+            elif not (_is_checkpoint(func, checkpoint) or _is_checkpoint(func, self.func)):
                 warnings.warn(f"zoo.set_grad_checkpointing: {type(self.model).__name__} now "
                               f"checkpoints with {getattr(func, '__name__', func)!r} (e.g. "
                               "offload=True), not zoo.checkpoint; BatchNorm stays exact",
@@ -179,17 +195,31 @@ class _KeepZooCheckpoint:
         type(self.model)._set_gradient_checkpointing(self.model, enable=enable, **kwargs)
 
 
-def _enable_hf(model: nn.Module) -> bool:
-    """HF's own switch with zoo's checkpoint; False if the model has no such switch."""
-    if not getattr(model, "supports_gradient_checkpointing", False):
+def _has_hf_switch(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face model whose switch takes a checkpoint function."""
+    if not (_is_hf(model) and getattr(model, "supports_gradient_checkpointing", False)):
         return False
     params = inspect.signature(type(model)._set_gradient_checkpointing).parameters
-    if "gradient_checkpointing_func" not in params:  # HF's format before 4.35
+    return "gradient_checkpointing_func" in params  # not HF's format before 4.35
+
+
+def _enable_hf(model: nn.Module) -> bool:
+    """HF's own switch with zoo's checkpoint; False if the model has no such switch."""
+    if not _has_hf_switch(model):
         return False
     type(model)._set_gradient_checkpointing(model, enable=True,
                                             gradient_checkpointing_func=checkpoint)
     model.__dict__["_set_gradient_checkpointing"] = _KeepZooCheckpoint(model)
     return True
+
+
+def _hold_hf_switch(model: nn.Module) -> None:
+    """Layers of a Hugging Face model checkpointed by name: a later
+    ``gradient_checkpointing_enable()`` (the Trainer's) checkpoints the others with zoo's and
+    leaves these to their own region."""
+    if _has_hf_switch(model):
+        model.__dict__["_set_gradient_checkpointing"] = _KeepZooCheckpoint(
+            model, _unless_checkpointed)
 
 
 def _disable_hf(model: nn.Module) -> None:
@@ -265,7 +295,7 @@ def _disable(model: nn.Module) -> None:
             _disable_timm(model)
         except (AssertionError, NotImplementedError):
             pass
-    elif via == "hf" or (via is None and _is_hf(model)):
+    elif _is_hf(model):  # by its hook, or by name with its switch held
         _disable_hf(model)
     for m in model.modules():
         if is_checkpointed(m):
@@ -329,6 +359,7 @@ def set_grad_checkpointing(model: nn.Module, enable: bool | str = True,
     else:
         for _, block in find_blocks(model, modules):
             checkpoint_module(block)
+        _hold_hf_switch(model)
     if state["via"] != "zoo":  # exact also in a checkpoint of the model's own (torchvision's
         state["batchnorm"] = _convert_batchnorm_names(model)  # memory_efficient DenseNet)
         convert_spectral_norm(model)
