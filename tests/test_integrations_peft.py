@@ -162,6 +162,24 @@ def test_lora_compiled_trains_bit_for_bit_as_eager_plain(fullgraph):
         torch._dynamo.reset()
 
 
+def measured_peak(model: torch.nn.Module, opt: torch.optim.Optimizer,
+                  inputs: dict[str, torch.Tensor]) -> int:
+    """The peak of one training step on ``inputs`` (MemTracker, exact), in the steady state the
+    planner predicts: the optimizer's state made by a step before. Leaves the step's gradients."""
+    model.train()
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = model(**inputs).loss
+        loss.backward()
+        opt.step()
+        del loss
+
+    step()
+    opt.zero_grad(set_to_none=True)
+    return peak_bytes(step, [model, opt])
+
+
 def test_a_plan_for_lora_is_measured_to_the_byte_and_trains_as_plain():
     """zoo.plan with AdamW over the adapters: only they hold gradients and optimizer state, and
     the step's peak predicted is the peak measured (this CPU, MemTracker), halfway between the
@@ -174,20 +192,12 @@ def test_a_plan_for_lora_is_measured_to_the_byte_and_trains_as_plain():
     plan = zoo.plan(model, batch(), (least + top) // 2, optimizer=opt)
     assert least <= plan.predicted_peak <= plan.budget < top and plan.recompute_flops > 0
     assert_same_lora_training(plain, model)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        loss = model(**batch()).loss
-        loss.backward()
-        opt.step()
-        del loss
-
-    step()  # the optimizer's state made, as it is in the steady state the plan is for
-    opt.zero_grad(set_to_none=True)
-    assert peak_bytes(step, [model, opt]) == plan.predicted_peak
+    assert measured_peak(model, opt, batch()) == plan.predicted_peak
     trained = {id(p) for p in model.parameters() if p.requires_grad}
     assert {id(p) for p in opt.state} == trained == {id(p) for p in model.parameters()
                                                      if p.grad is not None}
+    zoo.set_grad_checkpointing(model, enable=False)  # the plan's regions too
+    assert classes(model.merge_and_unload()) == classes(plain.merge_and_unload())
 
 
 def test_without_padding_sdpa_is_predicted_on_the_masked_path_above_the_step():
@@ -201,18 +211,7 @@ def test_without_padding_sdpa_is_predicted_on_the_masked_path_above_the_step():
     unpadded = {"input_ids": ids, "labels": ids}
     predicted = measure_step(model, unpadded, optimizer=opt)[0]
     assert predicted == measure_step(model, batch(), optimizer=opt)[0]
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        loss = model(**unpadded).loss
-        loss.backward()
-        opt.step()
-        del loss
-
-    model.train()
-    step()
-    opt.zero_grad(set_to_none=True)
-    assert peak_bytes(step, [model, opt]) < predicted
+    assert measured_peak(model, opt, unpadded) < predicted
 
 
 def classes(model: torch.nn.Module) -> list[type]:
