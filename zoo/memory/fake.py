@@ -16,7 +16,7 @@ from torch import nn
 
 from .fake_mode import PlannerFakeMode
 from .inputs import Batch
-from .optimizer import fill_state, mirror, state_tensors
+from .optimizer import Optimizers, as_optimizers, fill_state, mirror, state_tensors, unstepped
 
 __all__ = ["fake_state", "FakeStep", "collector_paused"]
 
@@ -49,14 +49,16 @@ class FakeStep:
     fake steps of a planning (making them costs a few hundred microseconds per tensor): the
     ``mode`` they belong to (a ``PlannerFakeMode``: ``FakeTensorMode`` with quicker cache
     keys), ``state`` by name, the unique ``tensors``, the ``input`` (a
-    :class:`~.inputs.Batch`), and with ``optimizer`` its ``optimizer`` over the fake parameters,
-    holding the state one step leaves (:mod:`.optimizer`; its state tensors are among
-    ``tensors``; :meth:`drop_untrained_state` keeps it to the parameters a step trains).
-    :meth:`micro_batches` gives an accumulating step further batches of the input's shapes.
-    :meth:`clear` drops the gradients a step left on them."""
+    :class:`~.inputs.Batch`), and with ``optimizer`` (one or several, :mod:`.optimizer`) their
+    ``optimizers`` over the fake parameters, holding the state one step leaves (its tensors are
+    among ``tensors``; :meth:`drop_untrained_state` keeps it to the parameters a step trains),
+    stepped by :meth:`step_optimizers`. :meth:`micro_batches` gives an accumulating step further
+    batches of the input's shapes. :meth:`clear` drops the gradients a step left on them, but
+    those of trainable parameters no optimizer steps, which a loop's ``zero_grad`` leaves and
+    so holds from the step's start (:meth:`drop_untrained_state` finds which get one)."""
 
     def __init__(self, model: nn.Module, example_input: Any,
-                 optimizer: torch.optim.Optimizer | None = None) -> None:
+                 optimizer: Optimizers = None) -> None:
         self.mode = PlannerFakeMode()
         copies: dict[int, torch.Tensor] = {}
         self.state = fake_state(model, self.mode, copies)
@@ -64,17 +66,35 @@ class FakeStep:
         self._own = list(self.tensors)  # the model's, without the optimizer's state
         self.input = Batch.of(example_input).map(
             lambda x: self.mode.from_tensor(x.detach()).requires_grad_(x.requires_grad))
-        self.optimizer = None
+        self.optimizers: tuple[torch.optim.Optimizer, ...] = ()
         self._filled: set[torch.Tensor] = set()  # parameters whose state the filling step made
         self.drops = 0  # how many times drop_untrained_state dropped some
         self._more: list[Batch] = []  # micro-batches after the first (micro_batches)
-        if optimizer is not None:
+        optimizers = as_optimizers(optimizer)
+        self._unstepped = [copies[id(p)] for p in unstepped(model, optimizers)]
+        self._held: list[torch.Tensor] = []  # those of them a step gives a gradient
+        for opt in optimizers:
             with self.mode:
-                self.optimizer = mirror(optimizer, copies)
-                made = set(self.optimizer.state)  # Adagrad's, made by its constructor
-                fill_state(self.optimizer)
-            self._filled = set(self.optimizer.state) - made
-            self.tensors += state_tensors(self.optimizer)
+                fake_opt = mirror(opt, copies)
+                made = set(fake_opt.state)  # Adagrad's, made by its constructor
+                fill_state(fake_opt)
+            self._filled |= set(fake_opt.state) - made
+            self.optimizers += (fake_opt,)
+        self.tensors += self._state_tensors()
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        return [t for opt in self.optimizers for t in state_tensors(opt)]
+
+    def step_optimizers(self) -> None:
+        """After a step's backward: each optimizer's ``step()`` in the loop's order, then each
+        one's ``zero_grad()``, as a loop runs them (:meth:`drop_untrained_state` first)."""
+        if not self.optimizers:
+            return
+        self.drop_untrained_state()
+        for opt in self.optimizers:
+            opt.step()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
 
     def micro_batches(self, k: int) -> list[Batch]:
         """``k`` micro-batches for a step that accumulates them: :attr:`input` and ``k - 1``
@@ -92,23 +112,35 @@ class FakeStep:
         """Called with a step's gradients made, before its optimizer's step: drops the state the
         filling step gave a parameter this step gives no gradient (a module the forward never
         calls: a real optimizer skips a parameter without one, so never makes its state; AdamW
-        would otherwise count two copies of it). When some is dropped, :attr:`drops` counts it:
-        the step just run held that state from its start, so it is to be measured again."""
+        would otherwise count two copies of it). It also notes which trainable parameters no
+        optimizer steps got a gradient, which :meth:`clear` then gives them from the start.
+        When either changes, :attr:`drops` counts it: the step just run held state no real step
+        holds, or lacked gradients the loop holds, so it is to be measured again."""
+        held = {id(p) for p in self._held}
+        grown = [p for p in self._unstepped if p.grad is not None and id(p) not in held]
+        self._held += grown
         untrained = [p for p in self._filled if p.grad is None]
-        if not untrained:
-            return
-        for p in untrained:
-            del self.optimizer.state[p]
-        self._filled -= set(untrained)
-        self.tensors = self._own + state_tensors(self.optimizer)
-        self.drops += 1
+        if untrained:
+            for p in untrained:
+                for opt in self.optimizers:
+                    opt.state.pop(p, None)
+            self._filled -= set(untrained)
+            self.tensors = self._own + self._state_tensors()
+        if untrained or grown:
+            self.drops += 1
 
     def clear(self) -> None:
+        """Gradients as a loop's step starts them: none, but a gradient (of zeros: values
+        decide no byte) on each trainable parameter no optimizer steps that a step reaches."""
         for t in self.tensors:
             t.grad = None
         for batch in (self.input, *self._more):
             for t in batch.tensors():
                 t.grad = None
+        if self._held:
+            with self.mode:
+                for p in self._held:
+                    p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .fake import FakeStep
+from .optimizer import Optimizers
 from .precision import step_precision
 from .training import accumulated_backward, check_accumulate
 from .cards.on_card import current_card, held_from_start, step_counter, workspaces_as_used
@@ -29,15 +30,17 @@ __all__ = ["measure_step", "peak_bytes", "micro_batches_run"]
 def measure_step(model: nn.Module, example_input: Any,
                  loss_fn: Callable[[Any], torch.Tensor] | None = None,
                  fake: FakeStep | None = None,
-                 optimizer: torch.optim.Optimizer | None = None,
+                 optimizer: Optimizers = None,
                  accumulate: int = 1) -> tuple[int, int]:
     """(peak bytes, FLOPs) of one fake training step of ``model`` as it is configured now
     (checkpoint mode or plan included) on the batch ``example_input`` (a tensor, a tuple or a
     dict: :class:`~.inputs.Batch`), in the caller's precision (:mod:`.precision`), with
-    ``optimizer``'s state and step when given (:mod:`.optimizer`). ``model`` itself is left
-    untouched. ``fake``: the fake state to run on (made for this step when not given; its
-    optimizer, if any, is the step's). ``accumulate``: the step accumulates that many
-    micro-batches of ``example_input`` before the optimizer's step
+    ``optimizer``'s state and step when given (one or several, stepped in order:
+    :mod:`.optimizer`; a trainable parameter none steps holds its gradient all step, as from a
+    loop's second step on). ``model`` itself is left untouched. ``fake``: the fake state to run
+    on (made for this step when not given; its optimizers, if any, are the step's).
+    ``accumulate``: the step accumulates that many micro-batches of ``example_input`` before
+    the optimizer's step
     (:func:`~.training.accumulated_backward`); its FLOPs are all of them, its peak is the
     whole step's, of the micro-batches :func:`micro_batches_run` runs."""
     from zoo._torch import reparametrize_module as _reparametrize_module
@@ -60,9 +63,7 @@ def measure_step(model: nn.Module, example_input: Any,
                     loss = accumulated_backward(
                         model, batches, loss_fn, accumulate,
                         lambda: marks.append((counter.current, counter.flops)))
-                    if fake.optimizer is not None:
-                        fake.drop_untrained_state()
-                        fake.optimizer.step()
+                    fake.step_optimizers()
                     del loss  # held through the optimizer's step, as a training loop does
         finally:
             fake.clear()

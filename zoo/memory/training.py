@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .inputs import Batch
+from .optimizer import Optimizers, as_optimizers
 from .precision import Precision, forward_precision, scale_loss, step_precision
 
 __all__ = ["default_loss", "forward_loss", "backward", "train_step", "loss_source",
@@ -142,12 +143,15 @@ def loss_used() -> str:
 
 def train_step(model: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
                forward: Callable[..., Any] | None = None,
-               optimizer: torch.optim.Optimizer | None = None,
+               optimizer: Optimizers = None,
                precision: Precision | None = None, accumulate: int = 1
                ) -> Callable[[], None]:
     """One training step of ``model`` on the batch ``x`` as a call: gradients reset to None,
     then ``loss = forward_loss(...)``, its backward and ``optimizer.step()`` when given, the
-    loss held until the step ends as a training loop holds it (``accumulate``: that many
+    loss held until the step ends as a training loop holds it. ``optimizer``: one or a list or
+    tuple, stepped in that order after the backward, then each one's ``zero_grad()``; with one,
+    only its parameters' gradients are reset (a loop's ``opt.zero_grad()``: a trainable
+    parameter none steps keeps accumulating its gradient, as in the loop) (``accumulate``: that many
     micro-batches of ``x``'s shapes accumulated before the optimizer's step,
     :func:`accumulated_backward`: ``x`` and copies of it, made here, as a list of micro-batches
     holds them); ``model`` is put
@@ -161,14 +165,20 @@ def train_step(model: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor] 
     accumulate = check_accumulate(accumulate)
     batches = [batch, *(batch.map(lambda t: t.detach().clone().requires_grad_(t.requires_grad))
                         for _ in range(accumulate - 1))]
+    optimizers = as_optimizers(optimizer)
     model.train()
 
     def step() -> None:
-        model.zero_grad(set_to_none=True)
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        if not optimizers:
+            model.zero_grad(set_to_none=True)
         with step_precision(precision):
             loss = accumulated_backward(forward, batches, loss_fn, accumulate)
-        if optimizer is not None:
-            optimizer.step()
+        for opt in optimizers:
+            opt.step()
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
         del loss
 
     return step

@@ -23,7 +23,8 @@ from ..memory import parse_budget, parse_bytes
 from ..memory.cards.on_card import current_card
 from ..memory.inputs import Batch
 from ..memory.precision import current_precision
-from ..memory.optimizer import state_bytes
+from ..memory.optimizer import (Optimizers, check_optimizer, state_bytes, unstepped_said,
+                                warn_unstepped)
 from .errors import BudgetTooSmallError
 from .profiling.profile import ChainProfile, profile_chain
 from .choose import plan, profile_block_modes
@@ -71,7 +72,7 @@ def largest_batch(model: nn.Module, make_input: Callable[[int], Any] | Any,
                   memory_budget: int | float | str,
                   loss_fn: Callable[[Any], torch.Tensor] | None = None,
                   limit: int = 1 << 16, tries: int = 6,
-                  optimizer: torch.optim.Optimizer | None = None,
+                  optimizer: Optimizers = None,
                   compiled: bool = False) -> tuple[int, ChainProfile | None]:
     """The largest batch whose best schedule fits ``memory_budget``, and its profile: the
     least peak of the schedules the planner searches (nested, with per-block modes) against
@@ -95,6 +96,17 @@ def largest_batch(model: nn.Module, make_input: Callable[[int], Any] | Any,
     """
     if compiled:
         _torch.require_compiled_plan()
+    warn_unstepped(model, check_optimizer(optimizer, model))
+    with unstepped_said():  # said once above, not at every batch planned
+        return _largest_batch(model, make_input, memory_budget, loss_fn, limit, tries,
+                              optimizer, compiled)
+
+
+def _largest_batch(model: nn.Module, make_input: Callable[[int], Any] | Any,
+                   memory_budget: int | float | str,
+                   loss_fn: Callable[[Any], torch.Tensor] | None, limit: int, tries: int,
+                   optimizer: Optimizers, compiled: bool) -> tuple[int, ChainProfile | None]:
+    """:func:`largest_batch`, its arguments checked."""
     if not callable(make_input):
         make_input = Batch.of(make_input).resized
     memory_budget = _bytes(memory_budget, make_input)
@@ -131,7 +143,7 @@ def _bytes(memory_budget: int | float | str, make_input: Callable[[int], Any]) -
 def _chain_largest(model: nn.Module, make_input: Callable[[int], Any],
                    memory_budget: int | float | str,
                    loss_fn: Callable[[Any], torch.Tensor] | None, limit: int, tries: int,
-                   optimizer: torch.optim.Optimizer | None,
+                   optimizer: Optimizers,
                    compiled: bool) -> tuple[int, ChainProfile]:
     """:func:`largest_batch` by the chain's profiles (its docstring), the optimizer's state
     off the budget."""
@@ -200,7 +212,7 @@ def _extrapolated(pa: list[ChainProfile], pb: list[ChainProfile], batch: int, ba
 def _planned_largest(model: nn.Module, make_input: Callable[[int], Any],
                      memory_budget: int | float | str,
                      loss_fn: Callable[[Any], torch.Tensor] | None, limit: int,
-                     optimizer: torch.optim.Optimizer | None, compiled: bool) -> int:
+                     optimizer: Optimizers, compiled: bool) -> int:
     """The largest batch ``zoo.plan`` fits ``memory_budget`` for a model without the zoo's
     chain: doubling, then bisection, on whether a plan of the whole step exists (its least
     peak grows with the batch); each candidate costs one planning of the model."""
@@ -210,7 +222,7 @@ def _planned_largest(model: nn.Module, make_input: Callable[[int], Any],
 
 def _plan_fits(model: nn.Module, batch: Any, memory_budget: int | float | str,
                loss_fn: Callable[[Any], torch.Tensor] | None,
-               optimizer: torch.optim.Optimizer | None, compiled: bool) -> bool:
+               optimizer: Optimizers, compiled: bool) -> bool:
     """Whether ``zoo.plan`` finds a plan of the whole step on ``batch`` within the budget."""
     try:
         plan(model, batch, memory_budget, loss_fn=loss_fn, apply=False, optimizer=optimizer,

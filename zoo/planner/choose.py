@@ -22,7 +22,7 @@ from torch import nn
 from .. import _torch
 from ..memory import parse_budget
 from ..memory.inputs import Batch, check_model
-from ..memory.optimizer import check_optimizer
+from ..memory.optimizer import Optimizers, check_optimizer, unstepped, warn_unstepped
 from ..memory.cards.on_card import current_card, planning_on
 from ..memory.precision import Precision, current_precision, step_precision
 from ..memory.training import check_accumulate, loss_used
@@ -185,7 +185,7 @@ class Planner:
                  loss_fn: Callable[[Any], torch.Tensor] | None = None, *, modes: bool = True,
                  block_modes: bool = True, slots: int = 2000,
                  profile: ChainProfile | None = None, compiled: bool = False,
-                 optimizer: torch.optim.Optimizer | None = None, accumulate: int = 1) -> None:
+                 optimizer: Optimizers = None, accumulate: int = 1) -> None:
         accumulate = check_accumulate(accumulate)
         if compiled:
             _torch.require_compiled_plan()
@@ -231,7 +231,7 @@ class Planner:
 def spine_planner(model: nn.Module, example_input: Any,
                   loss_fn: Callable[[Any], torch.Tensor] | None = None,
                   slots: int = 2000, compiled: bool = False,
-                  optimizer: torch.optim.Optimizer | None = None, accumulate: int = 1
+                  optimizer: Optimizers = None, accumulate: int = 1
                   ) -> Planner | None:
     """A :class:`Planner` over ``model``'s spine (``modules.spine``: every submodule call of it a
     candidate region, the stem too), or None when the spine leaves out some of the repeated
@@ -276,7 +276,7 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
          modes: bool = True, block_modes: bool = True,
          modules: Any = None, cost: str = "flops", compiled: bool = False,
          device: str | Card | None = None,
-         optimizer: torch.optim.Optimizer | None = None, offload: bool = False,
+         optimizer: Optimizers = None, offload: bool = False,
          accumulate: int = 1) -> Plan | ModulePlan:
     """Checkpoint ``model`` so the training step the user runs fits ``memory_budget`` with the
     least recompute, and return the :class:`Plan` (``print`` it for a table).
@@ -320,9 +320,14 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
             (``zoo.memory.on_card``) on the input as it is (a CPU input is fine), a fraction
             budget is of the card's memory, and ``cost="time"`` prices blocks by their
             predicted time on the card. Default: the input's own device.
-        optimizer: the optimizer training will step: its state (AdamW: two copies of the
-            parameters) held all step and its ``step()`` count in the budget and in
-            ``predicted_peak`` (``zoo.planner.whole_step``).
+        optimizer: the optimizer training will step, or a list or tuple of those it steps
+            (``torch.optim.Muon`` on the hidden weight matrices beside ``AdamW`` on the rest):
+            their states (AdamW: two copies of its parameters) held all step and their
+            ``step()`` calls, in the given order after the backward, count in the budget and in
+            ``predicted_peak`` (``zoo.planner.whole_step``). A parameter that requires grad but
+            is in none of them keeps its gradient across steps (``opt.zero_grad()`` clears only
+            the optimizer's own), so the plan holds it all step, as the loop does from its
+            second step on, and a warning names how many there are.
         offload: also let segments keep their saved tensors in host memory instead of
             recomputing them, priced on ``device``'s card by predicted step time
             (``zoo.planner.offload_choice``: below recompute's floor, and wherever the host
@@ -341,7 +346,8 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
     model = check_model(model)
     inputs = Batch.of(batch)
     device = device if device is not None else current_card()  # inside zoo.memory.on_card
-    check_optimizer(optimizer, model)
+    optimizers = check_optimizer(optimizer, model)
+    warn_unstepped(model, optimizers)
     accumulate = check_accumulate(accumulate)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be a function of the model's output returning the loss, "
@@ -374,8 +380,9 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
                                cost, compiled, None, optimizer, accumulate=accumulate)
         precision = dataclasses.replace(ambient, device_type="cuda") \
             if device is not None and ambient.dtype is not None else ambient
-        result = dataclasses.replace(result, step=describe_step(inputs, loss_used(), optimizer,
-                                                                precision, accumulate))
+        result = dataclasses.replace(result, step=describe_step(
+            inputs, loss_used(), optimizer, precision, accumulate,
+            len(unstepped(model, optimizers))))
     if apply:
         result.apply(model)
     return result
@@ -384,7 +391,7 @@ def plan(model: nn.Module, batch: Any, memory_budget: int | float | str, *,
 def _plan(model: nn.Module, example_input: Batch, budget: float,
           loss_fn: Callable[[Any], torch.Tensor] | None, modes: Any, block_modes: Any,
           modules: Any, cost: str, compiled: bool, on: Card | None,
-          optimizer: torch.optim.Optimizer | None, offload: bool = False,
+          optimizer: Optimizers, offload: bool = False,
           accumulate: int = 1) -> Plan | ModulePlan:
     """:func:`plan`'s choice, not applied; ``on``: the card timed for ``cost="time"`` or
     offload."""
@@ -417,7 +424,7 @@ def _plan(model: nn.Module, example_input: Batch, budget: float,
 def _plan_zoo_model(model: nn.Module, example_input: Batch, budget: float,
                     loss_fn: Callable[[Any], torch.Tensor] | None, cost: str, modes: Any,
                     block_modes: Any, compiled: bool, on: Card | None,
-                    optimizer: torch.optim.Optimizer | None, accumulate: int = 1) -> Plan:
+                    optimizer: Optimizers, accumulate: int = 1) -> Plan:
     """:func:`plan` for a model with the zoo's chain, with no plan applied to it."""
     whole = WholeStep.of(model, example_input, loss_fn, optimizer, current_precision(),
                          accumulate)

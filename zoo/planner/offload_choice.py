@@ -27,6 +27,7 @@ from torch import nn
 from ..checkpoint.sequential import OFFLOAD
 from ..memory.cards import Card
 from ..memory.cards.step import CardStep, predict_step
+from ..memory.optimizer import Optimizers
 from .errors import BudgetTooSmallError
 from .modules.plan_module import ModulePlan, plain_module, plan_module
 from .plans import Plan, plan_applied, plan_set_aside
@@ -54,7 +55,7 @@ def _spread(plans: Sequence[Plan], n: int) -> list[Plan]:
 
 def _price(model: nn.Module, batch: Any, plan: Plan, on: Card,
            loss_fn: Callable[[Any], torch.Tensor] | None,
-           optimizer: torch.optim.Optimizer | None) -> CardStep:
+           optimizer: Optimizers) -> CardStep:
     """The card's predicted step of ``model`` running ``plan`` (the model is left as it was)."""
     with plan_applied(model, plan):
         return predict_step(model, batch, on, loss_fn, optimizer=optimizer)
@@ -63,7 +64,7 @@ def _price(model: nn.Module, batch: Any, plan: Plan, on: Card,
 def with_offload(model: nn.Module, batch: Any, budget: float, choices: Sequence[Plan],
                  recompute: Plan | None, on: Card,
                  loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                 optimizer: torch.optim.Optimizer | None = None) -> Plan:
+                 optimizer: Optimizers = None) -> Plan:
     """The fastest plan on card ``on`` whose predicted peak fits ``budget``, among recompute
     alone's choice ``recompute`` (None: nothing recomputed fits), the chain's ``choices`` that
     recompute less with their kept segments offloaded, and the whole chain offloaded. Its
@@ -95,7 +96,7 @@ def with_offload(model: nn.Module, batch: Any, budget: float, choices: Sequence[
 
 def plan_offload(planner: Any, model: nn.Module, batch: Any, budget: float, on: Card | None,
                  loss_fn: Callable[[Any], torch.Tensor] | None,
-                 optimizer: torch.optim.Optimizer | None) -> Plan:
+                 optimizer: Optimizers) -> Plan:
     """:func:`with_offload` over a :class:`~zoo.planner.choose.Planner`'s choices, with its plan
     for ``budget`` as recompute alone's (None where nothing recomputed fits)."""
     if on is None:
@@ -111,7 +112,7 @@ def plan_offload(planner: Any, model: nn.Module, batch: Any, budget: float, on: 
 def largest_offload_batch(model: nn.Module, make_input: Callable[[int], Any], budget: float,
                           on: Card, start: int = 1,
                           loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                          optimizer: torch.optim.Optimizer | None = None,
+                          optimizer: Optimizers = None,
                           limit: int = 1 << 16) -> int:
     """The largest batch (at least ``start``, which must fit, and at most ``limit``) whose step
     with the whole chain offloaded fits ``budget`` on card ``on``: the floor offload reaches,
@@ -141,7 +142,7 @@ def largest_offload_batch(model: nn.Module, make_input: Callable[[int], Any], bu
 
 def plan_module_offload(model: nn.Module, batch: Any, budget: float, on: Card,
                         loss_fn: Callable[[Any], torch.Tensor] | None,
-                        optimizer: torch.optim.Optimizer | None, modules: Any = None
+                        optimizer: Optimizers, modules: Any = None
                         ) -> ModulePlan:
     """:func:`with_offload` for a module planned over its repeated blocks
     (``modules.plan_module``: a Hugging Face encoder's layers): the fastest on card ``on`` that

@@ -42,7 +42,7 @@ from ..memory.fake import FakeStep
 from ..memory.inputs import Batch
 from ..memory.precision import Precision, step_precision
 from ..memory.step import measure_step
-from ..memory.optimizer import held_bytes
+from ..memory.optimizer import Optimizers, as_optimizers, describe_optimizers, held_bytes
 from .errors import BudgetTooSmallError
 from .modules.spine import Spine
 from .plans import Plan, cheapest, plan_applied
@@ -50,11 +50,14 @@ from .plans import Plan, cheapest, plan_applied
 __all__ = ["WholeStep", "describe_step"]
 
 
-def describe_step(batch: Batch, loss: str, optimizer: torch.optim.Optimizer | None,
-                  precision: Precision, accumulate: int = 1) -> str:
+def describe_step(batch: Batch, loss: str, optimizer: Optimizers,
+                  precision: Precision, accumulate: int = 1, unstepped: int = 0) -> str:
     """The step a plan was made for, in one line (a plan's printout); ``accumulate``: its
-    micro-batches per optimizer step, said when more than one."""
-    opt = "no optimizer" if optimizer is None else f"optimizer {type(optimizer).__name__}"
+    micro-batches per optimizer step, said when more than one; ``unstepped``: how many
+    trainable parameters no optimizer steps (their gradients held all step), said when any."""
+    opt = describe_optimizers(as_optimizers(optimizer))
+    if unstepped:
+        opt += f" ({unstepped} trainable parameter(s) in none: their gradients held)"
     micro = "" if accumulate == 1 else \
         f", {accumulate} micro-batches accumulated per optimizer step (loss / {accumulate})"
     return f"step: batch {batch.describe()}{micro}, loss: {loss}, {opt}, {precision.name}"
@@ -66,7 +69,7 @@ class WholeStep:
     plans measured once each."""
 
     def __init__(self, model: nn.Module, batch: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
-                 optimizer: torch.optim.Optimizer | None, precision: Precision,
+                 optimizer: Optimizers, precision: Precision,
                  accumulate: int = 1) -> None:
         self.model, self.batch, self.loss_fn = model, Batch.of(batch), loss_fn
         self.precision, self.accumulate = precision, accumulate
@@ -74,21 +77,20 @@ class WholeStep:
         self._peaks: dict[tuple, int] = {}
 
     def state_held(self) -> int:
-        """Bytes of the optimizer's state the step holds: after a step is measured, only the
+        """Bytes of the optimizers' state the step holds: after a step is measured, only the
         trained parameters' (``FakeStep.drop_untrained_state``)."""
-        opt = self.fake.optimizer
-        return 0 if opt is None else held_bytes(opt)
+        return sum(held_bytes(opt) for opt in self.fake.optimizers)
 
     @staticmethod
     def of(model: nn.Module, batch: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
-           optimizer: torch.optim.Optimizer | None, precision: Precision,
+           optimizer: Optimizers, precision: Precision,
            accumulate: int = 1) -> WholeStep | None:
         """A :class:`WholeStep`, or None for the step the chain's model predicts exactly by
         itself (no optimizer, float32, on this machine, one micro-batch per optimizer step). On
         a card (``zoo.memory.on_card``) the caching allocator's block splitting can put a large
         tensor's step a few blocks above the chain's sum (ResNet-50 at batch 256 on the H100:
         3,932,160 B over its 5.15 GB least), so every card plan is checked by its whole step."""
-        if optimizer is None and precision.dtype is None and current_card() is None \
+        if not as_optimizers(optimizer) and precision.dtype is None and current_card() is None \
                 and accumulate == 1:
             return None
         return WholeStep(model, batch, loss_fn, optimizer, precision, accumulate)

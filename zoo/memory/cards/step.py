@@ -26,6 +26,7 @@ from ... import _torch
 from .peak import CudaCounter, run_counted
 from .on_card import workspaces_as_used
 from ..fake import FakeStep
+from ..optimizer import Optimizers, check_optimizer
 from ..inputs import Batch, check_model
 from ..quiet import fake_logs_quiet
 from ..precision import Precision, step_precision
@@ -50,7 +51,7 @@ def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
                  loss_fn: Callable[[Any], torch.Tensor] | None = None,
                  host: HostCost = H100_HOST, achieved: Achieved = H100_ACHIEVED,
                  limit: int | None = None, autocast: torch.dtype | None = None,
-                 optimizer: torch.optim.Optimizer | None = None,
+                 optimizer: Optimizers = None,
                  accumulate: int = 1) -> CardStep:
     """Peak and time of one training step of ``model`` (as configured: checkpoint mode or
     plan) on ``example_input``, on card ``on`` (a name of ``zoo.memory.cards.CARDS`` or a
@@ -59,7 +60,8 @@ def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
     ``limit``: a cap on reserved bytes, as ``set_per_process_memory_fraction`` sets;
     ``autocast``: the whole step under ``torch.autocast("cuda", dtype=autocast)`` with its cache
     of casts off, as the GPU suite measures (e.g. ``torch.bfloat16``: CUDA's autocast op lists,
-    :mod:`.autocast`). Without it, the batch, loss, precision and ``optimizer`` are read as
+    :mod:`.autocast`). Without it, the batch, loss, precision and ``optimizer`` (one or several,
+    stepped in order) are read as
     :func:`zoo.memory.step.measure_step` reads them (called inside ``torch.autocast``, on CPU or
     CUDA, the forward runs CUDA's op lists at that dtype); a batch the model cannot run on is one
     line (:mod:`zoo.memory.quiet`). The step is one after the first: the cuBLAS workspaces of
@@ -72,6 +74,7 @@ def predict_step(model: nn.Module, example_input: Any, on: str | Card = "h100",
     target = card(on)
     batch = Batch.of(example_input)
     model = check_model(model)
+    check_optimizer(optimizer, model)
     accumulate = check_accumulate(accumulate)
 
     copies: list[tuple[str, int, int, int]] = []  # the offload copies of the last step run
@@ -114,7 +117,7 @@ def _timed(copies: list[tuple[str, int, int, int]], records: list, on: Card,
 def run_on_card(model: nn.Module, example_input: Any, on: str | Card,
                 loss_fn: Callable[[Any], torch.Tensor] | None = None,
                 limit: int | None = None, counter: CudaCounter | None = None,
-                optimizer: torch.optim.Optimizer | None = None,
+                optimizer: Optimizers = None,
                 autocast: torch.dtype | None = None, fake: FakeStep | None = None,
                 accumulate: int = 1) -> CudaCounter:
     """:func:`predict_step`'s fake step, the counter returned (its ``peak``, ``records`` and
@@ -128,15 +131,13 @@ def run_on_card(model: nn.Module, example_input: Any, on: str | Card,
     batches = fake.micro_batches(accumulate)  # the list the loop runs over, on the card
 
     def step() -> None:
-        fake.clear()
         with _torch.reparametrize_module(model, fake.state):
             loss = accumulated_backward(model, batches, loss_fn, accumulate)
-            if fake.optimizer is not None:
-                fake.drop_untrained_state()
-                fake.optimizer.step()
+            fake.step_optimizers()
             del loss  # held through the optimizer's step, as a training loop does
 
     try:
+        fake.clear()  # before the count starts: the gradients a loop holds are counted
         precision = Precision() if autocast is not None else Precision.ambient().on_cpu()
         with fake.mode, step_precision(precision), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)

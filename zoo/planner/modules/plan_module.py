@@ -26,6 +26,7 @@ from ...memory.precision import step_precision
 from ...memory.training import backward, forward_loss
 from ...memory.fake_mode import PlannerFakeMode
 from ...memory.step import measure_step
+from ...memory.optimizer import Optimizers
 from .nesting import clear_nested, nest, outer_candidates, restore_nested, set_nested
 
 __all__ = ["ModulePlan", "plan_module", "plain_module", "block_costs"]
@@ -166,7 +167,7 @@ def _check_called(model: nn.Module, blocks: list[tuple[str, nn.Module]], called:
 
 def plan_module(model: nn.Module, example_input: Any, budget: int | float,
                 loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                modules: Any = None, optimizer: torch.optim.Optimizer | None = None,
+                modules: Any = None, optimizer: Optimizers = None,
                 accumulate: int = 1) -> ModulePlan:
     """The fewest of ``model``'s blocks (``find_blocks(model, modules)``), taken in order of
     bytes saved per forward FLOP, whose checkpointing makes a fake step fit ``budget``; when
@@ -214,7 +215,7 @@ def _fewest(step: Step, n: int, measured: dict[int, tuple[int, int]], budget: in
 
 def _plan_plain(model: nn.Module, example_input: Batch, budget: int | float,
                 loss_fn: Callable[[Any], torch.Tensor] | None, modules: Any,
-                optimizer: torch.optim.Optimizer | None, accumulate: int = 1) -> ModulePlan:
+                optimizer: Optimizers, accumulate: int = 1) -> ModulePlan:
     blocks = find_blocks(model, modules)
     names = [n for n, _ in blocks]
     saved, flops = block_costs(model, blocks, example_input, loss_fn)
