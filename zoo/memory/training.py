@@ -146,19 +146,19 @@ def train_step(model: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor] 
                optimizer: Optimizers = None,
                precision: Precision | None = None, accumulate: int = 1
                ) -> Callable[[], None]:
-    """One training step of ``model`` on the batch ``x`` as a call: gradients reset to None,
-    then ``loss = forward_loss(...)``, its backward and ``optimizer.step()`` when given, the
-    loss held until the step ends as a training loop holds it. ``optimizer``: one or a list or
-    tuple, stepped in that order after the backward, then each one's ``zero_grad()``; with one,
-    only its parameters' gradients are reset (a loop's ``opt.zero_grad()``: a trainable
-    parameter none steps keeps accumulating its gradient, as in the loop) (``accumulate``: that many
-    micro-batches of ``x``'s shapes accumulated before the optimizer's step,
-    :func:`accumulated_backward`: ``x`` and copies of it, made here, as a list of micro-batches
-    holds them); ``model`` is put
-    in train mode here, once (not in the step, whose host time is measured). ``forward``: what
-    to call instead of ``model`` (a compiled or wrapped model whose parameters are
-    ``model``'s); ``loss_fn``: :func:`default_loss` unless given; ``precision``: the autocast to
-    run the forward in (default: the caller's when the step is made)."""
+    """One training step of ``model`` on the batch ``x`` as a call, as a loop runs it:
+    ``loss = forward_loss(...)``, its backward, then with ``optimizer`` (one, or a list or tuple)
+    each one's ``step()`` in that order and each one's ``zero_grad()``, the loss held until the
+    step ends as a training loop holds it. Gradients start reset to None: the model's without
+    an optimizer, else the optimizers' parameters' only, so a trainable parameter none of them
+    steps accumulates its gradient from call to call, as in the loop. ``accumulate``: that many
+    micro-batches of ``x``'s shapes accumulated before the optimizers' step
+    (:func:`accumulated_backward`: ``x`` and copies of it, made here, as a list of micro-batches
+    holds them). ``model`` is put in train mode here, once (not in the step, whose host time is
+    measured). ``forward``: what to call instead of ``model`` (a compiled or wrapped model whose
+    parameters are ``model``'s); ``loss_fn``: :func:`default_loss` unless given;
+    ``precision``: the autocast to run the forward in (default: the caller's when the step is
+    made)."""
     forward = model if forward is None else forward  # no truth test: a compiled module has none
     batch = Batch.of(x)
     precision = Precision.ambient() if precision is None else precision
