@@ -66,8 +66,10 @@ def checkpoint(fn: Callable[..., Any], *args: Any,
 
     Backward raises RuntimeError, saying why, when a tensor input was changed in place after the
     call (the recompute would read other values), when the recompute saves other tensors than
-    the forward did (the region is not deterministic given its inputs), or when one backward call
-    unpacks a saved tensor twice (a custom Function reading ``ctx.saved_tensors`` twice).
+    the forward did (the region is not deterministic given its inputs, or the forward ran with
+    parameters swapped in by ``torch.func.functional_call`` that the recompute no longer sees),
+    or when one backward call unpacks a saved tensor twice (a custom Function reading
+    ``ctx.saved_tensors`` twice).
 
     Deliberate differences from torch's non-reentrant checkpoint (each pinned by a test in
     tests/checkpoint/test_checkpoint.py or tests/checkpoint/test_checkpoint_torch_*.py): BatchNorm

@@ -45,8 +45,10 @@ from .recompute import ForwardState, _local, _RecomputeContext
 #   which then recomputes them when the inner region needs them. The outer one may be
 #   torch's own checkpoint: its forward and its recompute must see the same saved tensors.
 # Rule 8. Determinism: the recompute must save as many tensors as the forward, of the same shapes
-#   (``determinism_check="none"`` skips the shapes), and no input may change in place between the
-#   forward and the recompute; otherwise backward raises, naming the cause.
+#   (``determinism_check="none"`` skips the shapes), no input may change in place between the
+#   forward and the recompute, and the recompute may save no module parameter where the forward
+#   saved another tensor (parameters swapped in for the forward only: functional_call);
+#   otherwise backward raises, naming the cause.
 #
 # torch.utils.checkpoint's non-reentrant path follows the same rules (its "Nestable Checkpoint"
 # note) with more bookkeeping per region (per-task handle maps, metadata, device probing);
@@ -118,6 +120,17 @@ class _SaveInputs(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
         return (None,) * len(ctx.needs_input_grad)
 
+
+# A recompute that saves a module's parameter where the forward saved another tensor: the
+# parameters were swapped in for the forward only (as by torch.func.functional_call), and the
+# recompute, in backward, would compute with the module's own. torch.utils.checkpoint gives such
+# a region's gradients without a word.
+_SWAPPED = (
+    "the recompute read a module's own parameter where the forward saved another tensor: the "
+    "parameters were swapped in for the forward only (torch.func.functional_call, "
+    "torch.nn.utils.stateless), so the recompute would compute with other weights. Call "
+    "functional_call inside the checkpointed function (zoo.checkpoint(lambda p, t: "
+    "functional_call(block, p, t), params, x)), or checkpoint nothing for such calls.")
 
 _SAVED = object()  # stands in a nested region's arguments for an input the outer region keeps
 
@@ -337,6 +350,9 @@ class _Region:
                 self.fail(f"saved tensor {index} of the region had shape {tuple(slot.shape)} in "
                           f"the forward but {tuple(tensor.shape)} in the recompute; the region "
                           "is not deterministic given its inputs.")
+            if tensor._base.__class__ is _Parameter or tensor.__class__ is not _Tensor and \
+                    isinstance(tensor, _Parameter):  # Rule 8: the forward saved no parameter
+                self.fail(_SWAPPED)
             slot.value = tensor
         if index + 1 == total and self.stop_at_last_slot:  # Rule 4
             raise _StopRecompute

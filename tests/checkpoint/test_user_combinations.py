@@ -1,0 +1,61 @@
+"""zoo.checkpoint inside what users wrap around it: torch.func.functional_call, saved-tensor
+hooks (save_on_cpu), attention with dropout, autocast with a GradScaler, and regions that
+change their own saved tensors in place. Each case: the plain model bit for bit, or a one-line
+error where a recompute cannot be the forward it replays."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zoo
+
+
+class _Blocks(nn.Module):
+    """A model whose forward checkpoints its own blocks, as zoo's models and trainers do."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = zoo.checkpoint(block, x)
+        return x
+
+
+@pytest.mark.parametrize("fast_weights", ["leaves", "computed"])
+def test_functional_call_with_other_parameters_is_refused_in_one_line(fast_weights):
+    """``torch.func.functional_call(model, params, x)`` swaps the parameters in only while the
+    forward runs; the recompute, in backward, would read the module's own parameters and give
+    gradients of another function without a word (torch's non-reentrant checkpoint does).
+    The region notices the recompute saving a module's parameter where the forward saved
+    another tensor, and says so. MAML's fast weights ("computed") are the classic case."""
+    model = _Blocks()
+    own = dict(model.named_parameters())
+    if fast_weights == "leaves":
+        params = {k: (v.detach() * 1.1).requires_grad_() for k, v in own.items()}
+        leaves = list(params.values())
+    else:
+        leaves = list(own.values())
+        params = {k: v - 0.1 * torch.ones_like(v) for k, v in own.items()}
+    y = torch.func.functional_call(model, params, (torch.randn(3, 8),))
+    with pytest.raises(RuntimeError, match=r"^zoo.checkpoint: [^\n]*functional_call") as e:
+        torch.autograd.grad(y.pow(2).sum(), leaves)
+    assert "\n" not in str(e.value)
+
+
+def test_functional_call_with_the_modules_own_parameters_is_exact():
+    """Handing the module its own parameters (a common trainer idiom) stays exact."""
+    model = _Blocks()
+    params = dict(model.named_parameters())
+    x = torch.randn(3, 8)
+    got = torch.autograd.grad(
+        torch.func.functional_call(model, params, (x,)).pow(2).sum(), list(params.values()))
+    plain = x
+    for block in model.blocks:
+        plain = block(plain)
+    want = torch.autograd.grad(plain.pow(2).sum(), list(params.values()))
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
