@@ -59,3 +59,44 @@ def test_functional_call_with_the_modules_own_parameters_is_exact():
         plain = block(plain)
     want = torch.autograd.grad(plain.pow(2).sum(), list(params.values()))
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_functional_call_inside_the_region_is_exact_with_fast_weights():
+    """The way the refusal names: ``functional_call`` inside the checkpointed function, so the
+    recompute gets the same parameters as the forward (MAML's computed fast weights)."""
+    model = _Blocks()
+    own = list(model.parameters())
+    x = torch.randn(3, 8)
+    results = []
+    for region in (lambda f, *a: f(*a), zoo.checkpoint):
+        fast = {k: v - 0.1 * v.detach().sin() for k, v in model.named_parameters()}
+        h = x
+        for i, block in enumerate(model.blocks):
+            mine = {k.split(".", 2)[2]: v for k, v in fast.items() if k.startswith(f"blocks.{i}.")}
+            h = region(lambda p, t, b=block: torch.func.functional_call(b, p, (t,)), mine, h)
+        results.append((h, torch.autograd.grad(h.pow(2).sum(), own)))
+    (plain, plain_grads), (ours, our_grads) = results
+    assert torch.equal(plain, ours)
+    assert all(torch.equal(g, w) for g, w in zip(our_grads, plain_grads))
+
+
+@pytest.mark.parametrize("after", ["output", "inside"])
+def test_a_saved_tensor_changed_in_place_later_in_the_region_is_refused_as_in_plain(after):
+    """``sigmoid_`` saves its result; a later in-place op in the region overwrites it. The plain
+    model's backward refuses that ("modified by an inplace operation"); a region's recompute
+    replays the overwrite, so without a check sigmoid's backward would read twice its output
+    and give wrong gradients without a word (torch's non-reentrant checkpoint does)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+
+    def fn(t):
+        y = lin(t).sigmoid_().mul_(2)
+        return y if after == "output" else y.exp()
+
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        fn(x).sum().backward()
+    with pytest.raises(RuntimeError, match=r"^zoo.checkpoint: [^\n]*modified in place") as e:
+        zoo.checkpoint(fn, x).sum().backward()
+    assert "\n" not in str(e.value)
+

@@ -47,8 +47,9 @@ from .recompute import ForwardState, _local, _RecomputeContext
 # Rule 8. Determinism: the recompute must save as many tensors as the forward, of the same shapes
 #   (``determinism_check="none"`` skips the shapes), no input may change in place between the
 #   forward and the recompute, and the recompute may save no module parameter where the forward
-#   saved another tensor (parameters swapped in for the forward only: functional_call);
-#   otherwise backward raises, naming the cause.
+#   saved another tensor (parameters swapped in for the forward only: functional_call), and a
+#   saved tensor that requires grad may not change in place after it is saved (autograd's own
+#   version check, which saved-tensor hooks bypass); otherwise backward raises, naming the cause.
 #
 # torch.utils.checkpoint's non-reentrant path follows the same rules (its "Nestable Checkpoint"
 # note) with more bookkeeping per region (per-task handle maps, metadata, device probing);
@@ -69,12 +70,13 @@ class _Slot:
     thread when the tensor was packed: an op's node exists before its saved tensors are packed).
     """
 
-    __slots__ = ("value", "shape", "node", "__weakref__")
+    __slots__ = ("value", "shape", "node", "version", "__weakref__")
 
     def __init__(self, shape: torch.Size, node: int):
         self.value: torch.Tensor | None = None
         self.shape = shape
         self.node = node
+        self.version = 0  # the recomputed tensor's version when it was saved (Rule 8)
 
 
 class _Kept:
@@ -131,6 +133,15 @@ _SWAPPED = (
     "torch.nn.utils.stateless), so the recompute would compute with other weights. Call "
     "functional_call inside the checkpointed function (zoo.checkpoint(lambda p, t: "
     "functional_call(block, p, t), params, x)), or checkpoint nothing for such calls.")
+
+# A tensor the region saved, then changed in place: the plain model's backward refuses it
+# (autograd's version check); the recompute replays the change, so the region must refuse it too.
+# torch.utils.checkpoint instead hands backward the changed tensor (wrong gradients, no word).
+_OVERWRITTEN = (
+    "zoo.checkpoint: a tensor saved for backward inside a checkpointed region was modified in "
+    "place after it was saved (as 'sigmoid_().mul_(2)' overwrites what sigmoid_ saved), so its "
+    "gradient would be wrong; the plain model's backward refuses it too ('modified by an "
+    "inplace operation'). Use the out-of-place op (mul instead of mul_).")
 
 _SAVED = object()  # stands in a nested region's arguments for an input the outer region keeps
 
@@ -269,6 +280,8 @@ class _Region:
                 f"{overlap} If a custom autograd.Function reads ctx.saved_tensors twice in its "
                 "backward, read it once and keep the tuple.")
         slot.value = None  # Rule 3: emptied as its node consumes it
+        if _version(value) != slot.version and value.requires_grad:  # Rule 8
+            raise RuntimeError(_OVERWRITTEN)
         if call == -1:  # read outside any backward (grad_fn._saved_*): keep nothing
             _empty_slots(self.slots)
         return value
@@ -354,6 +367,7 @@ class _Region:
                     isinstance(tensor, _Parameter):  # Rule 8: the forward saved no parameter
                 self.fail(_SWAPPED)
             slot.value = tensor
+            slot.version = _version(tensor)
         if index + 1 == total and self.stop_at_last_slot:  # Rule 4
             raise _StopRecompute
         self.live.append(tensor)
