@@ -72,7 +72,8 @@ NAMES: dict[str, Name] = {
     "torch._C._will_engine_execute_node": Name(OLDEST, "exact: inputs kept longer"),
     "torch._C._autograd._get_sequence_nr": Name(OLDEST, "exact: inputs kept longer"),
     "torch._C._autograd._top_saved_tensors_default_hooks": Name(
-        OLDEST, "error: a zoo region inside torch's inside a zoo region fails in backward"),
+        OLDEST, "error: a zoo region inside torch's inside a zoo region fails in backward; "
+        "save_on_cpu does not get a region's inputs"),
     "torch.autograd.Variable._execution_engine": Name(OLDEST, "required"),
     "torch._C._is_any_autocast_enabled": Name(OLDEST, "exact: autocast read per device"),
     "torch._C._dispatch_tls_is_dispatch_key_excluded": Name(OLDEST, "required (op counter)"),
@@ -254,11 +255,9 @@ library_destroy = operator.methodcaller("_destroy")
 _top_saved_tensors_hooks = getattr(_autograd, "_top_saved_tensors_default_hooks", None)
 
 
-def in_torch_checkpoint() -> bool:
-    """Whether the innermost saved-tensor hooks are ``torch.utils.checkpoint``'s own (its
-    non-reentrant region's forward or recompute): a zoo region made there is nested in it."""
-    top = None if _top_saved_tensors_hooks is None else _top_saved_tensors_hooks(False)
-    return top is not None and getattr(top[0], "__module__", None) == "torch.utils.checkpoint"
+def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
+    """The innermost saved-tensor hooks in force, ``(pack, unpack)``, or None."""
+    return None if _top_saved_tensors_hooks is None else _top_saved_tensors_hooks(False)
 
 
 #: ``t._version``: a tensor's in-place version counter, which autograd checks saved tensors with

@@ -100,3 +100,45 @@ def test_a_saved_tensor_changed_in_place_later_in_the_region_is_refused_as_in_pl
         zoo.checkpoint(fn, x).sum().backward()
     assert "\n" not in str(e.value)
 
+
+def _hooked_step(region, hooks):
+    """One step of three checkpointed blocks under ``hooks``; what the hooks were handed."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Dropout(0.2)) for _ in range(3)]
+    x = torch.randn(4, 8, requires_grad=True)
+    handed = []
+    with hooks(handed):
+        h = torch.tanh(x)
+        inputs = []
+        for block in blocks:
+            inputs.append(h)
+            h = region(block, h)
+    h.pow(2).sum().backward()
+    grads = [x.grad] + [p.grad for b in blocks for p in b.parameters()]
+    return h, grads, handed, inputs
+
+
+def _recording(handed):
+    def pack(t):
+        handed.append(t)
+        return ("boxed", t.clone())
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box[1])
+
+
+@pytest.mark.parametrize("hooks", ["own", "save_on_cpu"])
+def test_outer_saved_tensor_hooks_get_the_regions_inputs_and_the_step_is_exact(hooks):
+    """``with save_on_cpu(): for block in blocks: x = checkpoint(block, x)`` is how people move
+    what a checkpointed model keeps (the regions' inputs) to host memory. torch's checkpoint
+    hands its inputs to the enclosing hooks; the zoo's region does too, else on a GPU they would
+    stay in its memory. Same outputs and gradients as the plain step under the same hooks."""
+    make = _recording if hooks == "own" else \
+        lambda handed: torch.autograd.graph.save_on_cpu()
+    plain = _hooked_step(lambda f, t: f(t), make)
+    ours = _hooked_step(zoo.checkpoint, make)
+    assert torch.equal(plain[0], ours[0])
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], ours[1]))
+    if hooks == "own":
+        handed, inputs = ours[2], ours[3]
+        for t in inputs:  # every region's input went through the user's pack hook
+            assert any(h is t for h in handed)
+

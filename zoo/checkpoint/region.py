@@ -43,7 +43,9 @@ from .recompute import ForwardState, _local, _RecomputeContext
 #   when its last node has run, as a compiled backward frees a saved input after its last use.
 # Rule 7. Nesting: a region nested in another hands its inputs to the outer one (``_SaveInputs``),
 #   which then recomputes them when the inner region needs them. The outer one may be
-#   torch's own checkpoint: its forward and its recompute must see the same saved tensors.
+#   torch's own checkpoint: its forward and its recompute must see the same saved tensors. A
+#   region made under a user's saved-tensor hooks (``save_on_cpu``) hands them its inputs the
+#   same way, as torch's checkpoint does, so that they move what the region keeps.
 # Rule 8. Determinism: the recompute must save as many tensors as the forward, of the same shapes
 #   (``determinism_check="none"`` skips the shapes), no input may change in place between the
 #   forward and the recompute, and the recompute may save no module parameter where the forward
@@ -60,7 +62,7 @@ _Parameter = torch.nn.Parameter
 _Tensor = torch.Tensor  # an activation's class: never a Parameter (saves the metaclass check)
 _next_node = _torch.get_sequence_nr or (lambda: 0)
 _version = _torch.tensor_version
-_in_torch_checkpoint = _torch.in_torch_checkpoint
+_top_hooks = _torch.top_saved_tensors_hooks
 
 
 class _Slot:
@@ -155,6 +157,14 @@ observers: list[Callable[[tuple, dict], None]] = []
 recorders: list[Callable[[Callable, tuple, dict, Any], None]] = []
 
 
+def _outer_hooks() -> bool:
+    """Rule 7: whether saved-tensor hooks not the zoo's own are in force, which get a region's
+    inputs: torch's checkpoint (a region made in its forward or recompute is nested in it) or a
+    user's (``save_on_cpu`` moves them, as it moves torch's checkpoint's)."""
+    top = _top_hooks()
+    return top is not None and not getattr(top[0], "__module__", "zoo.").startswith("zoo.")
+
+
 def _inside_region() -> int:
     """How many zoo regions are running their forward or recompute on this thread."""
     return getattr(_local, "inside", 0)
@@ -175,7 +185,7 @@ class _Region:
         self.saver: torch.Tensor | None = None  # a nested region's: see save_through_outer
         self.saved_versions: list[int] = []
         self.first = _next_node()  # the sequence number of the region's first autograd node
-        if _inside_region() or _in_torch_checkpoint():
+        if _inside_region() or _outer_hooks():
             self.save_through_outer()
         elif observers:
             for observe in observers:
@@ -188,7 +198,8 @@ class _Region:
         self.call: Any = None  # the backward call the slots' values were recomputed for
 
     def save_through_outer(self) -> None:
-        """Rule 7: hand the inputs that require grad to the enclosing region (_SaveInputs)."""
+        """Rule 7: hand the inputs that require grad to the enclosing region, or to the saved-tensor
+        hooks in force (_SaveInputs)."""
         tensors = [t for t in (*self.args, *self.kwargs.values())
                    if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors:
