@@ -4,6 +4,8 @@ change their own saved tensors in place. Each case: the plain model bit for bit,
 error where a recompute cannot be the forward it replays."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from torch import nn
@@ -142,3 +144,82 @@ def test_outer_saved_tensor_hooks_get_the_regions_inputs_and_the_step_is_exact(h
         for t in inputs:  # every region's input went through the user's pack hook
             assert any(h is t for h in handed)
 
+
+class _PythonDropPath(nn.Module):
+    """Stochastic depth drawn with Python's ``random``, as some training scripts write it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if random.random() < 0.5 else x + self.lin(x).relu()
+
+
+def test_python_random_branch_that_changes_on_recompute_is_refused_in_one_line():
+    """A region replays torch's generators, not Python's ``random`` or NumPy's (saving
+    ``random.getstate()`` costs about as much as a whole small region's forward): the recompute
+    draws anew. Where its branch saves other tensors than the forward's, backward raises in one
+    line instead of giving another function's gradients."""
+    seed = next(s for s in range(100) if (lambda r: (r.random() < 0.5) != (r.random() < 0.5))(
+        random.Random(s)) and random.Random(s).random() >= 0.5)  # forward: the block; then skip
+    layer = _PythonDropPath()
+    random.seed(seed)
+    y = zoo.checkpoint(layer, torch.randn(2, 8, requires_grad=True))
+    with pytest.raises(RuntimeError, match=r"^zoo.checkpoint: [^\n]*not deterministic") as e:
+        y.sum().backward()
+    assert "\n" not in str(e.value)
+
+
+def _step(model: nn.Module, region, x: torch.Tensor, amp: bool = False):
+    """Two SGD steps (GradScaler and clip_grad_norm_ under ``amp``); what a step leaves."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=amp)
+    torch.manual_seed(1)
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            y = region(model, x)
+        opt.zero_grad()
+        scaler.scale(y.float().pow(2).mean()).backward()
+        scaler.unscale_(opt)
+        norm = nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        scaler.step(opt)
+        scaler.update()
+    return [y, norm, torch.get_rng_state(), *model.parameters(), *model.buffers()]
+
+
+class _Attention(nn.Module):
+    """SDPA with dropout_p, then a TransformerEncoderLayer (MultiheadAttention with dropout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 6, 3, 4, 4).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+        return self.layer(y.transpose(1, 2).reshape(2, 6, 16))
+
+
+class _Norm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 16))
+        self.bn = nn.BatchNorm1d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.body(x))
+
+
+@pytest.mark.parametrize("build, amp", [(_Attention, False), (_Norm, True)],
+                         ids=["sdpa-and-multihead-dropout", "bf16-autocast-gradscaler-clip"])
+def test_user_layers_train_as_the_plain_model(build, amp):
+    """Attention dropout (SDPA's ``dropout_p``, ``nn.MultiheadAttention``) draws the same masks
+    on recompute; a bf16 autocast step with GradScaler and clip_grad_norm_ is the plain step."""
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    plain = _step(build().train(), lambda f, t: f(t), x, amp)
+    torch.manual_seed(0)
+    ours = _step(build().train(), zoo.checkpoint, x, amp)
+    assert all(torch.equal(a, b) for a, b in zip(plain, ours))
