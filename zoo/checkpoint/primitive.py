@@ -68,8 +68,10 @@ def checkpoint(fn: Callable[..., Any], *args: Any,
     call (the recompute would read other values), when the recompute saves other tensors than
     the forward did (the region is not deterministic given its inputs, or the forward ran with
     parameters swapped in by ``torch.func.functional_call`` that the recompute no longer sees),
-    or when one backward call unpacks a saved tensor twice (a custom Function reading
-    ``ctx.saved_tensors`` twice).
+    when a tensor saved inside the region was changed in place after it was saved (the plain
+    backward refuses it too), or when one backward call unpacks a saved tensor twice (a custom
+    Function reading ``ctx.saved_tensors`` twice). Under ``save_on_cpu`` or other saved-tensor
+    hooks, the region hands its inputs that require grad to them, as torch's checkpoint does.
 
     Deliberate differences from torch's non-reentrant checkpoint (each pinned by a test in
     tests/checkpoint/test_checkpoint.py or tests/checkpoint/test_checkpoint_torch_*.py): BatchNorm
