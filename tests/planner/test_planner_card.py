@@ -90,6 +90,7 @@ def _chosen(out: str) -> int:
     return int(out.split("batch_size auto: ")[1].split()[0])
 
 
+@pytest.mark.slow
 def test_train_batch_size_auto_for_a_card_picks_what_the_card_fits(capsys, tmp_path):
     main = command("train.py")
     code, out, err = call_command(main, capsys, **TINY, memory_budget="300MB", card="h100",

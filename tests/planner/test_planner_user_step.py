@@ -237,6 +237,7 @@ def test_a_zoo_model_leaves_no_parameter_cast_in_autocasts_cache():
     assert [trace.cached[i] for i in range(n)] == [0] * n
 
 
+@pytest.mark.slow
 def test_a_bf16_largest_batch_is_the_largest_the_whole_step_plan_fits():
     model = small_bert()
     opt = torch.optim.AdamW(model.parameters())
