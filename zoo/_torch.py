@@ -255,9 +255,11 @@ library_destroy = operator.methodcaller("_destroy")
 _top_saved_tensors_hooks = getattr(_autograd, "_top_saved_tensors_default_hooks", None)
 
 
-def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
-    """The innermost saved-tensor hooks in force, ``(pack, unpack)``, or None."""
-    return None if _top_saved_tensors_hooks is None else _top_saved_tensors_hooks(False)
+def foreign_saved_tensors_hooks() -> bool:
+    """Whether the innermost saved-tensor hooks in force are another library's or the user's
+    (torch's checkpoint, ``save_on_cpu``), not zoo's own: one call, as a region asks it."""
+    top = None if _top_saved_tensors_hooks is None else _top_saved_tensors_hooks(False)
+    return top is not None and not getattr(top[0], "__module__", "zoo.").startswith("zoo.")
 
 
 #: ``t._version``: a tensor's in-place version counter, which autograd checks saved tensors with

@@ -62,7 +62,10 @@ _Parameter = torch.nn.Parameter
 _Tensor = torch.Tensor  # an activation's class: never a Parameter (saves the metaclass check)
 _next_node = _torch.get_sequence_nr or (lambda: 0)
 _version = _torch.tensor_version
-_top_hooks = _torch.top_saved_tensors_hooks
+# Rule 7: whether saved-tensor hooks not the zoo's own are in force, which get a region's inputs:
+# torch's checkpoint (a region made in its forward or recompute is nested in it) or a user's
+# (``save_on_cpu`` moves them, as it moves torch's checkpoint's).
+_outer_hooks = _torch.foreign_saved_tensors_hooks
 
 
 class _Slot:
@@ -155,14 +158,6 @@ observers: list[Callable[[tuple, dict], None]] = []
 # forward: the host-cost benchmark (zoo.memory.host) replays each region on its own to count
 # the ops its recompute must redo.
 recorders: list[Callable[[Callable, tuple, dict, Any], None]] = []
-
-
-def _outer_hooks() -> bool:
-    """Rule 7: whether saved-tensor hooks not the zoo's own are in force, which get a region's
-    inputs: torch's checkpoint (a region made in its forward or recompute is nested in it) or a
-    user's (``save_on_cpu`` moves them, as it moves torch's checkpoint's)."""
-    top = _top_hooks()
-    return top is not None and not getattr(top[0], "__module__", "zoo.").startswith("zoo.")
 
 
 def _inside_region() -> int:
