@@ -257,9 +257,14 @@ _top_saved_tensors_hooks = getattr(_autograd, "_top_saved_tensors_default_hooks"
 
 def foreign_saved_tensors_hooks() -> bool:
     """Whether the innermost saved-tensor hooks in force are another library's or the user's
-    (torch's checkpoint, ``save_on_cpu``), not zoo's own: one call, as a region asks it."""
+    (torch's checkpoint, ``save_on_cpu``), not zoo's own nor a measurement's that only watches
+    (its pack function marked ``zoo_observes``): one call, as a region asks it."""
     top = None if _top_saved_tensors_hooks is None else _top_saved_tensors_hooks(False)
-    return top is not None and not getattr(top[0], "__module__", "zoo.").startswith("zoo.")
+    if top is None:
+        return False
+    pack = top[0]
+    return not (getattr(pack, "__module__", "zoo.").startswith("zoo.")
+                or getattr(pack, "zoo_observes", False))
 
 
 #: ``t._version``: a tensor's in-place version counter, which autograd checks saved tensors with

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zoo.checkpoint.region import observing
 from zoo.memory.host import COPY, OpCounter, Region, count_ops, host_times, recorded_regions, \
     recording
 
@@ -92,6 +93,7 @@ def recompute_ops(fn: Callable, args: tuple, kwargs: dict, save_ops: Any = None,
     inner: list[tuple[Region, int]] = []  # with the tensors saved before it opened
     with recording(lambda *r: inner.append((r, len(at_pack)))), torch.enable_grad(), \
             OpCounter(save_ops or ()) as counter:
+        @observing
         def pack(tensor: torch.Tensor) -> None:
             at_pack.append((counter.total, counter.excluded))
 
@@ -116,6 +118,7 @@ def replay(fn: Callable, args: tuple, kwargs: dict, saved: int) -> None:
         return
     count = [0]
 
+    @observing
     def pack(tensor: torch.Tensor) -> None:
         count[0] += 1
         if count[0] == saved:

@@ -160,6 +160,14 @@ observers: list[Callable[[tuple, dict], None]] = []
 recorders: list[Callable[[Callable, tuple, dict, Any], None]] = []
 
 
+def observing(pack: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    """Mark ``pack``, a saved-tensor hook, as one that only watches what is saved (a
+    measurement's: the host-cost floor counts a region's saved tensors with one): regions made
+    under it keep their inputs as at top level, where other hooks get them (Rule 7)."""
+    pack.zoo_observes = True  # type: ignore[attr-defined]
+    return pack
+
+
 def _inside_region() -> int:
     """How many zoo regions are running their forward or recompute on this thread."""
     return getattr(_local, "inside", 0)
